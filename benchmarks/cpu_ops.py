@@ -1,0 +1,121 @@
+"""CPU speed of the chunkwise EFLA op against transformers' pure-PyTorch chunked delta rule.
+
+Baseline: ``torch_chunk_gated_delta_rule`` from ``transformers.models.qwen3_next`` run with
+``g = 0`` and ``beta = alpha`` (the exact-flow coefficient), i.e. the same recurrence, with
+autograd for its backward. Both are timed fwd+bwd in float32, alternating runs, medians.
+Also times ``recurrent_efla`` against ``chunk_efla`` at [1, 4096, 4, 64].
+
+Usage: python benchmarks/cpu_ops.py [--reps 5] [--out benchmarks/results_cpu_ops.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+
+import torch
+
+from efla.ops import chunk_efla, efla_coefficient, recurrent_efla
+
+SHAPES = [(2, 1024, 4, 64), (1, 4096, 4, 64), (2, 2048, 8, 128)]
+
+
+def _inputs(B, T, H, D, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=gen)
+    q = q / q.norm(dim=-1, keepdim=True)
+    k = torch.randn(B, T, H, D, generator=gen) * 0.3
+    v = torch.randn(B, T, H, D, generator=gen)
+    beta = torch.rand(B, T, H, generator=gen)
+    return [x.requires_grad_() for x in (q, k, v, beta)]
+
+
+def _fwd_bwd_efla(q, k, v, beta, fn=chunk_efla):
+    o, _ = fn(q, k, v, beta)
+    o.sum().backward()
+
+
+def _fwd_bwd_hf(q, k, v, beta):
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    alpha = efla_coefficient(beta, k)
+    g = torch.zeros_like(beta)
+    o, _ = torch_chunk_gated_delta_rule(q, k, v, g, alpha)
+    o.sum().backward()
+
+
+def _time(fn, args, reps):
+    for x in args:
+        x.grad = None
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=None, help="write the Markdown table here")
+    ap.add_argument("--skip-recurrent", action="store_true")
+    args = ap.parse_args(argv)
+
+    rows = []
+    for shape in SHAPES:
+        inp = _inputs(*shape)
+        # correctness of the comparison: same outputs
+        with torch.no_grad():
+            from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+            o_ref, _ = torch_chunk_gated_delta_rule(
+                inp[0], inp[1], inp[2], torch.zeros_like(inp[3]), efla_coefficient(inp[3], inp[1])
+            )
+            o_ours, _ = chunk_efla(*inp)
+            err = ((o_ref - o_ours).abs().max() / o_ref.abs().max()).item()
+        _time(_fwd_bwd_efla, inp, 1)  # warm-up
+        _time(_fwd_bwd_hf, inp, 1)
+        t_ours, t_hf = [], []
+        for _ in range(args.reps):  # alternate the two
+            t_ours.append(_time(_fwd_bwd_efla, inp, 1))
+            t_hf.append(_time(_fwd_bwd_hf, inp, 1))
+        mo, mh = statistics.median(t_ours), statistics.median(t_hf)
+        rows.append((shape, mo, mh, mh / mo, err))
+        print(f"{shape}: chunk_efla {mo*1e3:.1f} ms, transformers {mh*1e3:.1f} ms, speed-up {mh/mo:.2f}x, max rel diff {err:.1e}", flush=True)
+
+    rec_row = None
+    if not args.skip_recurrent:
+        inp = _inputs(1, 4096, 4, 64)
+        _time(_fwd_bwd_efla, inp, 1)
+        tc, tr = [], []
+        for _ in range(max(1, args.reps // 2)):
+            tc.append(_time(_fwd_bwd_efla, inp, 1))
+            tr.append(_time(lambda *a: _fwd_bwd_efla(*a, fn=recurrent_efla), inp, 1))
+        mc, mr = statistics.median(tc), statistics.median(tr)
+        rec_row = (mc, mr)
+        print(f"[1, 4096, 4, 64]: recurrent_efla {mr*1e3:.0f} ms vs chunk_efla {mc*1e3:.0f} ms = {mr/mc:.1f}x", flush=True)
+
+    lines = [
+        f"### CPU, float32, fwd+bwd (`benchmarks/cpu_ops.py`, {datetime.date.today()})",
+        "",
+        f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}; "
+        f"transformers {__import__('transformers').__version__}; medians of {args.reps} alternating runs.",
+        "",
+        "| [B, T, H, D] | `chunk_efla` | transformers `torch_chunk_gated_delta_rule` (g=0, beta=alpha) | speed-up | max rel. diff of outputs |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for shape, mo, mh, sp, err in rows:
+        lines.append(f"| {list(shape)} | {mo*1e3:.1f} ms | {mh*1e3:.1f} ms | {sp:.2f}x | {err:.1e} |")
+    if rec_row:
+        mc, mr = rec_row
+        lines += ["", f"`recurrent_efla` fwd+bwd at [1, 4096, 4, 64]: {mr*1e3:.0f} ms = {mr/mc:.1f}x `chunk_efla` ({mc*1e3:.0f} ms)."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

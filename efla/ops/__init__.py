@@ -1,0 +1,107 @@
+"""The EFLA recurrence and its Euler baselines, as a per-token scan and a chunkwise form.
+
+Layout (flash-linear-attention's): ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``,
+``beta, g: [B, T, H]``, states ``[N, H, K, V]`` (float32; float64 for float64 inputs).
+Every op returns ``(o, final_state)`` with ``o = scale * S_t^T q_t`` of ``v``'s shape and the
+input dtype, and ``final_state`` only when ``output_final_state=True`` (else ``None``).
+
+============================  =========================================================
+op                            recurrence per head (``lambda = ||k||^2``)
+============================  =========================================================
+``*_efla``                    ``S = (I - alpha k k^T) S + alpha k v^T``, exact flow,
+                              ``alpha = (1 - exp(-beta lambda)) / lambda``
+``*_gated_efla``              exact flow of Gated DeltaNet (efla.md §2)
+``*_delta_rule``              DeltaNet (Euler): ``S = (I - beta k k^T) S + beta k v^T``
+``*_gated_delta_rule``        Gated DeltaNet: ``S = e^g (I - beta k k^T) S + beta k v^T``
+============================  =========================================================
+
+Keywords shared by all: ``scale=None`` (``K ** -0.5``), ``initial_state=None``
+(``[N, H, K, V]``), ``output_final_state=False``, ``cu_seqlens=None`` (varlen: ``B == 1`` and
+``N + 1`` offsets into T). ``q`` and ``k`` are used as given: normalisation is the layer's job
+(EFLA uses raw keys). CUDA tensors go to the GPU backend when it is installed
+(``pip install "efla[cuda]"``); everything else runs the PyTorch implementation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .api import run as _run
+from .coefficients import efla_coefficient
+
+__all__ = [
+    "efla_coefficient",
+    "chunk_efla",
+    "recurrent_efla",
+    "chunk_gated_efla",
+    "recurrent_gated_efla",
+    "chunk_delta_rule",
+    "recurrent_delta_rule",
+    "chunk_gated_delta_rule",
+    "recurrent_gated_delta_rule",
+]
+
+_DOC = """{title}
+
+    Args:
+        q: queries ``[B, T, H, K]`` (used as given).
+        k: keys ``[B, T, H, K]``{knote}.
+        v: values ``[B, T, H, V]``.{gdoc}
+        beta: step sizes ``[B, T, H]``, >= 0{bnote}.
+        scale: read-out scale; ``None`` means ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]`` or ``None`` (zeros).
+        output_final_state: also return the final state ``[N, H, K, V]`` (float32, or
+            float64 for float64 inputs).
+        cu_seqlens: ``None`` or int tensor ``[N + 1]`` of offsets (``B == 1``, varlen).
+
+    Returns:
+        ``(o, final_state)``: ``o`` is ``[B, T, H, V]`` in the input dtype; ``final_state``
+        is ``None`` unless ``output_final_state``.
+
+    Example:
+        >>> import torch
+        >>> from efla.ops import {name}
+        >>> B, T, H, K, V = 2, 100, 4, 16, 16
+        >>> q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+        >>> v, beta = torch.randn(B, T, H, V), torch.rand(B, T, H){gex}
+        >>> o, S = {name}(q, k, v, {gargs}beta, output_final_state=True)
+        >>> o.shape, S.shape
+        (torch.Size([2, 100, 4, 16]), torch.Size([2, 4, 16, 16]))
+    """
+
+
+def _make(rule: str, mode: str, title: str):
+    gated = rule.startswith("gated")
+    exact = rule.endswith("efla")
+    name = f"{mode}_{rule}"
+
+    if gated:
+        def op(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+            return _run(rule, mode, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                        output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    else:
+        def op(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+            return _run(rule, mode, q, k, v, None, beta, scale=scale, initial_state=initial_state,
+                        output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = _DOC.format(
+        title=title,
+        name=name,
+        knote=" (raw: ``||k||^2`` is the stiffness)" if exact else "",
+        gdoc="\n        g: log gate ``[B, T, H]``, ``g <= 0`` (gate ``exp(g)``)." if gated else "",
+        bnote=" (the exact coefficient is computed inside)" if exact else " (used directly)",
+        gex="\n        >>> g = -torch.rand(B, T, H)" if gated else "",
+        gargs="g, " if gated else "",
+    )
+    return op
+
+
+chunk_efla = _make("efla", "chunk", "EFLA, chunkwise WY/UT form (training and prefill).")
+recurrent_efla = _make("efla", "recurrent", "EFLA, per-token scan (reference and decoding).")
+chunk_gated_efla = _make("gated_efla", "chunk", "Gated EFLA, chunkwise form.")
+recurrent_gated_efla = _make("gated_efla", "recurrent", "Gated EFLA, per-token scan.")
+chunk_delta_rule = _make("delta_rule", "chunk", "DeltaNet (Euler step), chunkwise form.")
+recurrent_delta_rule = _make("delta_rule", "recurrent", "DeltaNet (Euler step), per-token scan.")
+chunk_gated_delta_rule = _make("gated_delta_rule", "chunk", "Gated DeltaNet (Euler step), chunkwise form.")
+recurrent_gated_delta_rule = _make("gated_delta_rule", "recurrent", "Gated DeltaNet (Euler step), per-token scan.")

@@ -1,0 +1,126 @@
+"""Chunkwise WY/UT form of the generic recurrence (efla.md §1), pure PyTorch, any device.
+
+Per chunk of C tokens with in-chunk cumulative log-decay ``G_t`` (``Gam_t = exp(G_t)``) and
+start state ``S``, the corrections ``r_t`` of ``recurrent.py`` solve a unit lower-triangular
+system:
+
+    (I + L) R = diag(w) V - diag(a Gam) K S,   L_ts = a_t exp(G_t - G_s) k_t.k_s  (s < t)
+
+so with ``U = (I + L)^{-1} diag(w) V`` and ``W = (I + L)^{-1} diag(a Gam) K``:
+
+    R      = U - W S
+    O      = (Q Gam) S + (Q K^T (.) exp(G_t - G_s) (.) causal) R
+    S_next = Gam_C S + (K exp(G_C - G_t))^T R
+
+Everything but the chunk-to-chunk recursion is batched over all chunks and differentiated by
+autograd; the recursion itself (two matmuls per chunk) is a ``torch.autograd.Function`` with a
+hand-written reverse scan, so only one K x V state per chunk is ever stored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 64
+
+
+class _ChunkScan(torch.autograd.Function):
+    """R_c = U_c - W_c S_c ;  S_{c+1} = decay_c S_c + Kd_c^T R_c.
+
+    U [N, NC, C, V], W, Kd [N, NC, C, K], decay [N, NC] or None, h0 [N, K, V].
+    Returns R [N, NC, C, V], S_starts [N, NC, K, V] (state entering each chunk), S_final.
+    """
+
+    @staticmethod
+    def forward(ctx, U, W, Kd, decay, h0):
+        N, NC, C, V = U.shape
+        R = torch.empty_like(U)
+        starts = U.new_empty(N, NC, h0.shape[1], V)
+        S = h0
+        for c in range(NC):
+            starts[:, c] = S
+            Rc = torch.baddbmm(U[:, c], W[:, c], S, alpha=-1.0)
+            R[:, c] = Rc
+            if decay is not None:
+                S = S * decay[:, c, None, None]
+            S = torch.baddbmm(S, Kd[:, c].transpose(1, 2), Rc)
+        ctx.save_for_backward(W, Kd, decay, R, starts)
+        ctx.gated = decay is not None
+        return R, starts, S
+
+    @staticmethod
+    def backward(ctx, dR_in, dstarts, dS):
+        W, Kd, decay, R, starts = ctx.saved_tensors
+        if not ctx.gated:
+            decay = None
+        N, NC, C, V = R.shape
+        dS = torch.zeros_like(starts[:, 0]) if dS is None else dS
+        dR = torch.zeros_like(R) if dR_in is None else dR_in.clone()
+        dS_next = torch.empty_like(starts)  # gradient w.r.t. the state leaving each chunk
+        for c in range(NC - 1, -1, -1):
+            dS_next[:, c] = dS
+            # S_{c+1} = decay S_c + Kd^T R_c  ->  dR_c += Kd dS_{c+1}
+            dRc = torch.baddbmm(dR[:, c], Kd[:, c], dS)
+            dR[:, c] = dRc
+            # R_c = U_c - W_c S_c  ->  dS_c = decay dS_{c+1} - W^T dR_c (+ direct use of S_c)
+            dS = dS if decay is None else dS * decay[:, c, None, None]
+            dS = torch.baddbmm(dS, W[:, c].transpose(1, 2), dRc, alpha=-1.0)
+            if dstarts is not None:
+                dS = dS + dstarts[:, c]
+        dU = dR
+        dW = -(dR @ starts.transpose(-1, -2))
+        dKd = R @ dS_next.transpose(-1, -2)
+        ddecay = None if decay is None else (dS_next * starts).sum((-1, -2))
+        return dU, dW, dKd, ddecay, dS
+
+
+def chunk_generic(q, k, v, gamma, a, w, h0, chunk_size: int = CHUNK):
+    """Chunkwise form on batch-major inputs: q, k [N, T, K], v [N, T, V], gamma/a/w [N, T]
+    (gamma may be None), h0 [N, K, V], all in the compute dtype.
+    Returns (o [N, T, V], final state [N, K, V])."""
+    N, T, K = k.shape
+    V = v.shape[-1]
+    C = min(chunk_size, T)
+    pad = (-T) % C
+    if pad:
+        # identity steps: k = v = 0 and a = w = 0 leave the state untouched
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        a, w = (torch.nn.functional.pad(x, (0, pad)) for x in (a, w))
+        if gamma is not None:
+            gamma = torch.nn.functional.pad(gamma, (0, pad))
+    NC = (T + pad) // C
+    q = q.reshape(N, NC, C, K)
+    k = k.reshape(N, NC, C, K)
+    v = v.reshape(N, NC, C, V)
+    a = a.reshape(N, NC, C)
+    w = w.reshape(N, NC, C)
+    causal = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
+    strict = causal.clone().fill_diagonal_(False)
+
+    kk = k @ k.transpose(-1, -2)  # [N, NC, C, C]
+    qk = q @ k.transpose(-1, -2)
+    if gamma is None:
+        Lmat = (a[..., :, None] * kk).masked_fill(~strict, 0.0)
+        A_qk = qk.masked_fill(~causal, 0.0)
+        rhs = torch.cat([w[..., None] * v, a[..., None] * k], dim=-1)
+        Kd = k
+        decay = None
+        Qg = q
+    else:
+        G = gamma.reshape(N, NC, C).cumsum(-1)  # in-chunk cumulative log decay
+        diff = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf"))
+        Dm = diff.exp()  # exp(G_t - G_s) for s <= t, 0 above the diagonal
+        Lmat = (a[..., :, None] * kk * Dm).masked_fill(~strict, 0.0)
+        A_qk = qk * Dm
+        Gam = G.exp()
+        rhs = torch.cat([w[..., None] * v, (a * Gam)[..., None] * k], dim=-1)
+        Kd = k * (G[..., -1:] - G).exp()[..., None]
+        decay = Gam[..., -1]
+        Qg = q * Gam[..., None]
+    eye = torch.eye(C, dtype=k.dtype, device=k.device)
+    sol = torch.linalg.solve_triangular(Lmat + eye, rhs, upper=False, unitriangular=True)
+    U, W = sol[..., :V], sol[..., V:]
+    R, starts, S = _ChunkScan.apply(U.contiguous(), W.contiguous(), Kd.contiguous(), decay, h0)
+    o = Qg @ starts + A_qk @ R
+    o = o.reshape(N, NC * C, V)[:, :T]
+    return o, S

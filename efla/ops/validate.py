@@ -1,0 +1,127 @@
+"""Input checks shared by every public op.
+
+Every failure raises :class:`ValueError` naming the argument, what was expected and what was
+received. Checks never modify their inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Dims:
+    B: int  # batch (1 in varlen mode)
+    T: int  # tokens per row
+    H: int  # heads
+    K: int  # key / query head dim
+    V: int  # value head dim
+    N: int  # number of sequences (B, or len(cu_seqlens) - 1)
+
+
+def _shape(x: torch.Tensor) -> str:
+    return str(tuple(x.shape))
+
+
+def _check_tensor(name: str, x, ndim: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {_shape(x)} ({x.dim()}-D)")
+    if not x.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+
+
+def _check_finite(name: str, x: torch.Tensor) -> None:
+    if not bool(torch.isfinite(x).all()):
+        bad = (~torch.isfinite(x)).sum().item()
+        raise ValueError(f"{name}: contains {bad} non-finite value(s) (NaN or Inf)")
+
+
+def validate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None,
+    *,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    scale: float | None,
+    gated: bool,
+    check_values: bool = True,
+) -> Dims:
+    """Check shapes, dtypes, devices and values of an op's inputs; return the sizes."""
+    _check_tensor("q", q, 4)
+    _check_tensor("k", k, 4)
+    _check_tensor("v", v, 4)
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k: expected shape {_shape(q)} (same as q: [B, T, H, K]), got {_shape(k)}")
+    if v.shape[:3] != (B, T, H):
+        raise ValueError(f"v: expected shape ({B}, {T}, {H}, V) matching q's [B, T, H], got {_shape(v)}")
+    V = v.shape[3]
+    if T < 1:
+        raise ValueError(f"q: expected at least one token (T >= 1), got shape {_shape(q)}")
+    if K < 1 or V < 1 or H < 1 or B < 1:
+        raise ValueError(f"q/v: empty dimension in q {_shape(q)} or v {_shape(v)}")
+    _check_tensor("beta", beta, 3)
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta: expected shape ({B}, {T}, {H}) = [B, T, H], got {_shape(beta)}")
+    if gated:
+        if g is None:
+            raise ValueError("g: the gated ops need a log-gate tensor g of shape [B, T, H], got None")
+        _check_tensor("g", g, 3)
+        if g.shape != (B, T, H):
+            raise ValueError(f"g: expected shape ({B}, {T}, {H}) = [B, T, H], got {_shape(g)}")
+    for name, x in (("k", k), ("v", v), ("beta", beta)) + ((("g", g),) if gated else ()):
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name}: expected dtype {q.dtype} (same as q), got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (same as q), got {x.device}")
+    if scale is not None:
+        if not isinstance(scale, (int, float)) or not (scale == scale) or scale in (float("inf"), float("-inf")):
+            raise ValueError(f"scale: expected a finite float or None, got {scale!r}")
+
+    N = B
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise ValueError(f"cu_seqlens: expected an integer torch.Tensor, got {type(cu_seqlens).__name__}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens: expected a 1-D tensor of length N+1 >= 2, got shape {_shape(cu_seqlens)}")
+        if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+            raise ValueError(f"cu_seqlens: expected an integer dtype, got {cu_seqlens.dtype}")
+        if B != 1:
+            raise ValueError(f"cu_seqlens: varlen input needs batch size B == 1 (sequences packed along T), got B = {B}")
+        cs = cu_seqlens.detach().to("cpu", torch.int64)
+        if int(cs[0]) != 0 or int(cs[-1]) != T:
+            raise ValueError(
+                f"cu_seqlens: expected to start at 0 and end at T = {T}, got first {int(cs[0])}, last {int(cs[-1])}"
+            )
+        if bool((cs[1:] < cs[:-1]).any()):
+            raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {cs.tolist()}")
+        N = cs.numel() - 1
+
+    if initial_state is not None:
+        _check_tensor("initial_state", initial_state, 4)
+        if initial_state.shape != (N, H, K, V):
+            raise ValueError(
+                f"initial_state: expected shape ({N}, {H}, {K}, {V}) = [N, H, K, V], got {_shape(initial_state)}"
+            )
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state: expected device {q.device} (same as q), got {initial_state.device}")
+
+    if check_values:
+        for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+            _check_finite(name, x)
+        if gated:
+            _check_finite("g", g)
+            if bool((g > 0).any()):
+                raise ValueError(f"g: the log gate must be <= 0 (gate exp(g) in (0, 1]), got max {g.max().item():.4g}")
+        if bool((beta < 0).any()):
+            raise ValueError(f"beta: the step size must be >= 0, got min {beta.min().item():.4g}")
+        if initial_state is not None:
+            _check_finite("initial_state", initial_state)
+    return Dims(B=B, T=T, H=H, K=K, V=V, N=N)

@@ -1,0 +1,90 @@
+"""Independent references for the tests: the ODE solved token by token by a matrix exponential.
+
+For one token and one head, the state obeys dS/dtau = -A S + b on an interval of length h.
+With X = [S; I_V] ((K+V) x V), dX/dtau = M X for M = [[-A, b], [0, 0]], so
+S_new = E11 S + E12 where E = matrix_exp(h M). This uses nothing from ``efla.ops``.
+
+- EFLA:        A = k k^T,                     b = k v^T,      h = beta
+- Gated EFLA:  A = (1 - e^g) I + e^g beta k k^T, b = beta k v^T, h = 1   (efla.md §2)
+- DeltaNet:    explicit Euler step S + beta (-k k^T S + k v^T)
+- Gated DN:    e^g (I - beta k k^T) S + beta k v^T
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _exact_step(S, A, b, h):
+    """S [..., K, V], A [..., K, K], b [..., K, V], h [...] -> exp(-hA) S + int_0^h exp(-(h-s)A) b ds."""
+    K, V = b.shape[-2], b.shape[-1]
+    M = torch.zeros(*A.shape[:-2], K + V, K + V, dtype=A.dtype, device=A.device)
+    M[..., :K, :K] = -A
+    M[..., :K, K:] = b
+    E = torch.linalg.matrix_exp(h[..., None, None] * M)
+    return E[..., :K, :K] @ S + E[..., :K, K:]
+
+
+def reference(rule, q, k, v, beta, g=None, *, scale=None, initial_state=None):
+    """Return (o [B, T, H, V], final state [B, H, K, V]) in q's dtype; differentiable."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    S = torch.zeros(B, H, K, V, dtype=q.dtype) if initial_state is None else initial_state.to(q.dtype)
+    eye = torch.eye(K, dtype=q.dtype)
+    outs = []
+    for t in range(T):
+        kt, vt, bt = k[:, t], v[:, t], beta[:, t]  # [B, H, K], [B, H, V], [B, H]
+        kkT = kt[..., :, None] * kt[..., None, :]
+        kvT = kt[..., :, None] * vt[..., None, :]
+        if rule == "efla":
+            S = _exact_step(S, kkT, kvT, bt)
+        elif rule == "gated_efla":
+            gate = torch.exp(g[:, t])[..., None, None]
+            A = (1 - gate) * eye + gate * bt[..., None, None] * kkT
+            S = _exact_step(S, A, bt[..., None, None] * kvT, torch.ones_like(bt))
+        elif rule == "delta_rule":
+            S = S + bt[..., None, None] * (kvT - kkT @ S)
+        elif rule == "gated_delta_rule":
+            gate = torch.exp(g[:, t])[..., None, None]
+            S = gate * (S - bt[..., None, None] * kkT @ S) + bt[..., None, None] * kvT
+        else:
+            raise ValueError(rule)
+        outs.append(scale * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    return torch.stack(outs, 1), S
+
+
+def _spectral_step(S, A, b, h):
+    """Same step as ``_exact_step`` through the eigendecomposition of the symmetric A: better
+    conditioned for stiff steps (h * ||A|| ~ 1e10), where scaling-and-squaring loses digits."""
+    mu, Qm = torch.linalg.eigh(A)
+    x = h[..., None] * mu
+    decay = torch.exp(-x)
+    small = x.abs() < 1e-8
+    integ = torch.where(small, h[..., None] * (1 - x / 2), -torch.expm1(-x) / torch.where(small, torch.ones_like(mu), mu))
+    QT = Qm.transpose(-1, -2)
+    return Qm @ (decay[..., :, None] * (QT @ S)) + Qm @ (integ[..., :, None] * (QT @ b))
+
+
+def reference_spectral(rule, q, k, v, beta, g=None, *, scale=None, initial_state=None):
+    """Exact rules only, through eigh instead of matrix_exp (for stiff inputs)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    S = torch.zeros(B, H, K, V, dtype=q.dtype) if initial_state is None else initial_state.to(q.dtype)
+    eye = torch.eye(K, dtype=q.dtype)
+    outs = []
+    for t in range(T):
+        kt, vt, bt = k[:, t], v[:, t], beta[:, t]
+        kkT = kt[..., :, None] * kt[..., None, :]
+        kvT = kt[..., :, None] * vt[..., None, :]
+        if rule == "efla":
+            S = _spectral_step(S, kkT, kvT, bt)
+        elif rule == "gated_efla":
+            gate = torch.exp(g[:, t])[..., None, None]
+            A = (1 - gate) * eye + gate * bt[..., None, None] * kkT
+            S = _spectral_step(S, A, bt[..., None, None] * kvT, torch.ones_like(bt))
+        else:
+            raise ValueError(rule)
+        outs.append(scale * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    return torch.stack(outs, 1), S
