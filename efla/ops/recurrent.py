@@ -37,7 +37,7 @@ def _scan_segment(S, k, wv, e, d, states):
         torch.addcmul(wv_row[t], neg_e[t], r_row[t], out=r_row[t])
         if d is not None:
             S = S * d[t, :, None, None]
-        S = torch.baddbmm(S, kcol[t], r_row[t], out=states[t + 1])
+        S = torch.addcmul(S, kcol[t], r_row[t], out=states[t + 1])  # outer product, cheaper than baddbmm
     return r
 
 
@@ -88,8 +88,8 @@ class _RecurrentFn(torch.autograd.Function):
         buf = checkpoints.new_empty(L0 + 1, N, K, V)  # S_{t0-1} .. S_{t1-1}
         dbuf = checkpoints.new_empty(L0, N, K, V)  # total gradient w.r.t. each S_t
         qcol, do_row = q.unsqueeze(-1), do.unsqueeze(-2)
-        kcol, krow = k.unsqueeze(-1), k.unsqueeze(-2)
-        neg_e = (-e).unsqueeze(-1).unsqueeze(-1)
+        krow = k.unsqueeze(-2)
+        kcol_neg_e = (k * (-e).unsqueeze(-1)).unsqueeze(-1)  # -e_t k_t as a column
         dr_row = dr_all.unsqueeze(-2)
         r_all = torch.empty_like(v)
         for si in range(checkpoints.shape[0] - 1, -1, -1):
@@ -103,12 +103,12 @@ class _RecurrentFn(torch.autograd.Function):
             for j in range(L - 1, -1, -1):
                 t = t0 + j
                 # read-out o_t = S_t^T q_t adds q do^T; then back through S_t = d S + k r^T
-                dS = torch.baddbmm(dS, qcol[t], do_row[t], out=dbuf[j])
+                dS = torch.addcmul(dS, qcol[t], do_row[t], out=dbuf[j])
                 torch.bmm(krow[t], dS, out=dr_row[t])  # dr_t = dS_t^T k_t
                 if d is not None:
                     dS = dS * d[t, :, None, None]
                 # through p_t = S_{t-1}^T k_t with dp = -e dr
-                dS = torch.baddbmm(dS, kcol[t], dr_row[t] * neg_e[t])
+                dS = torch.addcmul(dS, kcol_neg_e[t], dr_row[t])
             S_prev, S_cur = buf[:L], buf[1 : L + 1]
             dSs = dbuf[:L]
             sl = slice(t0, t1)

@@ -1,0 +1,1 @@
+"""Experiments: each a function returning plain results (no printing, no argument parsing)."""
