@@ -14,6 +14,7 @@ def test_demo_quick_writes_results(tmp_path, capsys):
     assert [r["euler_expands"] for r in rows] == [r["beta_lambda"] > 2 for r in rows]
     small = [r for r in rows if r["beta_lambda"] <= 1e-2]
     # one-step difference ~ (beta lambda)^2: a 10x smaller step gives ~100x smaller difference
-    assert small[0]["one_step_rel_diff"] / small[-1]["one_step_rel_diff"] < 2e-4
+    ratio = small[0]["one_step_rel_diff"] / small[-1]["one_step_rel_diff"]  # x = 1e-3 vs 1e-2
+    assert 0.009 < ratio < 0.011
     assert all(t["chunk_fwd_bwd_ms"] > 0 and t["recurrent_fwd_bwd_ms"] > 0 for t in data["cpu_timings"])
     assert "One step" in capsys.readouterr().out
