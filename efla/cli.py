@@ -65,6 +65,128 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _progress_factory():
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    return lambda total, desc: tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
+
+
+def _load_pixels(args):
+    from efla.data import load_pixel_data  # noqa: PLC0415
+
+    data = load_pixel_data(args.dataset, args.data_dir)
+    how = "found" if args.dataset == "auto" and data.name == "mnist" else "selected"
+    if args.dataset == "auto" and data.name == "digits":
+        console.print("No MNIST files found: using the embedded 8x8 digits (scikit-learn, no download). "
+                      "Pass --data-dir DIR with the MNIST idx(.gz) files for the paper's setting.")
+    else:
+        console.print(f"Dataset: {data.name} ({how}: {data.source}), sequence length {data.seq_len}, "
+                      f"{len(data.x_train)} train / {len(data.x_test)} test.")
+    return data
+
+
+def _robustness_options(args):
+    from efla.experiments.robustness_run import RobustnessOptions  # noqa: PLC0415
+
+    quick = args.quick
+    train_limit = args.train_limit
+    test_limit = args.test_limit
+    if quick:
+        train_limit = train_limit or 6000
+        test_limit = test_limit or 2000
+    seeds = args.seeds if args.seeds is not None else [0]
+    epochs = args.epochs if args.epochs is not None else (1 if args._data_name == "mnist" else 40)
+    return RobustnessOptions(rules=args.rules, lr=args.lr, paper_lr=getattr(args, "paper_lr", False), seeds=seeds,
+                             epochs=epochs, batch_size=args.batch_size, width=args.width,
+                             num_heads=args.num_heads, quick=quick, train_limit=train_limit, test_limit=test_limit,
+                             device=args.device)
+
+
+def _command_line() -> str:
+    return "efla " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("efla") else " ".join(sys.argv)
+
+
+def cmd_robustness(args) -> int:
+    from efla.experiments.robustness_run import aggregate, run_robustness, write_robustness_outputs  # noqa: PLC0415
+    from efla.experiments.robustness import RULE_LABEL  # noqa: PLC0415
+
+    data = _load_pixels(args)
+    args._data_name = data.name
+    opts = _robustness_options(args)
+    res = run_robustness(data, opts, progress_factory=_progress_factory())
+    files = write_robustness_outputs(res, args.out, args.command_line or _command_line())
+    agg = aggregate(res)
+    for setting, by_rule in agg.items():
+        tab = Table(title=f"{data.name}: accuracy averaged over perturbation levels ({setting})")
+        tab.add_column("perturbation")
+        for r in by_rule:
+            tab.add_column(f"{RULE_LABEL[r]} (lr {by_rule[r]['lr']:g})", justify="right")
+        tab.add_row("clean", *[f"{by_rule[r]['clean']['mean']:.4f}" for r in by_rule])
+        for kind in res["levels"]:
+            tab.add_row(kind, *[f"{by_rule[r][kind]['area']:.4f}" for r in by_rule])
+        console.print(tab)
+    console.print("Wrote: " + ", ".join(files))
+    return 0
+
+
+def cmd_lr_sweep(args) -> int:
+    from efla.experiments.robustness_run import run_lr_sweep, write_lr_sweep_outputs  # noqa: PLC0415
+    from efla.experiments.robustness import RULE_LABEL  # noqa: PLC0415
+
+    data = _load_pixels(args)
+    args._data_name = data.name
+    opts = _robustness_options(args)
+    lrs = args.lrs
+    if args.quick and not args.lrs_given:
+        lrs = [1e-3, 1e-2]
+    res = run_lr_sweep(data, opts, lrs=lrs, progress_factory=_progress_factory())
+    files = write_lr_sweep_outputs(res, args.out, args.command_line or _command_line())
+    tab = Table(title=f"{data.name}: learning-rate sweep (final train loss / test accuracy)")
+    tab.add_column("rule")
+    for lr in res["lrs"]:
+        tab.add_column(f"lr {lr:g}", justify="right")
+    for rule in opts.rules:
+        cells = []
+        for lr in res["lrs"]:
+            rows = [r for r in res["rows"] if r["rule"] == rule and r["lr"] == lr]
+            cells.append(f"{sum(r['final_train_loss'] for r in rows) / len(rows):.3f} / "
+                         f"{sum(r['test_accuracy'] for r in rows) / len(rows):.4f}")
+        tab.add_row(RULE_LABEL[rule], *cells)
+    console.print(tab)
+    console.print("Wrote: " + ", ".join(files))
+    return 0
+
+
+def _add_pixel_args(p, default_out):
+    p.add_argument("--quick", action="store_true", help="a subset of the data (6000 train / 2000 test) and fewer settings")
+    p.add_argument("--out", default=default_out, help=f"output directory (default: {default_out})")
+    p.add_argument("--dataset", default="auto", choices=["auto", "mnist", "digits"],
+                   help="auto: MNIST if found (--data-dir, $EFLA_MNIST_DIR or ../shared/data/mnist), else embedded digits")
+    p.add_argument("--data-dir", default=None, help="folder with the four MNIST idx(.gz) files (or MNIST/raw)")
+    p.add_argument("--rules", nargs="+", default=["exact", "euler"],
+                   choices=["exact", "euler", "gated-exact", "gated-euler"], help="update rules to compare")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate used for every rule (default 1e-3)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="training epochs (default: 1 on MNIST as in the paper, 40 on the small embedded digits)")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--num-heads", type=int, default=1)
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default: 0)")
+    p.add_argument("--train-limit", type=int, default=None, help="use only the first N training examples")
+    p.add_argument("--test-limit", type=int, default=None, help="use only the first N test examples")
+    p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
+    p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch  # noqa: PLC0415
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="efla", description="Exact Flow Linear Attention: ops, models and experiments.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -72,11 +194,25 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="efla-demo", help="output directory (default: ./efla-demo)")
     d.add_argument("--quick", action="store_true", help="smaller timing shapes")
     d.set_defaults(func=cmd_demo)
+
+    r = sub.add_parser("robustness", help="pixel-sequence classification under intensity scaling, noise and dropout")
+    _add_pixel_args(r, "results/robustness")
+    r.add_argument("--paper-lr", action="store_true", help="also train with the authors' lrs (EFLA 3e-3, DeltaNet 1e-3)")
+    r.set_defaults(func=cmd_robustness)
+
+    s = sub.add_parser("lr-sweep", help="final training loss and test accuracy across learning rates")
+    _add_pixel_args(s, "results/lr-sweep")
+    s.add_argument("--lrs", type=float, nargs="+", default=None, help="default: 1e-4 3e-4 1e-3 3e-3 1e-2")
+    s.set_defaults(func=cmd_lr_sweep)
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "lr-sweep":
+        args.lrs_given = args.lrs is not None
+        if args.lrs is None:
+            args.lrs = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2]
     return args.func(args)
 
 

@@ -1,0 +1,128 @@
+"""Robustness experiment: the classifier, perturbations, data loaders and a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from efla.cli import main
+from efla.data import find_mnist_dir, load_digits_sequences, load_mnist_sequences
+from efla.experiments.robustness import PixelSequenceClassifier, perturb
+
+SHARED_MNIST = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mnist"
+
+
+def naive_classifier_forward(model: PixelSequenceClassifier, x: torch.Tensor) -> torch.Tensor:
+    """Per-token Python loop of the same model, written from the equations (no efla.ops)."""
+    q, k, v, beta, g = model.features(x)
+    B, L, H, D = q.shape
+    S = torch.zeros(B, H, D, D, dtype=torch.float64)
+    q, k, v, beta = q.double(), k.double(), v.double(), beta.double()
+    eye = torch.eye(D, dtype=torch.float64)
+    for t in range(L):
+        kt, vt, bt = k[:, t], v[:, t], beta[:, t]
+        lam = (kt * kt).sum(-1).clamp_min(1e-12)
+        if model.rule == "exact":
+            c = (1 - torch.exp(-bt * lam)) / lam
+            S = (eye - c[..., None, None] * kt[..., :, None] * kt[..., None, :]) @ S + c[..., None, None] * kt[..., :, None] * vt[..., None, :]
+        elif model.rule == "euler":
+            c = bt
+            S = (eye - c[..., None, None] * kt[..., :, None] * kt[..., None, :]) @ S + c[..., None, None] * kt[..., :, None] * vt[..., None, :]
+        elif model.rule == "gated-euler":
+            a = torch.exp(g[:, t].double())[..., None, None]
+            S = a * (eye - bt[..., None, None] * kt[..., :, None] * kt[..., None, :]) @ S + bt[..., None, None] * kt[..., :, None] * vt[..., None, :]
+        else:  # gated-exact, efla.md §2
+            a = torch.exp(g[:, t].double())
+            delta, rho = 1 - a, a * bt
+            eta = delta + rho * lam
+            erase = (1 - torch.exp(-rho * lam)) / lam
+            write = bt * (1 - torch.exp(-eta)) / eta
+            S = torch.exp(-delta)[..., None, None] * (eye - erase[..., None, None] * kt[..., :, None] * kt[..., None, :]) @ S \
+                + write[..., None, None] * kt[..., :, None] * vt[..., None, :]
+    o = D ** -0.5 * torch.einsum("bhkv,bhk->bhv", S, q[:, -1])
+    return model.head(model.norm(o.reshape(B, H * D).float()))
+
+
+@pytest.mark.parametrize("rule", ["exact", "euler", "gated-exact", "gated-euler"])
+def test_chunked_classifier_equals_per_token_recurrence(rule):
+    torch.manual_seed(0)
+    model = PixelSequenceClassifier(rule, seq_len=150, width=16, num_heads=2)
+    x = torch.rand(3, 150) * 4  # intensity-scaled pixels, so keys are stiff for EFLA
+    with torch.no_grad():
+        chunked = model(x)
+        naive = naive_classifier_forward(model, x)
+        recurrent = model(x, mode="recurrent")
+    assert (chunked - naive).abs().max() / naive.abs().max() < 1e-4
+    assert (recurrent - chunked).abs().max() / chunked.abs().max() < 1e-4
+
+
+def test_perturbations():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(200, 784)
+    assert torch.equal(perturb(x, "scale", 3.0, gen), x * 3)
+    noisy = perturb(x, "noise", 0.5, torch.Generator().manual_seed(1))
+    assert abs((noisy - x).std().item() - 0.5) < 0.01
+    assert torch.equal(perturb(x, "noise", 0.0, gen), x)
+    dropped = perturb(x, "dropout", 0.3, torch.Generator().manual_seed(2))
+    frac = ((dropped == 0) & (x != 0)).float().sum() / (x != 0).float().sum()
+    assert abs(frac.item() - 0.3) < 0.01
+    assert torch.equal(perturb(x, "dropout", 1.0, gen), torch.zeros_like(x))
+    with pytest.raises(ValueError, match="kind"):
+        perturb(x, "blur", 1.0, gen)
+
+
+def test_digits_are_embedded():
+    d = load_digits_sequences()
+    assert d.x_train.shape[1] == 64 and len(d.x_train) + len(d.x_test) == 1797
+    assert 0.0 <= d.x_train.min() and d.x_train.max() <= 1.0
+    assert set(d.y_train.unique().tolist()) == set(range(10))
+
+
+@pytest.mark.skipif(find_mnist_dir(SHARED_MNIST) is None, reason=f"MNIST not found at {SHARED_MNIST}")
+def test_mnist_idx_loader():
+    d = load_mnist_sequences(SHARED_MNIST)
+    assert d.x_train.shape == (60000, 784) and d.x_test.shape == (10000, 784)
+    assert d.y_train[:5].tolist() == [5, 0, 4, 1, 9]  # the well-known first training labels
+    assert d.y_test[:3].tolist() == [7, 2, 1]
+    assert 0.0 == d.x_train.min() and d.x_train.max() == 1.0
+
+
+def test_mnist_loader_rejects_missing_folder(tmp_path):
+    with pytest.raises(ValueError, match="data_dir"):
+        load_mnist_sequences(tmp_path)
+
+
+def test_training_learns_on_digits():
+    from efla.experiments.robustness import TrainConfig, evaluate, train_classifier
+
+    d = load_digits_sequences()
+    model, res = train_classifier(d, TrainConfig(rule="exact", lr=3e-3, epochs=6, batch_size=64, width=32))
+    assert not res.diverged and res.losses[-1] < res.losses[0]
+    assert evaluate(model, d.x_test, d.y_test) > 0.5  # chance is 0.1
+
+
+def test_robustness_and_lr_sweep_commands_tiny(tmp_path):
+    out = tmp_path / "rob"
+    args = ["--dataset", "digits", "--epochs", "2", "--train-limit", "256", "--test-limit", "64", "--width", "16",
+            "--device", "cpu"]
+    assert main(["robustness", "--quick", "--out", str(out), "--paper-lr", *args]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert {r["setting"] for r in res["runs"]} == {"same-lr", "paper-lr"}
+    assert {r["rule"] for r in res["runs"]} == {"exact", "euler"}
+    for r in res["runs"]:
+        assert set(r["eval"]) == {"clean", "scale", "noise", "dropout"}
+        assert all(0.0 <= a <= 1.0 for a in r["eval"]["scale"]["accuracy"])
+    for name in ["robustness_same-lr.csv", "robustness_paper-lr.csv", "robustness_same-lr.png",
+                 "robustness_paper-lr.png", "training_loss.png", "summary.md"]:
+        assert (out / name).stat().st_size > 100, name
+    assert "EFLA" in (out / "summary.md").read_text()
+    out2 = tmp_path / "lr"
+    assert main(["lr-sweep", "--quick", "--out", str(out2), *args]) == 0
+    sweep = json.loads((out2 / "lr_sweep.json").read_text())
+    assert sorted({r["lr"] for r in sweep["rows"]}) == [1e-3, 1e-2]
+    for name in ["lr_sweep.csv", "lr_sweep.png", "lr_sweep.md"]:
+        assert (out2 / name).stat().st_size > 100, name
