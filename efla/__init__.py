@@ -1,5 +1,9 @@
-"""efla: Exact Flow Linear Attention for PyTorch."""
+"""efla: Exact Flow Linear Attention for PyTorch.
+
+``import efla`` registers the ``efla`` model type with transformers' ``AutoConfig``,
+``AutoModel`` and ``AutoModelForCausalLM``.
+"""
 
 __version__ = "0.1.0"
 
-from . import ops  # noqa: F401
+from . import layers, models, ops  # noqa: F401,E402

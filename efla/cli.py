@@ -103,7 +103,7 @@ def _robustness_options(args):
 
 
 def _command_line() -> str:
-    return "efla " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("efla") else " ".join(sys.argv)
+    return "efla " + " ".join(sys.argv[1:])
 
 
 def cmd_robustness(args) -> int:

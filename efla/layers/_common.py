@@ -1,0 +1,93 @@
+"""Shared plumbing of the token mixers: input checks, padding masks, the cache protocol, stats."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from efla.ops import efla_coefficient
+
+UPDATE_RULES = ("exact", "euler")
+
+
+def check_update_rule(update_rule: str) -> str:
+    if update_rule not in UPDATE_RULES:
+        raise ValueError(f"update_rule: expected one of {UPDATE_RULES}, got {update_rule!r}")
+    return update_rule
+
+
+def check_hidden_states(hidden_states: torch.Tensor, hidden_size: int) -> tuple[int, int]:
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+        shape = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
+        raise ValueError(f"hidden_states: expected a tensor [B, T, {hidden_size}], got {shape}")
+    B, T, D = hidden_states.shape
+    if D != hidden_size:
+        raise ValueError(f"hidden_states: expected last dim hidden_size = {hidden_size}, got shape {(B, T, D)}")
+    if T < 1:
+        raise ValueError(f"hidden_states: expected at least one token, got shape {(B, T, D)}")
+    return B, T
+
+
+def padding_mask(attention_mask: torch.Tensor | None, B: int, T: int, cu_seqlens) -> torch.Tensor | None:
+    """The last ``T`` columns of a 0/1 padding mask ``[B, L >= T]`` as ``[B, T, 1]`` (or ``None``
+    when absent or all ones). Padded positions become identity steps of the recurrence."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise ValueError(
+            f"attention_mask: expected a 0/1 padding mask of shape [B, T] (0 = padding), got {shape}; "
+            "arbitrary [B, T, T] masks are not supported by linear attention"
+        )
+    if attention_mask.shape[0] != B or attention_mask.shape[1] < T:
+        raise ValueError(f"attention_mask: expected shape ({B}, >= {T}), got {tuple(attention_mask.shape)}")
+    if cu_seqlens is not None:
+        raise ValueError("attention_mask: cannot be combined with cu_seqlens (packed input has no padding)")
+    m = attention_mask[:, -T:]
+    if m.dtype == torch.bool:
+        m = m.long()
+    if bool(((m != 0) & (m != 1)).any()):
+        raise ValueError("attention_mask: expected only 0 and 1 values")
+    if bool((m == 1).all()):
+        return None
+    return m[..., None]
+
+
+def get_layer_state(cache: Any, layer_idx: int | None) -> dict | None:
+    """Cache protocol: any object with ``get_layer_state(idx)`` and ``update_layer_state(idx, ...)``
+    (``efla.models.EFLACache`` implements it)."""
+    if cache is None:
+        return None
+    if layer_idx is None:
+        raise ValueError("layer_idx: a layer used with a cache needs its layer_idx set at construction")
+    if not hasattr(cache, "get_layer_state") or not hasattr(cache, "update_layer_state"):
+        raise ValueError(
+            f"past_key_values: expected an efla cache (efla.models.EFLACache), got {type(cache).__name__}"
+        )
+    return cache.get_layer_state(layer_idx)
+
+
+def stiffness_stats(k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None, update_rule: str) -> dict:
+    """Detached per-head statistics of one forward (all ``[B, T, H]``, float32).
+
+    ``key_norm_sq`` is ``lambda = ||k||^2`` of the keys fed to the recurrence, ``stiffness`` is
+    ``beta * lambda`` (where the exact and Euler steps differ), ``erase`` is the coefficient that
+    multiplies ``k k^T`` (exact: ``(1 - exp(-beta' lambda)) / lambda`` with ``beta' = beta * exp(g)``
+    for the gated rule; Euler: ``beta``) and ``transition_eig = 1 - erase * lambda`` is the state
+    transition's eigenvalue along ``k`` (before the gate; negative means the Euler step overshoots).
+    """
+    with torch.no_grad():
+        kf, bf = k.detach().float(), beta.detach().float()
+        lam = (kf * kf).sum(-1)
+        stats = {"beta": bf, "key_norm_sq": lam, "stiffness": bf * lam}
+        if update_rule == "exact":
+            b_eff = bf if g is None else bf * g.detach().float().exp()
+            erase = efla_coefficient(b_eff, kf)
+        else:
+            erase = bf
+        stats["erase"] = erase
+        stats["transition_eig"] = 1.0 - erase * lam
+        if g is not None:
+            stats["g"] = g.detach().float()
+    return stats

@@ -1,0 +1,250 @@
+"""``EFLA``: the DeltaNet token mixer with the exact-flow update (or the Euler one).
+
+Architecture and parameter names follow flash-linear-attention's ``DeltaNet`` layer, so its
+checkpoints load one-to-one; ``update_rule`` only changes how ``q``/``k`` are normalised and
+which op integrates the state (docs/efla.md §1).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from efla.ops import chunk_delta_rule, chunk_efla, recurrent_delta_rule, recurrent_efla
+
+from ._common import check_hidden_states, check_update_rule, get_layer_state, padding_mask, stiffness_stats
+from .modules import RMSNorm, RMSNormGated, ShortConvolution, l2_normalize
+
+__all__ = ["EFLA"]
+
+_QK_ACTIVATIONS = ("silu", "relu", "elu", "identity")
+_QK_NORMS = ("l2", "sum")
+
+
+def _sum_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x / x.sum(-1, keepdim=True)
+
+
+class EFLA(nn.Module):
+    r"""Exact Flow Linear Attention layer (drop-in for flash-linear-attention's ``DeltaNet``).
+
+    Per head, with ``lambda_t = ||k_t||^2``:
+
+    - ``update_rule="exact"`` (EFLA): ``S_t = (I - alpha_t k k^T) S_{t-1} + alpha_t k v^T``,
+      ``alpha_t = (1 - exp(-beta_t lambda_t)) / lambda_t``; queries L2-normalised, keys raw.
+    - ``update_rule="euler"`` (DeltaNet): ``S_t = (I - beta_t k k^T) S_{t-1} + beta_t k v^T``;
+      queries and keys L2-normalised.
+
+    Output ``o_t = K^{-1/2} S_t^T q_t``, per-head RMSNorm (gated by ``silu(g_proj(x))`` when
+    ``use_gate``), then ``o_proj``. Both rules have exactly the same parameters.
+
+    Args:
+        mode: ``"chunk"`` (chunkwise op for T > 1) or ``"recurrent"`` (always the per-token
+            scan). Single-token calls always use the scan. Default ``"chunk"``.
+        hidden_size: model width ``D``. Default ``1024``.
+        expand_k: key width ``= int(D * expand_k)``. Default ``1.0``.
+        expand_v: value width ``= int(D * expand_v)``. Default ``1.0``.
+        num_heads: heads ``H``; head dims are key/value width ``// H``. Default ``4``.
+        use_beta: ``beta = sigmoid(b_proj(x))``; else ``beta = 1``. Default ``True``.
+        use_gate: SiLU output gate ``g_proj`` into the output norm. Default ``False``.
+        use_short_conv: causal depthwise convolutions on q, k, v. Default ``True``.
+        conv_size: convolution width. Default ``4``.
+        conv_bias: convolution bias. Default ``False``.
+        allow_neg_eigval: ``beta *= 2``. Default ``False``.
+        layer_idx: index in the model (needed with a cache). Default ``None``.
+        qk_activation: ``"silu"`` | ``"relu"`` | ``"elu"`` | ``"identity"``. Default ``"silu"``.
+        qk_norm: ``"l2"`` | ``"sum"``; applied to q always and to k only for ``"euler"``.
+            Default ``"l2"``.
+        norm_eps: output-norm epsilon. Default ``1e-5``.
+        update_rule: ``"exact"`` | ``"euler"``. Default ``"exact"``.
+
+    Set ``layer.record_stats = True`` to keep, after each forward, a detached ``layer.stats``
+    dict of ``[B, T, H]`` tensors: ``beta``, ``key_norm_sq``, ``stiffness`` (``beta * ||k||^2``),
+    ``erase`` and ``transition_eig`` (see ``efla.layers._common.stiffness_stats``).
+
+    ``forward(hidden_states [B, T, D], attention_mask=None [B, T] 0/1, past_key_values=None,
+    use_cache=False, cu_seqlens=None)`` returns ``(o [B, T, D], None, past_key_values)``.
+
+    Example:
+        >>> import torch
+        >>> layer = EFLA(hidden_size=64, num_heads=2)
+        >>> layer(torch.randn(2, 10, 64))[0].shape
+        torch.Size([2, 10, 64])
+    """
+
+    def __init__(
+        self,
+        mode: str = "chunk",
+        hidden_size: int = 1024,
+        expand_k: float = 1.0,
+        expand_v: float = 1.0,
+        num_heads: int = 4,
+        use_beta: bool = True,
+        use_gate: bool = False,
+        use_short_conv: bool = True,
+        conv_size: int = 4,
+        conv_bias: bool = False,
+        allow_neg_eigval: bool = False,
+        layer_idx: int | None = None,
+        qk_activation: str = "silu",
+        qk_norm: str = "l2",
+        norm_eps: float = 1e-5,
+        update_rule: str = "exact",
+        **kwargs: Any,
+    ):
+        super().__init__()
+        if mode not in ("chunk", "recurrent", "fused_recurrent"):
+            raise ValueError(f"mode: expected 'chunk' or 'recurrent', got {mode!r}")
+        if qk_activation not in _QK_ACTIVATIONS:
+            raise ValueError(f"qk_activation: expected one of {_QK_ACTIVATIONS}, got {qk_activation!r}")
+        if qk_norm not in _QK_NORMS:
+            raise ValueError(f"qk_norm: expected one of {_QK_NORMS}, got {qk_norm!r}")
+        if num_heads < 1:
+            raise ValueError(f"num_heads: expected >= 1, got {num_heads}")
+        self.mode = "recurrent" if mode == "fused_recurrent" else mode
+        self.update_rule = check_update_rule(update_rule)
+        self.hidden_size = hidden_size
+        self.expand_k, self.expand_v = expand_k, expand_v
+        self.num_heads = num_heads
+        self.use_beta, self.use_gate, self.use_short_conv = use_beta, use_gate, use_short_conv
+        self.conv_size, self.conv_bias = conv_size, conv_bias
+        self.allow_neg_eigval = allow_neg_eigval
+        self.layer_idx = layer_idx
+        self.qk_activation, self.qk_norm = qk_activation, qk_norm
+
+        self.key_dim = int(hidden_size * expand_k)
+        self.value_dim = int(hidden_size * expand_v)
+        if self.key_dim % num_heads != 0:
+            raise ValueError(
+                f"num_heads: key dim {self.key_dim} (hidden_size * expand_k) is not divisible by {num_heads}")
+        if self.value_dim % num_heads != 0:
+            raise ValueError(
+                f"num_heads: value dim {self.value_dim} (hidden_size * expand_v) is not divisible by {num_heads}")
+        self.head_k_dim = self.key_dim // num_heads
+        self.head_v_dim = self.value_dim // num_heads
+
+        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+        if use_beta:
+            self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        if use_short_conv:
+            qk_act = "silu" if qk_activation == "silu" else None
+            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, activation=qk_act)
+            self.k_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, activation=qk_act)
+            self.v_conv1d = ShortConvolution(self.value_dim, conv_size, bias=conv_bias, activation="silu")
+        else:
+            warnings.warn("use_short_conv=False: the short convolutions matter for quality; keep them unless "
+                          "you know why not.", stacklevel=2)
+        if use_gate:
+            self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+            self.o_norm = RMSNormGated(self.head_v_dim, eps=norm_eps)
+        else:
+            self.o_norm = RMSNorm(self.head_v_dim, eps=norm_eps, dtype=torch.float32)
+        self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+        self.record_stats = False
+        self.stats: dict | None = None
+
+    def extra_repr(self) -> str:
+        return (f"update_rule={self.update_rule!r}, num_heads={self.num_heads}, head_k_dim={self.head_k_dim}, "
+                f"head_v_dim={self.head_v_dim}")
+
+    # -- pieces -------------------------------------------------------------------------------------
+    def _qk_act(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qk_activation == "relu":
+            return F.relu(x)
+        if self.qk_activation == "elu":
+            return F.elu(x) + 1.0
+        return x  # silu is applied by the convolution (or below without it); identity
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return l2_normalize(x) if self.qk_norm == "l2" else _sum_normalize(x)
+
+    def _conv_qkv(self, x, mask, last_state, use_cache, cu_seqlens):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if mask is not None:  # padded inputs never enter the convolution windows
+            q, k, v = q * mask, k * mask, v * mask
+        conv_state = (None, None, None)
+        if self.use_short_conv:
+            if last_state is not None and last_state.get("conv_state") is not None:
+                conv_state = last_state["conv_state"]
+            q, cq = self.q_conv1d(q, cache=conv_state[0], output_final_state=use_cache, cu_seqlens=cu_seqlens)
+            k, ck = self.k_conv1d(k, cache=conv_state[1], output_final_state=use_cache, cu_seqlens=cu_seqlens)
+            v, cv = self.v_conv1d(v, cache=conv_state[2], output_final_state=use_cache, cu_seqlens=cu_seqlens)
+            conv_state = (cq, ck, cv)
+        else:
+            if self.qk_activation == "silu":
+                q, k = F.silu(q), F.silu(k)
+            v = F.silu(v)
+        return q, k, v, conv_state
+
+    def prepare_qkv_beta(self, hidden_states, attention_mask=None, last_state=None, use_cache=False, cu_seqlens=None):
+        """The recurrence inputs ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``beta [B, T, H]`` exactly
+        as fed to the op (after convolution, activation, normalisation and padding mask), plus the
+        new convolution states. Useful for tests and analysis."""
+        B, T = hidden_states.shape[:2]
+        mask = padding_mask(attention_mask, B, T, cu_seqlens)
+        q, k, v, conv_state = self._conv_qkv(hidden_states, mask, last_state, use_cache, cu_seqlens)
+        q = self._qk_act(q.view(B, T, self.num_heads, self.head_k_dim))
+        k = self._qk_act(k.view(B, T, self.num_heads, self.head_k_dim))
+        v = v.view(B, T, self.num_heads, self.head_v_dim)
+        q = self._normalize(q)
+        if self.update_rule == "euler":
+            k = self._normalize(k)
+        beta = self.b_proj(hidden_states).sigmoid() if self.use_beta else q.new_ones(B, T, self.num_heads)
+        if self.allow_neg_eigval:
+            beta = beta * 2.0
+        beta = beta.to(q.dtype)
+        if mask is not None:  # k = v = 0: the step is the identity for every rule
+            k, v = k * mask[..., None], v * mask[..., None]
+        return q, k, v, beta, conv_state, mask
+
+    def _op(self, recurrent: bool):
+        if self.update_rule == "exact":
+            return recurrent_efla if recurrent else chunk_efla
+        return recurrent_delta_rule if recurrent else chunk_delta_rule
+
+    # -- forward ------------------------------------------------------------------------------------
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = False,
+        output_attentions: bool | None = False,
+        cu_seqlens: torch.Tensor | None = None,
+        **kwargs: Any,
+    ):
+        B, T = check_hidden_states(hidden_states, self.hidden_size)
+        if cu_seqlens is not None and B != 1:
+            raise ValueError(
+                f"cu_seqlens: packed input needs batch size 1, got hidden_states {tuple(hidden_states.shape)}")
+        last_state = get_layer_state(past_key_values, self.layer_idx)
+        use_cache = bool(use_cache) and past_key_values is not None
+
+        q, k, v, beta, conv_state, mask = self.prepare_qkv_beta(hidden_states, attention_mask, last_state, use_cache,
+                                                                 cu_seqlens)
+        recurrent = self.mode == "recurrent" or (T == 1 and cu_seqlens is None)
+        initial_state = last_state.get("recurrent_state") if last_state is not None else None
+        o, state = self._op(recurrent)(q, k, v, beta, initial_state=initial_state, output_final_state=use_cache,
+                                       cu_seqlens=cu_seqlens)
+        if self.record_stats:
+            self.stats = stiffness_stats(k, beta, None, self.update_rule)
+        if use_cache:
+            past_key_values.update_layer_state(self.layer_idx, recurrent_state=state,
+                                               conv_state=conv_state if self.use_short_conv else None, offset=T)
+
+        if self.use_gate:
+            g = self.g_proj(hidden_states).view(B, T, self.num_heads, self.head_v_dim)
+            o = self.o_norm(o, g)
+        else:
+            o = self.o_norm(o)
+        o = self.o_proj(o.reshape(B, T, self.value_dim))
+        if mask is not None:
+            o = o * mask
+        return o, None, past_key_values

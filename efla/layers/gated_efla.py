@@ -1,0 +1,245 @@
+"""``GatedEFLA``: the Gated DeltaNet token mixer with the exact-flow update (or the Euler one).
+
+Architecture and parameter names follow flash-linear-attention's ``GatedDeltaNet`` layer
+(``a_proj``, ``A_log``, ``dt_bias``, ``b_proj``, short convolutions, gated output norm), so its
+checkpoints load one-to-one (docs/efla.md §2).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from efla.ops import chunk_gated_delta_rule, chunk_gated_efla, recurrent_gated_delta_rule, recurrent_gated_efla
+
+from ._common import check_hidden_states, check_update_rule, get_layer_state, padding_mask, stiffness_stats
+from .modules import RMSNorm, RMSNormGated, ShortConvolution, l2_normalize
+
+__all__ = ["GatedEFLA"]
+
+# log-uniform range of the initial discretisation step dt (Mamba-2 / Gated DeltaNet convention)
+DT_MIN, DT_MAX, DT_INIT_FLOOR = 1e-3, 1e-1, 1e-4
+A_INIT_RANGE = (0.0, 16.0)
+
+
+class GatedEFLA(nn.Module):
+    r"""Gated Exact Flow Linear Attention layer (drop-in for flash-linear-attention's ``GatedDeltaNet``).
+
+    Log gate ``g_t = -exp(A_log) * softplus(a_proj(x_t) + dt_bias) <= 0`` per value head, gate
+    ``a_t = exp(g_t)``, ``beta_t = sigmoid(b_proj(x_t))``, ``lambda_t = ||k_t||^2``:
+
+    - ``update_rule="exact"``: the exact flow of Gated DeltaNet's ODE (efla.md §2),
+      ``S_t = e^{-delta} (I - c_t k k^T) S_{t-1} + beta (1 - e^{-eta}) / eta k v^T`` with
+      ``delta = 1 - a``, ``c = (1 - e^{-a beta lambda}) / lambda``, ``eta = delta + a beta lambda``;
+      queries L2-normalised, keys raw.
+    - ``update_rule="euler"`` (Gated DeltaNet): ``S_t = a_t (I - beta_t k k^T) S_{t-1} + beta_t k v^T``;
+      queries and keys L2-normalised.
+
+    Args:
+        hidden_size: model width ``D``. Default ``2048``.
+        expand_v: value head dim ``= head_dim * expand_v``. Default ``2``.
+        head_dim: query/key head dim. Default ``256``.
+        num_heads: query/key heads. Default ``6``.
+        num_v_heads: value heads (``None`` = ``num_heads``); when larger, each q/k head serves
+            ``num_v_heads // num_heads`` consecutive value heads (grouped values). Default ``None``.
+        mode: ``"chunk"`` | ``"recurrent"`` (see ``EFLA``). Default ``"chunk"``.
+        use_gate: SiLU output gate ``g_proj``. Default ``True``.
+        use_short_conv: causal depthwise convolutions (SiLU) on q, k, v. Default ``True``.
+        allow_neg_eigval: ``beta *= 2``. Default ``False``.
+        conv_size: convolution width. Default ``4``.
+        conv_bias: convolution bias. Default ``False``.
+        layer_idx: index in the model (needed with a cache). Default ``None``.
+        norm_eps: output-norm epsilon. Default ``1e-5``.
+        update_rule: ``"exact"`` | ``"euler"``. Default ``"exact"``.
+        output_gate_activation: output gate ``"swish"`` (SiLU) or ``"sigmoid"``. Default ``"swish"``.
+
+    ``record_stats`` / ``stats`` as in ``EFLA`` (plus ``g``). ``forward`` as in ``EFLA``.
+
+    Example:
+        >>> import torch
+        >>> layer = GatedEFLA(hidden_size=64, head_dim=16, num_heads=2, expand_v=1)
+        >>> layer(torch.randn(2, 10, 64))[0].shape
+        torch.Size([2, 10, 64])
+    """
+
+    def __init__(
+        self,
+        hidden_size: int = 2048,
+        expand_v: float = 2,
+        head_dim: int = 256,
+        num_heads: int = 6,
+        num_v_heads: int | None = None,
+        mode: str = "chunk",
+        use_gate: bool = True,
+        use_short_conv: bool = True,
+        allow_neg_eigval: bool = False,
+        conv_size: int = 4,
+        conv_bias: bool = False,
+        layer_idx: int | None = None,
+        norm_eps: float = 1e-5,
+        update_rule: str = "exact",
+        output_gate_activation: str = "swish",
+        **kwargs: Any,
+    ):
+        super().__init__()
+        if mode not in ("chunk", "recurrent", "fused_recurrent"):
+            raise ValueError(f"mode: expected 'chunk' or 'recurrent', got {mode!r}")
+        if num_heads < 1 or head_dim < 1:
+            raise ValueError(f"num_heads, head_dim: expected >= 1, got {num_heads}, {head_dim}")
+        self.mode = "recurrent" if mode == "fused_recurrent" else mode
+        self.update_rule = check_update_rule(update_rule)
+        self.hidden_size = hidden_size
+        self.expand_v = expand_v
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_v_heads = num_v_heads if num_v_heads is not None else num_heads
+        if self.num_v_heads % num_heads != 0:
+            raise ValueError(f"num_v_heads: expected a multiple of num_heads = {num_heads}, got {self.num_v_heads}")
+        self.use_gate, self.use_short_conv = use_gate, use_short_conv
+        self.allow_neg_eigval = allow_neg_eigval
+        self.conv_size, self.conv_bias = conv_size, conv_bias
+        self.layer_idx = layer_idx
+
+        self.head_k_dim = head_dim
+        self.head_v_dim = int(head_dim * expand_v)
+        if not math.isclose(head_dim * expand_v, self.head_v_dim, rel_tol=1e-5):
+            raise ValueError(f"expand_v: head_dim * expand_v = {head_dim * expand_v} is not an integer")
+        self.key_dim = num_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+
+        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.a_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+        self.b_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32))
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+        self.reset_gate_parameters()
+
+        if use_short_conv:
+            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, activation="silu")
+            self.k_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, activation="silu")
+            self.v_conv1d = ShortConvolution(self.value_dim, conv_size, bias=conv_bias, activation="silu")
+        else:
+            warnings.warn("use_short_conv=False: the short convolutions matter for quality; keep them unless "
+                          "you know why not.", stacklevel=2)
+        if use_gate:
+            self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+            self.o_norm = RMSNormGated(self.head_v_dim, eps=norm_eps, activation=output_gate_activation)
+        else:
+            self.o_norm = RMSNorm(self.head_v_dim, eps=norm_eps, dtype=torch.float32)
+        self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+        self.record_stats = False
+        self.stats: dict | None = None
+
+    def extra_repr(self) -> str:
+        return (f"update_rule={self.update_rule!r}, num_heads={self.num_heads}, num_v_heads={self.num_v_heads}, "
+                f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}")
+
+    @torch.no_grad()
+    def reset_gate_parameters(self) -> None:
+        """``A ~ U(0, 16)``, ``A_log = log A``; ``dt`` log-uniform in [1e-3, 1e-1] (floored at 1e-4),
+        ``dt_bias = softplus^{-1}(dt)`` (the Mamba-2 / Gated DeltaNet initialisation)."""
+        if self.A_log.is_meta:
+            return
+        A = torch.empty_like(self.A_log).uniform_(*A_INIT_RANGE)
+        self.A_log.copy_(torch.log(A))
+        u = torch.rand_like(self.dt_bias)
+        dt = torch.exp(u * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN)).clamp(min=DT_INIT_FLOOR)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+    def log_gate(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``g = -exp(A_log) * softplus(a_proj(x) + dt_bias)``, ``[B, T, num_v_heads]`` float32, ``<= 0``."""
+        a = self.a_proj(hidden_states).float() + self.dt_bias.float()
+        return -self.A_log.float().exp() * F.softplus(a)
+
+    def prepare_qkv_beta(self, hidden_states, attention_mask=None, last_state=None, use_cache=False, cu_seqlens=None):
+        """The recurrence inputs ``q, k [B, T, HV, K]`` (q/k heads repeated for grouped values),
+        ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` exactly as fed to the op, plus the new
+        convolution states and the padding mask."""
+        B, T = hidden_states.shape[:2]
+        mask = padding_mask(attention_mask, B, T, cu_seqlens)
+        x = hidden_states
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if mask is not None:
+            q, k, v = q * mask, k * mask, v * mask
+        conv_state = (None, None, None)
+        if self.use_short_conv:
+            if last_state is not None and last_state.get("conv_state") is not None:
+                conv_state = last_state["conv_state"]
+            q, cq = self.q_conv1d(q, cache=conv_state[0], output_final_state=use_cache, cu_seqlens=cu_seqlens)
+            k, ck = self.k_conv1d(k, cache=conv_state[1], output_final_state=use_cache, cu_seqlens=cu_seqlens)
+            v, cv = self.v_conv1d(v, cache=conv_state[2], output_final_state=use_cache, cu_seqlens=cu_seqlens)
+            conv_state = (cq, ck, cv)
+        else:
+            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+        q = l2_normalize(q.view(B, T, self.num_heads, self.head_k_dim))
+        k = k.view(B, T, self.num_heads, self.head_k_dim)
+        if self.update_rule == "euler":
+            k = l2_normalize(k)
+        v = v.view(B, T, self.num_v_heads, self.head_v_dim)
+        groups = self.num_v_heads // self.num_heads
+        if groups > 1:
+            q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+        beta = self.b_proj(x).sigmoid()
+        if self.allow_neg_eigval:
+            beta = beta * 2.0
+        beta = beta.to(q.dtype)
+        g = self.log_gate(x)
+        if mask is not None:  # k = v = 0 and gate 1: the step is the identity
+            k, v = k * mask[..., None], v * mask[..., None]
+            g = g * mask
+        g = g.to(q.dtype)
+        return q, k, v, g, beta, conv_state, mask
+
+    def _op(self, recurrent: bool):
+        if self.update_rule == "exact":
+            return recurrent_gated_efla if recurrent else chunk_gated_efla
+        return recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = False,
+        output_attentions: bool | None = False,
+        cu_seqlens: torch.Tensor | None = None,
+        **kwargs: Any,
+    ):
+        B, T = check_hidden_states(hidden_states, self.hidden_size)
+        if cu_seqlens is not None and B != 1:
+            raise ValueError(
+                f"cu_seqlens: packed input needs batch size 1, got hidden_states {tuple(hidden_states.shape)}")
+        last_state = get_layer_state(past_key_values, self.layer_idx)
+        use_cache = bool(use_cache) and past_key_values is not None
+
+        q, k, v, g, beta, conv_state, mask = self.prepare_qkv_beta(hidden_states, attention_mask, last_state, use_cache,
+                                                                    cu_seqlens)
+        recurrent = self.mode == "recurrent" or (T == 1 and cu_seqlens is None)
+        initial_state = last_state.get("recurrent_state") if last_state is not None else None
+        o, state = self._op(recurrent)(q, k, v, g, beta, initial_state=initial_state, output_final_state=use_cache,
+                                       cu_seqlens=cu_seqlens)
+        if self.record_stats:
+            self.stats = stiffness_stats(k, beta, g, self.update_rule)
+        if use_cache:
+            past_key_values.update_layer_state(self.layer_idx, recurrent_state=state,
+                                               conv_state=conv_state if self.use_short_conv else None, offset=T)
+
+        if self.use_gate:
+            gate = self.g_proj(hidden_states).view(B, T, self.num_v_heads, self.head_v_dim)
+            o = self.o_norm(o, gate)
+        else:
+            o = self.o_norm(o)
+        o = self.o_proj(o.reshape(B, T, self.value_dim))
+        if mask is not None:
+            o = o * mask
+        return o, None, past_key_values

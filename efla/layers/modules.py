@@ -1,0 +1,215 @@
+"""Small building blocks shared by the token mixers and the model blocks.
+
+Each module keeps flash-linear-attention's parameter names and shapes (``weight`` / ``bias``,
+``gate_proj`` / ``up_proj`` / ``down_proj``) so that a DeltaNet or Gated DeltaNet checkpoint
+maps onto our modules tensor by tensor. They are written in plain PyTorch (any device).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["ShortConvolution", "RMSNorm", "RMSNormGated", "GatedMLP", "l2_normalize", "mlp_intermediate_size"]
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(||x||^2 + eps)`` over the last dim, computed in float32, returned in x's dtype.
+
+    The ``eps`` inside the root (not a clamp of the norm) matches flash-linear-attention's
+    in-kernel q/k normalisation, so a zero vector stays exactly zero.
+    """
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class ShortConvolution(nn.Conv1d):
+    """Depthwise causal convolution over time with a cached state for decoding.
+
+    Args:
+        hidden_size: channels ``D`` (one filter per channel). Default: required.
+        kernel_size: filter width ``W``. Default: required (4 in the layers).
+        bias: learnable per-channel bias. Default: ``False``.
+        activation: ``"silu"`` / ``"swish"`` or ``None``. Default: ``"silu"``.
+
+    Parameters are ``weight: [D, 1, W]`` and optional ``bias: [D]`` (``nn.Conv1d``'s), as in
+    flash-linear-attention's ``ShortConvolution``.
+
+    ``forward(x [B, T, D], cache=None, output_final_state=False, cu_seqlens=None)`` returns
+    ``(y [B, T, D], state)``. ``cache`` / ``state`` is ``[N, D, W]``: the last ``W`` inputs
+    of each sequence (oldest first, zeros before the sequence start); ``N = B``, or the number
+    of packed sequences when ``cu_seqlens`` (``B == 1``) is given. ``state`` is ``None`` unless
+    ``output_final_state``.
+
+    Example:
+        >>> import torch
+        >>> conv = ShortConvolution(8, 4)
+        >>> y, s = conv(torch.randn(2, 5, 8), output_final_state=True)
+        >>> y.shape, s.shape
+        (torch.Size([2, 5, 8]), torch.Size([2, 8, 4]))
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int, bias: bool = False, activation: str | None = "silu",
+                 device=None, dtype=None):
+        if kernel_size < 1:
+            raise ValueError(f"kernel_size: expected >= 1, got {kernel_size}")
+        super().__init__(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=bias,
+                         padding=0, device=device, dtype=dtype)
+        if activation not in (None, "silu", "swish"):
+            raise ValueError(f"activation: expected 'silu', 'swish' or None, got {activation!r}")
+        self.hidden_size = hidden_size
+        self.activation = activation
+
+    def extra_repr(self) -> str:
+        return (f"{self.hidden_size}, kernel_size={self.kernel_size[0]}, bias={self.bias is not None}, "
+                f"activation={self.activation}")
+
+    def _act(self, y: torch.Tensor) -> torch.Tensor:
+        return F.silu(y) if self.activation is not None else y
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, output_final_state: bool = False,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T, D = x.shape
+        W = self.kernel_size[0]
+        if D != self.hidden_size:
+            raise ValueError(f"x: expected last dim {self.hidden_size}, got shape {tuple(x.shape)}")
+        if cu_seqlens is not None:
+            return self._forward_varlen(x, cache, output_final_state, cu_seqlens)
+        if cache is not None and cache.shape != (B, D, W):
+            raise ValueError(f"cache: expected shape ({B}, {D}, {W}), got {tuple(cache.shape)}")
+        xt = x.transpose(1, 2)  # [B, D, T]
+        if cache is None:
+            history = xt.new_zeros(B, D, W)
+        else:
+            history = cache.to(xt.dtype)
+        full = torch.cat([history, xt], dim=-1)  # [B, D, W + T]
+        y = F.conv1d(full[..., 1:], self.weight, self.bias, groups=D)  # [B, D, T]
+        state = full[..., -W:].contiguous() if output_final_state else None
+        return self._act(y.transpose(1, 2)), state
+
+    def _forward_varlen(self, x, cache, output_final_state, cu_seqlens):
+        # Packed sequences [1, T, D]: each output mixes only inputs of its own sequence (and that
+        # sequence's cached history); done with W shifted copies instead of a Python loop.
+        B, T, D = x.shape
+        W = self.kernel_size[0]
+        if B != 1:
+            raise ValueError(f"cu_seqlens: varlen input needs batch size 1, got x of shape {tuple(x.shape)}")
+        cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+        N = cu.numel() - 1
+        if cache is not None and cache.shape != (N, D, W):
+            raise ValueError(f"cache: expected shape ({N}, {D}, {W}), got {tuple(cache.shape)}")
+        lengths = cu[1:] - cu[:-1]
+        seq_id = torch.repeat_interleave(torch.arange(N, device=x.device), lengths, output_size=T)  # [T]
+        pos = torch.arange(T, device=x.device) - cu[:-1][seq_id]  # position inside its sequence
+        hist = cache.to(x.dtype) if cache is not None else x.new_zeros(N, D, W)
+        xs = x[0]  # [T, D]
+        w = self.weight[:, 0, :]  # [D, W]; w[:, W-1] multiplies the current input
+        y = xs * w[:, W - 1]
+        for j in range(1, W):
+            inside = (pos - j) >= 0  # [T]
+            shifted = torch.roll(xs, shifts=j, dims=0)
+            # before the sequence start read the cached history: index W + (pos - j) in [0, W)
+            from_hist = hist[seq_id, :, (W + pos - j).clamp(0, W - 1)]  # [T, D]
+            src = torch.where(inside[:, None], shifted, from_hist)
+            y = y + src * w[:, W - 1 - j]
+        if self.bias is not None:
+            y = y + self.bias
+        state = None
+        if output_final_state:
+            # last W inputs of each sequence: concat(history, inputs)[-W:]
+            idx = cu[1:, None] - W + torch.arange(W, device=x.device)[None, :]  # [N, W] absolute positions
+            rel = idx - cu[:-1, None]  # relative to sequence start
+            inside = rel >= 0
+            from_x = xs[idx.clamp(0, max(T - 1, 0))]  # [N, W, D]
+            from_hist = torch.gather(hist, 2, (W + rel).clamp(0, W - 1)[:, None, :].expand(N, D, W))  # [N, D, W]
+            state = torch.where(inside[:, None, :], from_x.transpose(1, 2), from_hist).contiguous()
+        return self._act(y)[None], state
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation over the last dim: ``x / sqrt(mean(x^2) + eps) * weight``.
+
+    Args:
+        hidden_size: normalised dim. Default: required.
+        eps: Default ``1e-5``.
+        elementwise_affine: learnable ``weight`` (ones at init). Default ``True``.
+        dtype: parameter dtype. Default ``None``.
+
+    Computed in float32 and returned in the input dtype.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True, device=None, dtype=None):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight.float()
+        return y.to(x.dtype)
+
+
+class RMSNormGated(RMSNorm):
+    """Gated RMS normalisation: ``RMSNorm(x) * act(g)`` with ``act`` = SiLU (``"swish"``/``"silu"``,
+    the default) or ``"sigmoid"`` (flash-linear-attention's ``FusedRMSNormGated``).
+    ``forward(x, g)``, same shapes."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True, activation: str = "swish",
+                 device=None, dtype=None):
+        super().__init__(hidden_size, eps=eps, elementwise_affine=elementwise_affine, device=device, dtype=dtype)
+        if activation not in ("swish", "silu", "sigmoid"):
+            raise ValueError(f"activation: expected 'swish', 'silu' or 'sigmoid', got {activation!r}")
+        self.activation = activation
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, activation={self.activation}"
+
+    def forward(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        gf = g.float()
+        gate = torch.sigmoid(gf) if self.activation == "sigmoid" else F.silu(gf)
+        return (super().forward(x).float() * gate).to(x.dtype)
+
+
+def mlp_intermediate_size(hidden_size: int, hidden_ratio: float | None = 4, intermediate_size: int | None = None) -> int:
+    """The SwiGLU width: ``intermediate_size`` if given, else ``2/3 * hidden_ratio * hidden_size``
+    rounded up to a multiple of 256 (flash-linear-attention's ``GatedMLP`` rule)."""
+    if intermediate_size is not None:
+        return int(intermediate_size)
+    ratio = 4 if hidden_ratio is None else hidden_ratio
+    size = int(hidden_size * ratio * 2 / 3)
+    return 256 * ((size + 255) // 256)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU feed-forward block: ``down_proj(silu(gate_proj(x)) * up_proj(x))``.
+
+    Args:
+        hidden_size: model width. Default: required.
+        hidden_ratio: width ratio used when ``intermediate_size`` is ``None``. Default ``4``.
+        intermediate_size: explicit inner width. Default ``None`` (see :func:`mlp_intermediate_size`).
+        hidden_act: only ``"swish"`` (SiLU). Default ``"swish"``.
+    """
+
+    def __init__(self, hidden_size: int, hidden_ratio: float | None = 4, intermediate_size: int | None = None,
+                 hidden_act: str = "swish"):
+        super().__init__()
+        if hidden_act not in ("swish", "silu"):
+            raise ValueError(f"hidden_act: expected 'swish' (SiLU), got {hidden_act!r}")
+        self.hidden_size = hidden_size
+        self.intermediate_size = mlp_intermediate_size(hidden_size, hidden_ratio, intermediate_size)
+        self.gate_proj = nn.Linear(hidden_size, self.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

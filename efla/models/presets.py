@@ -1,0 +1,76 @@
+"""Named model sizes: ``tiny`` (CPU), ``340m`` and ``1.3b`` (the paper's and flash-linear-attention's
+DeltaNet sizes), each as ``efla``, ``gated-efla``, ``deltanet`` and ``gated-deltanet``.
+
+Sizes (head dim 128 as in the paper; 32000-token vocabulary as with the Mistral tokenizer):
+
+=======  ======  ======  =====  ========  =============================================
+size     hidden  layers  heads  head dim  notes
+=======  ======  ======  =====  ========  =============================================
+tiny     64      2       2      32        vocabulary 256; trains on a CPU in seconds
+340m     1024    24      8      128
+1.3b     2048    24      16     128
+=======  ======  ======  =====  ========  =============================================
+
+Ungated variants use flash-linear-attention's DeltaNet defaults (``expand_k = expand_v = 1``,
+no output gate); gated variants use the Gated DeltaNet layer with the same q/k heads,
+``expand_v = 1`` and the SiLU output gate. EFLA and DeltaNet presets of one size (and the two
+gated ones) have identical parameters; only ``update_rule`` differs.
+
+Example:
+    >>> from efla.models import get_preset_config
+    >>> cfg = get_preset_config("340m-efla")
+    >>> cfg.hidden_size, cfg.num_heads, cfg.update_rule, cfg.gated
+    (1024, 8, 'exact', False)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .configuration_efla import EFLAConfig
+
+__all__ = ["PRESETS", "SIZES", "VARIANTS", "get_preset_config", "preset_names"]
+
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32),
+    "340m": dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=24, num_heads=8, head_dim=128),
+    "1.3b": dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=24, num_heads=16, head_dim=128),
+}
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "efla": dict(update_rule="exact", gated=False),
+    "deltanet": dict(update_rule="euler", gated=False),
+    "gated-efla": dict(update_rule="exact", gated=True, expand_v=1.0, use_gate=True),
+    "gated-deltanet": dict(update_rule="euler", gated=True, expand_v=1.0, use_gate=True),
+}
+
+_COMMON: dict[str, Any] = dict(
+    conv_size=4, use_short_conv=True, hidden_ratio=4, norm_eps=1e-6, initializer_range=0.02,
+    tie_word_embeddings=False,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    f"{size}-{variant}": {**_COMMON, **SIZES[size], **VARIANTS[variant]}
+    for size in SIZES
+    for variant in VARIANTS
+}
+
+
+def preset_names() -> list[str]:
+    """All preset names, e.g. ``"tiny-efla"``, ``"340m-gated-deltanet"``, ``"1.3b-efla"``."""
+    return list(PRESETS)
+
+
+def get_preset_config(name: str, **overrides: Any) -> EFLAConfig:
+    """The :class:`EFLAConfig` of preset ``name`` (case-insensitive; ``_`` and ``-`` are the same),
+    with any field replaced by ``overrides``.
+
+    Raises:
+        ValueError: unknown ``name`` (the message lists the valid ones).
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"name: expected a preset name string, got {type(name).__name__}")
+    key = name.strip().lower().replace("_", "-")
+    if key not in PRESETS:
+        raise ValueError(f"name: unknown preset {name!r}; expected one of {', '.join(PRESETS)}")
+    return EFLAConfig(**{**PRESETS[key], **overrides})
