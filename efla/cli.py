@@ -204,6 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pixel_args(s, "results/lr-sweep")
     s.add_argument("--lrs", type=float, nargs="+", default=None, help="default: 1e-4 3e-4 1e-3 3e-3 1e-2")
     s.set_defaults(func=cmd_lr_sweep)
+
+    import importlib  # noqa: PLC0415
+    import pkgutil  # noqa: PLC0415
+
+    import efla.commands  # noqa: PLC0415
+
+    for mod in sorted(m.name for m in pkgutil.iter_modules(efla.commands.__path__)):
+        importlib.import_module(f"efla.commands.{mod}").add_parser(sub)
     return p
 
 
