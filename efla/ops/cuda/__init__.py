@@ -1,0 +1,101 @@
+"""GPU fast path for ``efla.ops`` (CUDA tensors only; ``pip install "efla[cuda]"``).
+
+``dispatch(...)`` is called by the public ops after validation, only when ``q.is_cuda``. It
+returns ``(o, final_state or None)``, or ``None`` for anything it does not handle, so the caller
+runs the PyTorch path instead:
+
+* float32 / float64 inputs (the chunk kernels are bf16/fp16 with a float32 state),
+* head dims above 256,
+* chunk mode (or any mode with autograd) when flash-linear-attention cannot be imported.
+
+Design (measured: ``benchmarks/gpu_ops.py``, ``benchmarks/results_gpu.md``):
+
+* chunk mode (training, prefill): flash-linear-attention 0.6.0's WY/UT delta-rule kernels with our
+  Triton kernels around them (``chunk.py``): the exact coefficient in one pass over the keys, its
+  backward folded into ``dk`` in one pass; Gated EFLA maps onto the gated delta rule (decay log
+  ``expm1(g)``, erase ``c``, value ``v * w / c``) and trains on Hopper with Triton < 3.7.1 through
+  our own kernel for the one gated backward stage fla refuses there.
+* recurrent mode without autograd (decoding): our fused scan kernel (``recurrent.py``), one launch
+  per step, coefficient in-kernel. With autograd, recurrent mode runs the chunk path (the same
+  recurrence; differences are rounding).
+
+Nothing here is imported by ``import efla``; ``efla.ops`` imports this package lazily and treats
+any exception as "no GPU backend".
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["dispatch", "fla_available"]
+
+KINDS = ("efla", "gated_efla", "delta_rule", "gated_delta_rule")
+MODES = ("chunk", "recurrent")
+MAX_HEAD_DIM = 256
+
+_fla_ok = None
+
+
+def fla_available() -> bool:
+    """True when flash-linear-attention's kernels import (any failure counts as absent)."""
+    global _fla_ok
+    if _fla_ok is None:
+        try:
+            from . import chunk as _chunk
+
+            _chunk.load()
+            _fla_ok = True
+        except Exception:  # noqa: BLE001 - a broken/partial install must not break efla
+            _fla_ok = False
+    return _fla_ok
+
+
+def _needs_grad(*xs) -> bool:
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+
+
+def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    """Run ``kind`` (efla | gated_efla | delta_rule | gated_delta_rule) in ``mode`` (chunk |
+    recurrent) on the GPU; ``None`` means "not handled here, use the PyTorch path"."""
+    if kind not in KINDS or mode not in MODES:
+        raise ValueError(f"kind/mode: expected one of {KINDS} / {MODES}, got {kind!r} / {mode!r}")
+    if not (q.is_cuda and k.is_cuda and v.is_cuda and beta.is_cuda):
+        return None
+    dt = q.dtype
+    if dt not in (torch.bfloat16, torch.float16) or k.dtype != dt or v.dtype != dt:
+        return None  # float32/float64 (or mixed) inputs: PyTorch path
+    K, V = q.shape[-1], v.shape[-1]
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        return None
+    gated = kind in ("gated_efla", "gated_delta_rule")
+    if gated and g is None:
+        raise ValueError(f"g: required for {kind}")
+
+    if cu_seqlens is not None and cu_seqlens.numel() > 1:
+        cs = cu_seqlens.detach().to("cpu", torch.int64)
+        if bool((cs[1:] == cs[:-1]).any()):
+            return None  # empty sequences: the chunk kernels assume every sequence has a token
+
+    h0 = initial_state
+    if h0 is not None:
+        h0 = h0.float().contiguous()  # autograd-aware cast
+    cu = cu_seqlens.to(device=q.device, dtype=torch.long).contiguous() if cu_seqlens is not None else None
+    q, k, v, beta = q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous()
+    if gated:
+        g = g.contiguous()
+
+    if mode == "recurrent" and not _needs_grad(q, k, v, beta, g, h0):
+        from .recurrent import recurrent_forward
+
+        return recurrent_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu)
+
+    if not fla_available():
+        return None
+    from .chunk import chunk_forward
+
+    if kind == "gated_efla" and dt == torch.float16:
+        # v * (w / c) grows like 1 / exp(g); bf16 has the range for it, fp16 may not.
+        o, ht = chunk_forward(kind, q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16),
+                              g, beta, scale, h0, output_final_state, cu)
+        return o.to(dt), ht
+    return chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu)

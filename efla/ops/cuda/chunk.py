@@ -1,0 +1,218 @@
+"""Chunkwise GPU path: flash-linear-attention's public delta-rule kernels plus our own kernels.
+
+EFLA is a delta-rule step with ``beta -> alpha``; Gated EFLA is a gated delta-rule step with decay
+log ``expm1(g)``, erase ``c`` and value ``v * (w / c)`` (see ``kernels.py``). So the heavy WY/UT
+chunk kernels are fla's; ours compute the coefficients (one pass over k, and over v for the gated
+rescaling) and, backwards, fold the coefficients' gradients into ``dk`` (in place), ``dbeta``,
+``dg`` and ``dv`` in one pass. No q/k L2-norm passes (EFLA keys are raw).
+
+Gated backward: fla's ``chunk_gated_delta_rule`` refuses to run its backward on Hopper with
+Triton in [3.4.0, 3.7.1) because one kernel (``chunk_bwd_dqkwg`` with a gate) is miscompiled
+there (fla issue #640: a transpose of a matrix-unit result). We therefore compose the gated
+backward from fla's other stages and our own ``gated_dqkwg_kernel`` for that stage.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from . import kernels as kn
+
+CHUNK = 64
+COEF_DTYPE = {torch.bfloat16: torch.bfloat16}
+
+
+def _fla():
+    """fla's internal stage functions (flash-linear-attention==0.6.0), or raise."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+    from fla.ops.delta_rule.chunk import chunk_delta_rule_bwd, chunk_delta_rule_fwd
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+    from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    return dict(
+        chunk_delta_rule_fwd=chunk_delta_rule_fwd,
+        chunk_delta_rule_bwd=chunk_delta_rule_bwd,
+        chunk_gated_delta_rule_fwd=chunk_gated_delta_rule_fwd,
+        recompute_w_u_fwd=recompute_w_u_fwd,
+        chunk_gated_delta_rule_fwd_h=chunk_gated_delta_rule_fwd_h,
+        chunk_bwd_dv_local=chunk_bwd_dv_local,
+        chunk_gated_delta_rule_bwd_dhu=chunk_gated_delta_rule_bwd_dhu,
+        prepare_wy_repr_bwd=prepare_wy_repr_bwd,
+        chunk_local_cumsum=chunk_local_cumsum,
+        prepare_chunk_indices=prepare_chunk_indices,
+    )
+
+
+F = None  # filled by load()
+
+
+def load():
+    global F
+    if F is None:
+        F = _fla()
+    return F
+
+
+# ------------------------------------------------------------------ coefficient launches
+def _rows_cfg(K, V):
+    BK = triton.next_power_of_2(K)
+    BV = triton.next_power_of_2(V)
+    width = max(BK, BV)
+    BR = max(1, min(64, 4096 // width))
+    return BK, BV, BR, (4 if width <= 128 else 8)
+
+
+def coef_fwd(k, beta, g=None, v=None):
+    """EFLA: alpha [B,T,H] f32. Gated: (c f32, gl f32, v' like v)."""
+    B, T, H, K = k.shape
+    R = B * T * H
+    V = v.shape[-1] if v is not None else K
+    BK, BV, BR, nw = _rows_cfg(K, V)
+    # bf16 inputs: the coefficient is stored in bf16, exactly like fla DeltaNet's beta (same kernel
+    # specialisations, no extra autotuning); fp16 keeps float32 (alpha ~ 1/lambda underflows fp16).
+    erase = torch.empty(B, T, H, device=k.device, dtype=COEF_DTYPE.get(k.dtype, torch.float32))
+    gated = g is not None
+    gl = torch.empty_like(erase) if gated else None
+    vout = torch.empty_like(v) if gated else None
+    kn.coef_fwd_kernel[(triton.cdiv(R, BR),)](
+        k, v, beta, g, erase, gl, vout, R,
+        K=K, V=V, BK=BK, BV=BV, BR=BR, GATED=gated, G_MIN=kn.G_FLOOR, num_warps=nw,
+    )
+    return (erase, gl, vout) if gated else erase
+
+
+def coef_bwd(k, beta, derase, dk, g=None, v=None, dgl=None, dvin=None):
+    """Fold coefficient grads into dk (in place); return dbeta (, dg, dv) in the inputs' dtypes."""
+    B, T, H, K = k.shape
+    R = B * T * H
+    gated = g is not None
+    V = v.shape[-1] if gated else K
+    BK, BV, BR, nw = _rows_cfg(K, V)
+    dbeta = torch.empty_like(beta)
+    dg = torch.empty_like(g) if gated else None
+    dv = torch.empty_like(v) if gated else None
+    kn.coef_bwd_kernel[(triton.cdiv(R, BR),)](
+        k, v, beta, g, derase, dgl, dvin, dk, dbeta, dg, dv, R,
+        K=K, V=V, BK=BK, BV=BV, BR=BR, GATED=gated, G_MIN=kn.G_FLOOR, num_warps=nw,
+    )
+    return (dbeta, dg, dv) if gated else dbeta
+
+
+def gated_dqkwg(q, k, v_new, g, h, do, dh, dv, scale, cu_seqlens, chunk_indices):
+    B, T, H, K = k.shape
+    V = v_new.shape[-1]
+    BT = CHUNK
+    NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
+    BK = min(triton.next_power_of_2(K), 128)
+    BV = min(triton.next_power_of_2(V), 64)
+    NK = triton.cdiv(K, BK)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dw = torch.empty_like(k)
+    dg = torch.empty(NK, B, T, H, device=k.device, dtype=torch.float32)
+    kn.gated_dqkwg_kernel[(NK, NT, B * H)](
+        q, k, v_new, g, h, do, dh, dv, dq, dk, dw, dg,
+        cu_seqlens, chunk_indices, scale, T, B * T,
+        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None,
+        num_warps=4, num_stages=2,
+    )
+    return dq, dk, dw, (dg[0] if NK == 1 else dg.sum(0))
+
+
+# ------------------------------------------------------------------ autograd Functions
+class ChunkEFLA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, beta, h0, scale, output_final_state, cu_seqlens, chunk_indices):
+        alpha = coef_fwd(k, beta)
+        o, A, ht = F["chunk_delta_rule_fwd"](
+            q=q, k=k, v=v, beta=alpha, scale=scale, initial_state=h0,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+        )
+        ctx.save_for_backward(q, k, v, beta, alpha, A, h0)
+        ctx.scale, ctx.cu, ctx.ci = scale, cu_seqlens, chunk_indices
+        return o.to(q.dtype), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, beta, alpha, A, h0 = ctx.saved_tensors
+        dq, dk, dv, dalpha, dh0 = F["chunk_delta_rule_bwd"](
+            q=q, k=k, v=v, beta=alpha, A=A, scale=ctx.scale, initial_state=h0,
+            do=do.contiguous(), dht=dht.contiguous() if dht is not None else None,
+            cu_seqlens=ctx.cu, chunk_indices=ctx.ci,
+        )
+        dk = dk.contiguous()
+        dbeta = coef_bwd(k, beta, dalpha.float().contiguous(), dk)
+        return dq, dk, dv, dbeta, (dh0 if h0 is not None else None), None, None, None, None
+
+
+class ChunkGated(torch.autograd.Function):
+    """Gated chunk op: ``exact`` = Gated EFLA, else Gated DeltaNet (Euler), with our backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, chunk_indices, exact):
+        if exact:
+            c, gl, vp = coef_fwd(k, beta, g=g, v=v)
+        else:
+            c, gl, vp = beta, g.float(), v
+        gcum, o, A, ht, _, _ = F["chunk_gated_delta_rule_fwd"](
+            q=q, k=k, v=vp, g=gl, beta=c, scale=scale, initial_state=h0,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+            chunk_size=CHUNK,
+        )
+        ctx.save_for_backward(q, k, v, vp, g, beta, c, gcum, A, h0)
+        ctx.scale, ctx.cu, ctx.ci, ctx.exact = scale, cu_seqlens, chunk_indices, exact
+        return o.to(q.dtype), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, vp, g, beta, c, gcum, A, h0 = ctx.saved_tensors
+        cu, ci, scale = ctx.cu, ctx.ci, ctx.scale
+        do = do.contiguous()
+        dht = dht.contiguous() if dht is not None else None
+        w, u = F["recompute_w_u_fwd"](k=k, v=vp, beta=c, A=A, g=gcum, cu_seqlens=cu, chunk_indices=ci)
+        h, v_new, _ = F["chunk_gated_delta_rule_fwd_h"](
+            k=k, w=w, u=u, g=gcum, initial_state=h0, output_final_state=False,
+            cu_seqlens=cu, chunk_indices=ci, chunk_size=CHUNK,
+        )
+        dv = F["chunk_bwd_dv_local"](q=q, k=k, do=do, g=gcum, scale=scale, cu_seqlens=cu,
+                                     chunk_indices=ci, chunk_size=CHUNK)
+        dh, dh0, dv = F["chunk_gated_delta_rule_bwd_dhu"](
+            q=q, k=k, w=w, do=do, dv=dv, g=gcum, h0=h0, dht=dht, scale=scale,
+            cu_seqlens=cu, chunk_indices=ci, chunk_size=CHUNK,
+        )
+        dq, dk, dw, dgc = gated_dqkwg(q, k, v_new, gcum, h, do, dh, dv, scale, cu, ci)
+        dk2, dvp, dc, dg2 = F["prepare_wy_repr_bwd"](
+            k=k, v=vp, beta=c, A=A, dw=dw, du=dv, g=gcum, cu_seqlens=cu, chunk_indices=ci,
+        )
+        dk.add_(dk2)
+        dgc.add_(dg2)
+        dgl = F["chunk_local_cumsum"](dgc, chunk_size=CHUNK, reverse=True, cu_seqlens=cu, chunk_indices=ci)
+        if ctx.exact:
+            dbeta, dg, dv_out = coef_bwd(k, beta, dc.float().contiguous(), dk, g=g, v=v,
+                                         dgl=dgl.contiguous(), dvin=dvp.contiguous())
+        else:
+            dbeta, dg, dv_out = dc.to(beta.dtype), dgl.to(g.dtype), dvp
+        return (dq, dk, dv_out, dg, dbeta, (dh0 if h0 is not None else None),
+                None, None, None, None, None)
+
+
+def chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens):
+    """Returns (o, final_state or None). Inputs already checked by the dispatcher."""
+    load()
+    ci = F["prepare_chunk_indices"](cu_seqlens, CHUNK) if cu_seqlens is not None else None
+    if kind == "efla":
+        o, ht = ChunkEFLA.apply(q, k, v, beta, h0, scale, output_final_state, cu_seqlens, ci)
+    elif kind == "delta_rule":
+        # the Euler baseline is fla's DeltaNet as is (keys used as given)
+        from fla.ops.delta_rule import chunk_delta_rule
+
+        o, ht = chunk_delta_rule(q, k, v, beta, scale=scale, initial_state=h0,
+                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    else:
+        o, ht = ChunkGated.apply(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, ci,
+                                 kind == "gated_efla")
+    return o, (ht if output_final_state else None)

@@ -1,0 +1,314 @@
+"""Triton kernels of the GPU path (our own; imported only when a CUDA tensor arrives).
+
+* ``coef_fwd_kernel`` / ``coef_bwd_kernel``: per (token, head) row, the exact-flow coefficients
+  from ``(k, beta[, g])`` and, backwards, the chain rule from the coefficients' gradients back to
+  ``k`` (in place on the chunk kernel's ``dk``), ``beta``, ``g`` and ``v``. One pass each.
+* ``gated_dqkwg_kernel``: the one gated backward piece that flash-linear-attention refuses on
+  Hopper with Triton < 3.7.1 (its kernel transposes a matrix-unit result, which those Triton
+  versions miscompile on sm_90); ours forms the transposed score block by its own product
+  instead, so no matrix-unit result is ever transposed.
+* ``recurrent_kernel``: fused per-token scan for decoding / inference, all four rules, the
+  coefficient computed in-kernel, state kept in registers.
+
+Math (efla.md §1-2), with ``phi(x) = (1 - e^-x)/x`` and ``lambda = ||k||^2``:
+EFLA ``alpha = beta phi(beta lambda)``; Gated EFLA with ``a = e^g``, ``rho = a beta``,
+``x1 = rho lambda``: decay log ``expm1(g)``, erase ``c = rho phi(x1)``, write
+``w = beta phi(eta)`` with ``eta = -expm1(g) + x1``.
+The chunk kernels get erase ``c`` as their ``beta`` and ``v * (w / c)`` as their value;
+``w / c = phi(eta) / (a phi(x1))`` is finite (no 0/0).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# rho uses exp(max(g, G_FLOOR)): keeps w/c = phi(eta)/(a phi(x1)) finite in float32/bf16 when a
+# underflows. For g < G_FLOOR the erase is ~1e-26 either way (numerically nil).
+G_FLOOR = -60.0
+
+
+@triton.jit
+def _phi(x):
+    """(1 - exp(-x)) / x, phi(0) = 1; series for |x| < 0.1 (truncation ~x^5/720)."""
+    small = tl.abs(x) < 0.1
+    xs = tl.where(small, 1.0, x)
+    big = (1.0 - tl.exp(-xs)) / xs
+    ser = 1.0 - x * (0.5 - x * (1.0 / 6.0 - x * (1.0 / 24.0 - x * (1.0 / 120.0))))
+    return tl.where(small, ser, big)
+
+
+@triton.jit
+def _dphi(x):
+    """phi'(x) = (exp(-x) - phi(x)) / x; series for |x| < 0.1."""
+    small = tl.abs(x) < 0.1
+    xs = tl.where(small, 1.0, x)
+    e = tl.exp(-xs)
+    big = (e - (1.0 - e) / xs) / xs
+    ser = -0.5 + x * (1.0 / 3.0 - x * (0.125 - x * (1.0 / 30.0 - x * (1.0 / 144.0))))
+    return tl.where(small, ser, big)
+
+
+@triton.jit
+def _expm1(x):
+    small = tl.abs(x) < 0.1
+    ser = x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0)))))
+    return tl.where(small, ser, tl.exp(x) - 1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# coefficients: forward
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def coef_fwd_kernel(
+    k, v, beta, g,  # inputs: k [R, K], v [R, V] (gated only), beta [R], g [R] (gated only)
+    erase, gl, vout,  # outputs: erase [R] f32; gated: gl [R] f32 = expm1(g), vout [R, V]
+    R,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
+    GATED: tl.constexpr, G_MIN: tl.constexpr,
+):
+    i_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = i_r < R
+    o_k = tl.arange(0, BK)
+    b_k = tl.load(k + i_r[:, None] * K + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
+    lam = tl.sum(b_k * b_k, 1)
+    b_beta = tl.load(beta + i_r, mask=m_r, other=0.0).to(tl.float32)
+    if GATED:
+        b_g = tl.load(g + i_r, mask=m_r, other=0.0).to(tl.float32)
+        a_c = tl.exp(tl.maximum(b_g, G_MIN))
+        rho = a_c * b_beta
+        x1 = rho * lam
+        p1 = _phi(x1)
+        b_c = rho * p1
+        b_gl = _expm1(b_g)
+        eta = x1 - b_gl
+        r = _phi(eta) / (a_c * p1)
+        tl.store(erase + i_r, b_c, mask=m_r)
+        tl.store(gl + i_r, b_gl, mask=m_r)
+        o_v = tl.arange(0, BV)
+        m_v = m_r[:, None] & (o_v < V)[None, :]
+        b_v = tl.load(v + i_r[:, None] * V + o_v[None, :], mask=m_v, other=0.0).to(tl.float32)
+        tl.store(vout + i_r[:, None] * V + o_v[None, :], (b_v * r[:, None]).to(vout.dtype.element_ty), mask=m_v)
+    else:
+        tl.store(erase + i_r, b_beta * _phi(b_beta * lam), mask=m_r)
+
+
+# --------------------------------------------------------------------------------------------
+# coefficients: backward (chain rule; dk updated in place)
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def coef_bwd_kernel(
+    k, v, beta, g,  # inputs as in the forward
+    derase, dgl, dvin,  # grads of erase [R] f32, of gl [R] f32 (gated), of vout [R, V] (gated)
+    dk,  # [R, K]: grad of k from the chunk kernels; updated in place
+    dbeta, dg, dv,  # outputs: dbeta [R], dg [R] (gated), dv [R, V] (gated; may alias dvin)
+    R,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
+    GATED: tl.constexpr, G_MIN: tl.constexpr,
+):
+    i_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = i_r < R
+    o_k = tl.arange(0, BK)
+    m_k = m_r[:, None] & (o_k < K)[None, :]
+    b_k = tl.load(k + i_r[:, None] * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
+    lam = tl.sum(b_k * b_k, 1)
+    b_beta = tl.load(beta + i_r, mask=m_r, other=0.0).to(tl.float32)
+    b_de = tl.load(derase + i_r, mask=m_r, other=0.0).to(tl.float32)
+    if GATED:
+        b_g = tl.load(g + i_r, mask=m_r, other=0.0).to(tl.float32)
+        s_g = tl.where(b_g > G_MIN, 1.0, 0.0)  # d a_c / dg = s_g * a_c
+        a = tl.exp(b_g)
+        a_c = tl.exp(tl.maximum(b_g, G_MIN))
+        rho = a_c * b_beta
+        x1 = rho * lam
+        p1 = _phi(x1)
+        d1 = _dphi(x1)
+        b_gl = _expm1(b_g)
+        eta = x1 - b_gl
+        pe = _phi(eta)
+        de = _dphi(eta)
+        r = pe / (a_c * p1)
+        # value rescaling v' = v * r
+        o_v = tl.arange(0, BV)
+        m_v = m_r[:, None] & (o_v < V)[None, :]
+        b_v = tl.load(v + i_r[:, None] * V + o_v[None, :], mask=m_v, other=0.0).to(tl.float32)
+        b_dvi = tl.load(dvin + i_r[:, None] * V + o_v[None, :], mask=m_v, other=0.0).to(tl.float32)
+        b_dr = tl.sum(b_dvi * b_v, 1)
+        tl.store(dv + i_r[:, None] * V + o_v[None, :], (b_dvi * r[:, None]).to(dv.dtype.element_ty), mask=m_v)
+        # erase c = (1 - exp(-x1)) / lam: dc/dbeta = a_c e^-x1, dc/dlam = rho^2 phi'(x1),
+        # dc/dg = s_g rho e^-x1
+        ex1 = tl.exp(-x1)
+        # log r = log phi(eta) - log a_c - log phi(x1)
+        q_e = de / pe
+        q_1 = d1 / p1
+        r_d = r * (q_e - q_1)
+        d_beta = b_de * a_c * ex1 + b_dr * r_d * a_c * lam
+        d_lam = b_de * rho * rho * d1 + b_dr * r_d * rho
+        dgl_in = tl.load(dgl + i_r, mask=m_r, other=0.0).to(tl.float32)
+        d_g = (b_de * s_g * rho * ex1
+               + b_dr * r * (q_e * (s_g * x1 - a) - s_g - q_1 * s_g * x1)
+               + dgl_in * a)
+        tl.store(dg + i_r, d_g.to(dg.dtype.element_ty), mask=m_r)
+    else:
+        x = b_beta * lam
+        d_beta = b_de * tl.exp(-x)
+        d_lam = b_de * b_beta * b_beta * _dphi(x)
+    tl.store(dbeta + i_r, d_beta.to(dbeta.dtype.element_ty), mask=m_r)
+    p_dk = dk + i_r[:, None] * K + o_k[None, :]
+    b_dk = tl.load(p_dk, mask=m_k, other=0.0).to(tl.float32)
+    b_dk += (2.0 * d_lam)[:, None] * b_k
+    tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_k)
+
+
+# --------------------------------------------------------------------------------------------
+# gated chunk backward: dq, dk, dw, dg of one chunk (replaces the piece fla refuses on Hopper)
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def gated_dqkwg_kernel(
+    q, k, v, g, h, do, dh, dv,  # v = v_new [B,T,H,V]; g = chunk-local cumsum (log2) [B,T,H] f32
+    dq, dk, dw, dg,  # outputs; dg [NK, B, T, H] f32 (per position, before the reverse cumsum)
+    cu_seqlens, chunk_indices, scale, T, TOT,  # TOT = B * T (all tokens)
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    NTOT = tl.num_programs(1)
+    if IS_VARLEN:
+        i_tg = i_t.to(tl.int64)
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
+        i_t = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        T = (eos - bos).to(tl.int32)
+    else:
+        i_tg = (i_b * NTOT + i_t).to(tl.int64)
+        bos = i_b.to(tl.int64) * T
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    last = tl.minimum(i_t * BT + BT, T) - 1
+
+    h += (i_tg * H + i_h) * K * V
+    dh += (i_tg * H + i_h) * K * V
+    row_v = (bos + o_t) * H * V + i_h * V  # [BT]
+    row_k = (bos + o_t) * H * K + i_h * K
+
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)   # ds[i, j]  = do_i . v_j
+    b_dst = tl.zeros([BT, BT], dtype=tl.float32)  # dst[j, i] = v_j . do_i (formed directly)
+    b_dgl = tl.zeros([1], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_v = tl.load(v + row_v[:, None] + o_v[None, :], mask=m_tv, other=0.0)
+        b_do = tl.load(do + row_v[:, None] + o_v[None, :], mask=m_tv, other=0.0)
+        b_dvv = tl.load(dv + row_v[:, None] + o_v[None, :], mask=m_tv, other=0.0)
+        m_vk = m_v[:, None] & m_k[None, :]
+        # state blocks stored [K, V]; read as [BV, BK]
+        b_h = tl.load(h + o_k[None, :] * V + o_v[:, None], mask=m_vk, other=0.0)
+        b_dh = tl.load(dh + o_k[None, :] * V + o_v[:, None], mask=m_vk, other=0.0)
+        b_dgl += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32))
+        b_ds = tl.dot(b_do, tl.trans(b_v), b_ds)
+        b_dst = tl.dot(b_v, tl.trans(b_do), b_dst)
+        b_dq = tl.dot(b_do, b_h.to(b_do.dtype), b_dq)
+        b_dk = tl.dot(b_v, b_dh.to(b_v.dtype), b_dk)
+        b_dw = tl.dot(b_dvv.to(b_v.dtype), b_h.to(b_v.dtype), b_dw)
+
+    tl.store(dw + row_k[:, None] + o_k[None, :], (-b_dw).to(dw.dtype.element_ty), mask=m_tk)
+
+    b_q = tl.load(q + row_k[:, None] + o_k[None, :], mask=m_tk, other=0.0)
+    b_k = tl.load(k + row_k[:, None] + o_k[None, :], mask=m_tk, other=0.0)
+    p_g = g + (bos + o_t) * H + i_h
+    b_g = tl.load(p_g, mask=m_t, other=0.0)
+    b_glast = tl.load(g + (bos + last) * H + i_h)
+
+    b_dgl *= tl.exp2(b_glast)
+    b_dq = b_dq * (tl.exp2(b_g) * scale)[:, None]
+    b_dk = b_dk * tl.where(m_t, tl.exp2(b_glast - b_g), 0.0)[:, None]
+    b_dgl += tl.sum(b_dk * b_k.to(tl.float32))
+
+    o_i = tl.arange(0, BT)
+    valid = m_t[:, None] & m_t[None, :]
+    # ds[i, j], i >= j: decay exp2(g_i - g_j)
+    m_low = (o_i[:, None] >= o_i[None, :]) & valid
+    b_ds = tl.where(m_low, b_ds * tl.exp2(b_g[:, None] - b_g[None, :]), 0.0) * scale
+    # dst[j, i] = ds[i, j], kept where i >= j, i.e. column index >= row index
+    m_up = (o_i[None, :] >= o_i[:, None]) & valid
+    b_dst = tl.where(m_up, b_dst * tl.exp2(b_g[None, :] - b_g[:, None]), 0.0) * scale
+    b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, b_dq)
+    b_dk = tl.dot(b_dst.to(b_q.dtype), b_q, b_dk)
+
+    b_dgv = tl.sum(b_dq * b_q.to(tl.float32), 1) - tl.sum(b_dk * b_k.to(tl.float32), 1)
+    b_dgv = tl.where(o_t == last, b_dgv + b_dgl, b_dgv)
+    tl.store(dq + row_k[:, None] + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + row_k[:, None] + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    # dg: [NK, TOT, H], one partial sum per K block
+    tl.store(dg + i_k.to(tl.int64) * TOT * H + (bos + o_t) * H + i_h, b_dgv, mask=m_t)
+
+
+# --------------------------------------------------------------------------------------------
+# fused recurrent scan (decoding / inference): all four rules
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def recurrent_kernel(
+    q, k, v, beta, g, h0, ht, o,
+    cu_seqlens, scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    EXACT: tl.constexpr, GATED: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, G_MIN: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    p_s = (i_nh.to(tl.int64) * K + o_k[:, None]) * V + o_v[None, :]
+    if HAS_H0:
+        b_s = tl.load(h0 + p_s, mask=m_kv, other=0.0).to(tl.float32)
+    else:
+        b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    for i_t in range(0, T):
+        t = bos + i_t
+        b_q = tl.load(q + (t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + (t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(v + (t * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_b = tl.load(beta + t * H + i_h).to(tl.float32)
+        if GATED:
+            b_g = tl.load(g + t * H + i_h).to(tl.float32)
+        if EXACT:
+            lam = tl.sum(b_k * b_k)
+            if GATED:
+                a_c = tl.exp(tl.maximum(b_g, G_MIN))
+                rho = a_c * b_b
+                x1 = rho * lam
+                b_gl = _expm1(b_g)
+                b_e = rho * _phi(x1)
+                b_w = b_b * _phi(x1 - b_gl)
+                b_s = b_s * tl.exp(b_gl)
+            else:
+                b_e = b_b * _phi(b_b * lam)
+                b_w = b_e
+        else:
+            b_e = b_b
+            b_w = b_b
+            if GATED:
+                b_s = b_s * tl.exp(b_g)
+        b_kh = tl.sum(b_s * b_k[:, None], 0)  # [BV]
+        b_s += b_k[:, None] * (b_w * b_v - b_e * b_kh)[None, :]
+        b_o = tl.sum(b_s * b_q[:, None], 0) * scale
+        tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    if STORE_HT:
+        tl.store(ht + p_s, b_s, mask=m_kv)

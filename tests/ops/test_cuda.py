@@ -1,0 +1,204 @@
+"""GPU path of efla.ops (efla/ops/cuda): bf16 on CUDA vs the float64 CPU reference.
+
+* GPU tests skip on machines without CUDA.
+* Interpreter tests run our Triton kernels on the CPU under ``TRITON_INTERPRET=1`` (in a
+  subprocess, since the variable must be set before Triton compiles anything); they skip when
+  Triton is not installed (CI does not install it) or when NumPy is too new for Triton's
+  interpreter.
+* Always: the package imports and dispatches without Triton or flash-linear-attention.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import efla.ops as ops
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (GPU fast path)")
+RULES = ["efla", "gated_efla", "delta_rule", "gated_delta_rule"]
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _rel(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    assert torch.isfinite(a).all(), "non-finite values"
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def _inputs(B, T, H, K, V, N, rule, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=g)
+    k = torch.randn(B, T, H, K, generator=g) / K ** 0.5
+    if rule.endswith("efla"):  # stiff keys: ||k||^2 log-uniform in [1e-2, 1e4]
+        k = k * 10 ** (torch.rand(B, T, H, 1, generator=g) * 3 - 1)
+    else:
+        k = F.normalize(k, dim=-1)
+    v = torch.randn(B, T, H, V, generator=g)
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=g))
+    lg = F.logsigmoid(2 + 3 * torch.randn(B, T, H, generator=g))
+    h0 = 0.5 * torch.randn(N, H, K, V, generator=g)
+    return q, k, v, beta, lg, h0
+
+
+def _call(fn, rule, q, k, v, beta, g, h0, cu):
+    if rule.startswith("gated"):
+        return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    return fn(q, k, v, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+
+
+# ----------------------------------------------------------------------------- always
+def test_import_without_gpu_stack():
+    """`import efla` and the CPU ops never need Triton or fla; the backend module imports bare."""
+    import efla  # noqa: F401
+    from efla.ops import cuda as backend
+
+    assert callable(backend.dispatch)
+    q, k, v, beta, g, h0 = _inputs(1, 5, 1, 8, 8, 1, "efla")
+    o, S = ops.chunk_efla(q, k, v, beta, initial_state=h0, output_final_state=True)
+    assert o.shape == v.shape and S.shape == h0.shape
+
+
+def test_dispatch_declines_cpu_and_float32():
+    from efla.ops.cuda import dispatch
+
+    q, k, v, beta, g, h0 = _inputs(1, 4, 1, 8, 8, 1, "efla")
+    assert dispatch("efla", "chunk", q, k, v, None, beta, 0.3, None, False, None) is None
+    with pytest.raises(ValueError):
+        dispatch("bogus", "chunk", q, k, v, None, beta, 0.3, None, False, None)
+
+
+# ----------------------------------------------------------------------------- GPU
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gpu_matches_reference(rule, varlen):
+    """bf16 GPU chunk (with grads) and recurrent (no grad) vs the float64 CPU scan."""
+    K = V = 64
+    if varlen:
+        B, T, H, cu = 1, 150, 2, [0, 37, 38, 150]
+    else:
+        B, T, H, cu = 2, 100, 2, None
+    N = B if cu is None else len(cu) - 1
+    gated = rule.startswith("gated")
+    xs = _inputs(B, T, H, K, V, N, rule, seed=3)
+    names = ["q", "k", "v", "beta", "g", "h0"]
+    dev = [x.cuda().to(torch.bfloat16) for x in xs[:5]] + [xs[5].cuda()]
+    ref_in = [x.cpu().double().requires_grad_() for x in dev]
+    gen = torch.Generator().manual_seed(7)
+    do, dS = torch.randn(B, T, H, V, generator=gen), torch.randn(N, H, K, V, generator=gen)
+    cu_cpu = torch.tensor(cu) if cu else None
+    ro, rS = _call(getattr(ops, "recurrent_" + rule), rule, *ref_in, cu_cpu)
+    rgrads = torch.autograd.grad((ro * do.double()).sum() + (rS * dS.double()).sum(), ref_in, allow_unused=True)
+
+    gin = [x.detach().clone().requires_grad_() for x in dev]
+    cu_gpu = cu_cpu.cuda().int() if cu else None
+    o, S = _call(getattr(ops, "chunk_" + rule), rule, *gin, cu_gpu)
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
+    loss = (o.float() * do.cuda()).sum() + (S * dS.cuda()).sum()
+    grads = torch.autograd.grad(loss, gin, allow_unused=True)
+    assert _rel(o, ro) < 2e-2 and _rel(S, rS) < 2e-2
+    for n, a, b in zip(names, grads, rgrads):
+        if n == "g" and not gated:
+            continue
+        assert _rel(a, b) < 2e-2, n
+
+    with torch.no_grad():
+        o2, S2 = _call(getattr(ops, "recurrent_" + rule), rule, *[x.detach() for x in dev], cu_gpu)
+    assert _rel(o2, ro) < 2e-2 and _rel(S2, rS) < 2e-2
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_gpu_declines_float32_and_big_heads():
+    from efla.ops.cuda import dispatch
+
+    q, k, v, beta, g, h0 = (x.cuda() for x in _inputs(1, 8, 1, 16, 16, 1, "efla"))
+    assert dispatch("efla", "chunk", q, k, v, None, beta, 0.25, None, False, None) is None
+    big = torch.randn(1, 4, 1, 320, device="cuda", dtype=torch.bfloat16)
+    vb = torch.randn(1, 4, 1, 16, device="cuda", dtype=torch.bfloat16)
+    bb = torch.rand(1, 4, 1, device="cuda", dtype=torch.bfloat16)
+    assert dispatch("efla", "chunk", big, big, vb, None, bb, 0.25, None, False, None) is None
+
+
+# ----------------------------------------------------------------------------- interpreter
+def _interpreter_ok():
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton not installed (GPU-only extra; CI does not install it)"
+    import numpy as np
+
+    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3):
+        return False, f"Triton's interpreter fails with NumPy {np.__version__} (needs < 2.3)"
+    return True, ""
+
+
+_OK, _WHY = _interpreter_ok()
+
+_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch
+    sys.path.insert(0, {repo!r})
+    from efla.ops.cuda import chunk as C
+    from efla.ops.cuda.recurrent import recurrent_forward
+    from efla.ops.coefficients import coefficients
+    import efla.ops as ops
+    torch.manual_seed(0)
+    B, T, H, K, V = 2, 6, 2, 16, 8
+    k = torch.randn(B, T, H, K) * torch.tensor([0.05, 20.0])[None, None, :, None]
+    v, beta = torch.randn(B, T, H, V), torch.rand(B, T, H)
+    g = -torch.rand(B, T, H) * 3
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
+    kd, bd, gd, vd = (x.double().requires_grad_() for x in (k, beta, g, v))
+    # EFLA coefficient and its backward
+    _, al, _ = coefficients("efla", kd, bd, None)
+    assert rel(C.coef_fwd(k, beta), al.detach()) < 1e-5
+    da = torch.randn(B, T, H).double()
+    gk, gb = torch.autograd.grad((al * da).sum(), (kd, bd))
+    dk = torch.zeros(B, T, H, K)
+    db = C.coef_bwd(k, beta, da.float(), dk)
+    assert rel(dk, gk) < 1e-4 and rel(db, gb) < 1e-4
+    # Gated EFLA coefficients (erase, decay log, rescaled value) and their backward
+    gam, e, w = coefficients("gated_efla", kd, bd, gd)
+    c, gl, vp = C.coef_fwd(k, beta, g=g, v=v)
+    vref = vd * (w / e)[..., None]
+    assert rel(c, e.detach()) < 1e-5 and rel(gl, gam.detach()) < 1e-5 and rel(vp, vref.detach()) < 1e-5
+    de, dgl, dvp = torch.randn(B, T, H).double(), torch.randn(B, T, H).double(), torch.randn(B, T, H, V).double()
+    L = (e * de).sum() + (gam * dgl).sum() + (vref * dvp).sum()
+    gk, gb, gg, gv = torch.autograd.grad(L, (kd, bd, gd, vd))
+    dk = torch.zeros(B, T, H, K)
+    db, dg, dv = C.coef_bwd(k, beta, de.float(), dk, g=g, v=v, dgl=dgl.float(), dvin=dvp.float())
+    for a, b in ((dk, gk), (db, gb), (dg, gg), (dv, gv)):
+        assert rel(a, b) < 1e-4, (rel(a, b))
+    # fused recurrent kernel, all rules, with initial state, varlen
+    q = torch.randn(1, 9, H, K)
+    kk = torch.randn(1, 9, H, K) * 3
+    vv, bb, lg = torch.randn(1, 9, H, V), torch.rand(1, 9, H), -torch.rand(1, 9, H)
+    cu = torch.tensor([0, 4, 9])
+    h0 = torch.randn(2, H, K, V)
+    for rule in ("efla", "gated_efla", "delta_rule", "gated_delta_rule"):
+        gated = rule.startswith("gated")
+        o, S = recurrent_forward(rule, q, kk, vv, lg if gated else None, bb, 0.3, h0, True, cu)
+        a = [q.double(), kk.double(), vv.double()] + ([lg.double()] if gated else []) + [bb.double()]
+        ro, rS = getattr(ops, "recurrent_" + rule)(*a, scale=0.3, initial_state=h0.double(),
+                                                   output_final_state=True, cu_seqlens=cu)
+        assert rel(o, ro) < 1e-4 and rel(S, rS) < 1e-4, rule
+    print("OK")
+    """
+)
+
+
+@pytest.mark.skipif(not _OK, reason=_WHY)
+def test_kernels_under_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", _SCRIPT.format(repo=REPO)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
