@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One H200 visit: the recorded robustness run and lr sweep (in parallel), then the GPU check of
+# `efla convert` against fla's own models. Carry: .whl (fla wheels) and .devdata (MNIST).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+R=/tmp/results/robustness; mkdir -p "$R"
+timeout 420 python3 -m efla robustness --data-dir .devdata/mnist --seeds 0 1 2 --paper-lr --device cuda --out "$R" \
+  --command-line "efla robustness --data-dir ../shared/data/mnist --seeds 0 1 2 --paper-lr --device cuda --out docs/results/robustness" \
+  > /tmp/rob.log 2>&1 &
+P1=$!
+timeout 420 python3 -m efla lr-sweep --data-dir .devdata/mnist --seeds 0 --device cuda --out "$R" \
+  --command-line "efla lr-sweep --data-dir ../shared/data/mnist --seeds 0 --device cuda --out docs/results/robustness" \
+  > /tmp/lr.log 2>&1 &
+P2=$!
+timeout 240 python3 benchmarks/convert_check.py --out "$OUT" 2>&1 | grep -v Warning
+wait $P1; echo "robustness exit $?"; wait $P2; echo "lr-sweep exit $?"
+tr '\r' '\n' < /tmp/rob.log | grep -v '%|' | tail -30
+tr '\r' '\n' < /tmp/lr.log | grep -v '%|' | tail -15
+tar -czf "$OUT/robustness.tar.gz" -C /tmp/results robustness
+tr '\r' '\n' < /tmp/rob.log | tail -c 200000 > "$OUT/rob_log.txt"
+tr '\r' '\n' < /tmp/lr.log | tail -c 200000 > "$OUT/lr_log.txt"
