@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -14,17 +13,8 @@ from rich.table import Table
 console = Console()
 
 
-def _write_json(path: str, obj) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
-
-
 def cmd_demo(args) -> int:
-    from efla.experiments.onestep import one_step_table
-    from efla.experiments.timing import op_timings
+    from efla.experiments.demo import run_demo, side_by_side, write_demo_outputs  # noqa: PLC0415
 
     t0 = time.perf_counter()
     console.rule("[bold]EFLA demo[/bold]: exact flow vs Euler (DeltaNet)")
@@ -33,35 +23,37 @@ def cmd_demo(args) -> int:
         "Euler (DeltaNet) uses c = beta: its eigenvalue along k is 1 - beta*lambda.\n"
         "EFLA integrates the ODE exactly: c = (1 - exp(-beta*lambda))/lambda, eigenvalue exp(-beta*lambda)."
     )
-    rows = one_step_table()
-    tab = Table(title="One step: exact flow vs Euler")
+    res = run_demo(quick=args.quick, progress_factory=_progress_factory(), log=lambda m: console.print(f"[dim]{m}[/dim]"),
+                   epochs=args.epochs, timing_shapes=((1, 128, 2, 32),) if args.epochs and args.epochs < 3 else None)
+    tab = Table(title="(a) One step: exact flow vs Euler")
     for col in ("beta*lambda", "Euler eigenvalue 1-beta*lambda", "EFLA eigenvalue exp(-beta*lambda)",
                 "||S_exact - S_euler|| / ||S_0||", "Euler"):
         tab.add_column(col, justify="right")
-    for r in rows:
+    for r in res["one_step"]:
         tab.add_row(
             f"{r['beta_lambda']:g}", f"{r['euler_eigenvalue']:+.4f}", f"{r['exact_eigenvalue']:.4f}",
             f"{r['one_step_rel_diff']:.2e}", "[red]expands[/red]" if r["euler_expands"] else "contracts",
         )
     console.print(tab)
-    console.print("The difference shrinks as (beta*lambda)^2 for small steps; past beta*lambda = 2 Euler expands the state.\n")
-
-    shapes = ((1, 256, 4, 64), (1, 1024, 4, 64)) if args.quick else ((1, 512, 4, 64), (1, 2048, 4, 64), (2, 2048, 4, 64))
-    with console.status("timing chunk_efla vs recurrent_efla on the CPU ..."):
-        timings = op_timings(shapes=shapes, reps=2 if args.quick else 3)
-    tab = Table(title="CPU time, float32 (median ms)")
-    for col in ("[B, T, H, D]", "chunk fwd", "recurrent fwd", "chunk fwd+bwd", "recurrent fwd+bwd", "chunk speed-up (fwd+bwd)"):
-        tab.add_column(col, justify="right")
-    for r in timings:
-        tab.add_row(
-            str(r["shape"]), f"{r['chunk_fwd_ms']:.1f}", f"{r['recurrent_fwd_ms']:.1f}", f"{r['chunk_fwd_bwd_ms']:.1f}",
-            f"{r['recurrent_fwd_bwd_ms']:.1f}", f"{r['recurrent_fwd_bwd_ms'] / r['chunk_fwd_bwd_ms']:.1f}x",
-        )
+    console.print("The difference shrinks as (beta*lambda)^2 for small steps; past beta*lambda = 2 Euler expands.\n")
+    tab = Table(title="(b, c) EFLA vs DeltaNet, side by side (small CPU runs, one seed)")
+    tab.add_column("metric")
+    tab.add_column("EFLA", justify="right")
+    tab.add_column("DeltaNet", justify="right")
+    for row in side_by_side(res):
+        tab.add_row(*row)
     console.print(tab)
-    out = os.path.join(args.out, "demo.json")
-    _write_json(out, dict(one_step=rows, cpu_timings=timings, seconds=time.perf_counter() - t0))
-    console.print(f"Results written to [bold]{out}[/bold] ({time.perf_counter() - t0:.1f} s). "
-                  "This is a small demonstration; see the README for the full experiments.")
+    tab = Table(title="(d) CPU time, float32 (median ms)")
+    for col in ("[B, T, H, D]", "chunk fwd", "recurrent fwd", "chunk fwd+bwd", "recurrent fwd+bwd"):
+        tab.add_column(col, justify="right")
+    for r in res["cpu_timings"]:
+        tab.add_row(str(r["shape"]), f"{r['chunk_fwd_ms']:.1f}", f"{r['recurrent_fwd_ms']:.1f}",
+                    f"{r['chunk_fwd_bwd_ms']:.1f}", f"{r['recurrent_fwd_bwd_ms']:.1f}")
+    console.print(tab)
+    files = write_demo_outputs(res, args.out)
+    console.print(f"Wrote {', '.join(files)} in {time.perf_counter() - t0:.0f} s. Open [bold]"
+                  f"{os.path.join(args.out, 'report.md')}[/bold]. This is a small demonstration: the full "
+                  "experiments are efla robustness, efla lr-sweep, efla mad, efla train and efla eval.")
     return 0
 
 
@@ -190,9 +182,10 @@ def _cuda_available() -> bool:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="efla", description="Exact Flow Linear Attention: ops, models and experiments.")
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="exact vs Euler in one step, and CPU timings of the ops")
+    d = sub.add_parser("demo", help="a 5-minute CPU tour: exact vs Euler, robustness on embedded digits, MAD, timings")
     d.add_argument("--out", default="efla-demo", help="output directory (default: ./efla-demo)")
-    d.add_argument("--quick", action="store_true", help="smaller timing shapes")
+    d.add_argument("--quick", action="store_true", help="fewer training epochs and smaller timing shapes")
+    d.add_argument("--epochs", type=int, default=None, help="training epochs of the digit classifiers (default 30, quick 12)")
     d.set_defaults(func=cmd_demo)
 
     r = sub.add_parser("robustness", help="pixel-sequence classification under intensity scaling, noise and dropout")
