@@ -24,20 +24,23 @@ def _scan_segment(S, k, wv, e, d, states):
     k [L, N, K]; wv = w v [L, N, V]; e = d a [L, N]; d [L, N] or None;
     ``states`` [L + 1, N, K, V] with ``states[0] = S`` already set. Returns r [L, N, V].
     """
-    L = k.shape[0]
     r = torch.empty_like(wv)
-    kcol = k.unsqueeze(-1)  # [L, N, K, 1]
-    krow = k.unsqueeze(-2)  # [L, N, 1, K]
-    r_row = r.unsqueeze(-2)  # [L, N, 1, V]
-    neg_e = (-e).unsqueeze(-1).unsqueeze(-1)  # [L, N, 1, 1]
-    wv_row = wv.unsqueeze(-2)
-    for t in range(L):
+    # all per-step views made up front (one unbind each instead of indexing in the loop)
+    kcol = k.unsqueeze(-1).unbind(0)  # [N, K, 1] each
+    krow = k.unsqueeze(-2).unbind(0)  # [N, 1, K]
+    r_row = r.unsqueeze(-2).unbind(0)  # [N, 1, V]
+    neg_e = (-e).unsqueeze(-1).unsqueeze(-1).unbind(0)  # [N, 1, 1]
+    wv_row = wv.unsqueeze(-2).unbind(0)
+    out = states[1:].unbind(0)
+    dd = None if d is None else d[:, :, None, None].unbind(0)
+    for t in range(len(kcol)):
         # p = S^T k ; r = wv - e p ; S = d S + k r^T
-        torch.bmm(krow[t], S, out=r_row[t])
-        torch.addcmul(wv_row[t], neg_e[t], r_row[t], out=r_row[t])
-        if d is not None:
-            S = S * d[t, :, None, None]
-        S = torch.addcmul(S, kcol[t], r_row[t], out=states[t + 1])  # outer product, cheaper than baddbmm
+        rt = r_row[t]
+        torch.bmm(krow[t], S, out=rt)
+        torch.addcmul(wv_row[t], neg_e[t], rt, out=rt)
+        if dd is not None:
+            S = S * dd[t]
+        S = torch.addcmul(S, kcol[t], rt, out=out[t])  # outer product, cheaper than baddbmm
     return r
 
 
@@ -87,10 +90,13 @@ class _RecurrentFn(torch.autograd.Function):
         L0 = min(T, SEGMENT)
         buf = checkpoints.new_empty(L0 + 1, N, K, V)  # S_{t0-1} .. S_{t1-1}
         dbuf = checkpoints.new_empty(L0, N, K, V)  # total gradient w.r.t. each S_t
-        qcol, do_row = q.unsqueeze(-1), do.unsqueeze(-2)
-        krow = k.unsqueeze(-2)
-        kcol_neg_e = (k * (-e).unsqueeze(-1)).unsqueeze(-1)  # -e_t k_t as a column
-        dr_row = dr_all.unsqueeze(-2)
+        # per-step views made once (unbind) rather than by indexing inside the loop
+        qcol, do_row = q.unsqueeze(-1).unbind(0), do.unsqueeze(-2).unbind(0)
+        krow = k.unsqueeze(-2).unbind(0)
+        kcol_neg_e = (k * (-e).unsqueeze(-1)).unsqueeze(-1).unbind(0)  # -e_t k_t as a column
+        dr_row = dr_all.unsqueeze(-2).unbind(0)
+        d_mat = None if d is None else d[:, :, None, None].unbind(0)
+        dbuf_l = dbuf.unbind(0)
         r_all = torch.empty_like(v)
         for si in range(checkpoints.shape[0] - 1, -1, -1):
             t0 = si * SEGMENT
@@ -103,10 +109,10 @@ class _RecurrentFn(torch.autograd.Function):
             for j in range(L - 1, -1, -1):
                 t = t0 + j
                 # read-out o_t = S_t^T q_t adds q do^T; then back through S_t = d S + k r^T
-                dS = torch.addcmul(dS, qcol[t], do_row[t], out=dbuf[j])
+                dS = torch.addcmul(dS, qcol[t], do_row[t], out=dbuf_l[j])
                 torch.bmm(krow[t], dS, out=dr_row[t])  # dr_t = dS_t^T k_t
-                if d is not None:
-                    dS = dS * d[t, :, None, None]
+                if d_mat is not None:
+                    dS = dS * d_mat[t]
                 # through p_t = S_{t-1}^T k_t with dp = -e dr
                 dS = torch.addcmul(dS, kcol_neg_e[t], dr_row[t])
             S_prev, S_cur = buf[:L], buf[1 : L + 1]
