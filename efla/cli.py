@@ -24,7 +24,8 @@ def cmd_demo(args) -> int:
         "EFLA integrates the ODE exactly: c = (1 - exp(-beta*lambda))/lambda, eigenvalue exp(-beta*lambda)."
     )
     res = run_demo(quick=args.quick, progress_factory=_progress_factory(), log=lambda m: console.print(f"[dim]{m}[/dim]"),
-                   epochs=args.epochs, timing_shapes=((1, 128, 2, 32),) if args.epochs and args.epochs < 3 else None)
+                   epochs=args.epochs, timing_shapes=((1, 128, 2, 32),) if args.epochs and args.epochs < 3 else None,
+                   mad_epochs=args.epochs if args.epochs and args.epochs < 3 else None)
     tab = Table(title="(a) One step: exact flow vs Euler")
     for col in ("beta*lambda", "Euler eigenvalue 1-beta*lambda", "EFLA eigenvalue exp(-beta*lambda)",
                 "||S_exact - S_euler|| / ||S_0||", "Euler"):

@@ -24,5 +24,7 @@ def test_demo_quick_writes_results(tmp_path, capsys):
         assert 0 <= r["eval"]["clean"] <= 1 and len(r["eval"]["scale"]["accuracy"]) == 5
     for name in ("one_step.png", "robustness.png", "report.md"):
         assert (tmp_path / name).stat().st_size > 200, name
+    assert 0 <= data["mad"]["exact"] <= 1 and 0 <= data["mad"]["euler"] <= 1
     report = (tmp_path / "report.md").read_text()
+    assert "MAD in-context recall" in report
     assert "![one step](one_step.png)" in report and "| metric | EFLA | DeltaNet |" in report

@@ -1,0 +1,325 @@
+"""MAD synthetic benchmark (docs: ``../shared/docs/mad.md``): the backbone, the metric and one
+training run. Orchestration (presets, grid, resume, files) lives in ``mad_run.py``.
+
+Backbone (MAD-lab's ``benchmark.py`` default, width 128): token embedding ``N(0, 0.02)``, no
+positional embedding, ``2 x [mixer, SwiGLU]`` pre-norm residual layers ``x = x + f(RMSNorm(x))``,
+then
+
+- language model (five tasks): RMSNorm and a biased linear head to ``V`` logits; biases of every
+  ``nn.Linear`` zeroed, linear weights left at PyTorch's default;
+- auto-encoder (compression): the last position's vector plus a fixed sinusoidal embedding of
+  each of the ``L`` output positions, decoded independently by ``RMSNorm -> Linear -> GELU ->
+  RMSNorm -> Linear -> GELU -> RMSNorm -> Linear(V)``; every linear weight (the mixer's too)
+  ``N(0, 0.02)``, biases 0.
+
+The mixer is our ``EFLA`` (``exact`` / ``euler`` = DeltaNet) or ``GatedEFLA`` (``gated-exact`` /
+``gated-euler`` = Gated DeltaNet) layer in chunk mode, so training runs the chunkwise ops.
+
+Metric: MAD-lab's accuracy is torchmetrics' ``MulticlassAccuracy`` (macro): per batch, per class
+recall ``tp / (tp + fn)`` averaged over the classes that occur as a target or a prediction;
+the epoch value is the batch-size-weighted mean over batches. Perplexity likewise per batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from efla.data.mad import IGNORE, MADSetting, make_dataset
+from efla.layers import EFLA, GatedEFLA, GatedMLP, RMSNorm
+
+RULES = ("exact", "euler", "gated-exact", "gated-euler")
+RULE_LABEL = {"exact": "EFLA", "euler": "DeltaNet", "gated-exact": "Gated EFLA", "gated-euler": "Gated DeltaNet"}
+EARLY_STOP = 0.999
+
+
+def swiglu_width(width: int) -> int:
+    """MAD-lab's SwiGLU hidden width: ``8 * width / 3`` rounded up to a multiple of 16 (352 at 128)."""
+    return 16 * math.ceil(8 * width / 3 / 16)
+
+
+def sinusoidal_positions(n: int, dim: int) -> torch.Tensor:
+    """Fixed ``[n, dim]`` embedding: ``[sin(p * f_i), cos(p * f_i)]`` with ``f_i = 10000^(-i/(dim/2-1))``."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) / max(half - 1, 1) * torch.arange(half, dtype=torch.float32))
+    ang = torch.arange(n, dtype=torch.float32)[:, None] * freqs[None, :]
+    emb = torch.cat([ang.sin(), ang.cos()], dim=1)
+    if dim % 2:
+        emb = torch.cat([emb, torch.zeros(n, 1)], dim=1)
+    return emb
+
+
+class Mixer(nn.Module):
+    """Token mixer wrapper returning only the output tensor."""
+
+    def __init__(self, rule: str, width: int, num_heads: int):
+        super().__init__()
+        if rule not in RULES:
+            raise ValueError(f"rule: expected one of {RULES}, got {rule!r}")
+        if width % num_heads:
+            raise ValueError(f"num_heads: must divide width {width}, got {num_heads}")
+        update = "exact" if rule.endswith("exact") else "euler"
+        if rule.startswith("gated"):
+            self.layer = GatedEFLA(hidden_size=width, head_dim=width // num_heads, num_heads=num_heads, expand_v=1,
+                                   mode="chunk", update_rule=update)
+        else:
+            self.layer = EFLA(hidden_size=width, num_heads=num_heads, mode="chunk", update_rule=update)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)[0]
+
+
+class PreNorm(nn.Module):
+    def __init__(self, width: int, layer: nn.Module):
+        super().__init__()
+        self.norm = RMSNorm(width, eps=1e-5)
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.layer(self.norm(x))
+
+
+class MADModel(nn.Module):
+    """``[mixer, SwiGLU] x blocks`` with a language-model or auto-encoder head.
+
+    ``forward(input_ids [B, T]) -> logits [B, T, V]`` (auto-encoder: ``T`` = ``seq_len``).
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, rule: str = "exact", width: int = 128, num_heads: int = 8,
+                 blocks: int = 2, autoencoder: bool = False):
+        super().__init__()
+        self.vocab_size, self.seq_len, self.rule, self.autoencoder = vocab_size, seq_len, rule, autoencoder
+        self.embed = nn.Embedding(vocab_size, width)
+        layers = []
+        for _ in range(blocks):
+            layers.append(PreNorm(width, Mixer(rule, width, num_heads)))
+            layers.append(PreNorm(width, GatedMLP(width, intermediate_size=swiglu_width(width))))
+        self.layers = nn.ModuleList(layers)
+        if autoencoder:
+            self.register_buffer("dec_pos", sinusoidal_positions(seq_len, width), persistent=False)
+            self.decoder = nn.Sequential(RMSNorm(width), nn.Linear(width, width), nn.GELU(),
+                                         RMSNorm(width), nn.Linear(width, width), nn.GELU(),
+                                         RMSNorm(width), nn.Linear(width, vocab_size))
+        else:
+            self.norm = RMSNorm(width)
+            self.head = nn.Linear(width, vocab_size)
+        self._init()
+
+    @torch.no_grad()
+    def _init(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                if self.autoencoder:
+                    nn.init.normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def encode(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.encode(input_ids)
+        if self.autoencoder:
+            z = x[:, -1:, :] + self.dec_pos[: self.seq_len].to(x.dtype)  # [B, L, D]
+            return self.decoder(z)
+        return self.head(self.norm(x))
+
+
+def build_model(setting: MADSetting, rule: str, width: int = 128, num_heads: int = 8, blocks: int = 2,
+                seed: int | None = None) -> MADModel:
+    if seed is not None:
+        torch.manual_seed(seed)
+    return MADModel(setting.vocab_size, setting.seq_len, rule=rule, width=width, num_heads=num_heads, blocks=blocks,
+                    autoencoder=setting.task == "compression")
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def macro_accuracy(logits: torch.Tensor, targets: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """torchmetrics' ``MulticlassAccuracy(average="macro", ignore_index=-100)`` of one batch:
+    per-class recall averaged over the classes with ``tp + fp + fn > 0``."""
+    mask = targets != IGNORE
+    t = targets[mask]
+    p = logits.argmax(-1)[mask]
+    tp = torch.bincount(t[p == t], minlength=num_classes).double()
+    support = torch.bincount(t, minlength=num_classes).double()
+    predicted = torch.bincount(p, minlength=num_classes).double()
+    fp, fn = predicted - tp, support - tp
+    recall = torch.where(support > 0, tp / support.clamp_min(1), torch.zeros_like(tp))
+    w = ((tp + fp + fn) > 0).double()
+    return (recall * w).sum() / w.sum().clamp_min(1)
+
+
+@torch.no_grad()
+def evaluate(model: MADModel, x: torch.Tensor, y: torch.Tensor, batch_size: int = 128,
+             autocast: bool = False) -> dict:
+    """Batch-size-weighted means of the per-batch macro accuracy and perplexity, plus the plain
+    fraction of correct scored tokens."""
+    model.eval()
+    acc_sum = ppl_sum = 0.0
+    correct = total = 0
+    n = 0
+    for i in range(0, len(x), batch_size):
+        xb, yb = x[i:i + batch_size], y[i:i + batch_size]
+        with torch.autocast(device_type=xb.device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(xb)
+        logits = logits.float()
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.reshape(-1), ignore_index=IGNORE)
+        b = len(xb)
+        acc_sum += float(macro_accuracy(logits, yb, model.vocab_size)) * b
+        ppl_sum += math.exp(min(float(nll), 700.0)) * b
+        mask = yb != IGNORE
+        correct += int((logits.argmax(-1)[mask] == yb[mask]).sum())
+        total += int(mask.sum())
+        n += b
+    model.train()
+    return {"acc": acc_sum / n, "ppl": ppl_sum / n, "token_acc": correct / max(total, 1)}
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+@dataclass
+class RunConfig:
+    """Everything that determines one training run (the device and the time limit excepted)."""
+
+    setting: MADSetting
+    rule: str = "exact"
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    epochs: int = 200
+    batch_size: int = 128
+    width: int = 128
+    num_heads: int = 8
+    blocks: int = 2
+    seed: int = 12345
+    precision: str = "fp32"  # or "bf16" (autocast)
+    early_stop: float | None = EARLY_STOP
+
+    def __post_init__(self):
+        if self.rule not in RULES:
+            raise ValueError(f"rule: expected one of {RULES}, got {self.rule!r}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision: expected 'fp32' or 'bf16', got {self.precision!r}")
+
+    @property
+    def key(self) -> str:
+        """File-name-safe identity of the run (used to store and resume it)."""
+        k = (f"{self.setting.id}__{self.rule}__lr{self.lr:g}-wd{self.weight_decay:g}-e{self.epochs}-b{self.batch_size}"
+             f"-w{self.width}-h{self.num_heads}-L{self.blocks}-s{self.seed}-{self.precision}")
+        if self.early_stop != EARLY_STOP:
+            k += f"-es{self.early_stop}"
+        return k
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["setting"] = self.setting.to_dict()
+        return d
+
+
+@dataclass
+class _Data:
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    leakage: float = 0.0
+
+
+def tensors(dataset: dict, device) -> _Data:
+    (a, b), (c, d) = dataset["train"], dataset["test"]
+    t = [torch.as_tensor(np.asarray(v, dtype=np.int64), device=device) for v in (a, b, c, d)]
+    return _Data(*t, leakage=dataset.get("leakage", 0.0))
+
+
+def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", time_limit: float | None = None,
+              bar=None) -> dict:
+    """Train one model on one setting with the MAD recipe and return a plain dict.
+
+    AdamW (weight decay on every parameter), cosine annealing stepped once per epoch to 1e-6,
+    shuffled batches, test evaluation after every epoch, early stop once test accuracy exceeds
+    ``cfg.early_stop``; the reported ``test_acc`` is the one of the epoch with the lowest test
+    perplexity (MAD-lab's best checkpoint). ``time_limit`` (seconds) stops training early and
+    marks the run ``truncated``. ``bar``: optional tqdm-like object (``update``, ``set_postfix``).
+    """
+    t0 = time.perf_counter()
+    dev = torch.device(device)
+    if dataset is None:
+        dataset = make_dataset(cfg.setting, seed=cfg.seed)
+    data = tensors(dataset, dev)
+    model = build_model(cfg.setting, cfg.rule, cfg.width, cfg.num_heads, cfg.blocks, seed=cfg.seed).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.epochs, eta_min=1e-6)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    bf16 = cfg.precision == "bf16"
+    n = len(data.train_x)
+    V = cfg.setting.vocab_size
+    history = []
+    best = None
+    steps = 0
+    stopped_early = truncated = diverged = False
+    for epoch in range(cfg.epochs):
+        model.train()
+        perm = torch.randperm(n, generator=gen).to(dev)
+        loss_sum = torch.zeros((), device=dev)
+        n_batches = 0
+        for i in range(0, n, cfg.batch_size):
+            idx = perm[i:i + cfg.batch_size]
+            xb, yb = data.train_x[idx], data.train_y[idx]
+            with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=bf16):
+                logits = model(xb)
+            loss = F.cross_entropy(logits.float().reshape(-1, V), yb.reshape(-1), ignore_index=IGNORE)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            loss_sum += loss.detach()
+            n_batches += 1
+            steps += 1
+            if bar is not None:
+                bar.update(1)
+            if time_limit is not None and time.perf_counter() - t0 > time_limit:
+                truncated = True
+                break
+        train_loss = float(loss_sum) / max(n_batches, 1)
+        lr_used = opt.param_groups[0]["lr"]
+        sched.step()
+        ev = evaluate(model, data.test_x, data.test_y, cfg.batch_size, autocast=bf16)
+        rec = {"epoch": epoch + 1, "train_loss": train_loss, "lr": lr_used, "test_acc": ev["acc"],
+               "test_ppl": ev["ppl"], "test_token_acc": ev["token_acc"], "seconds": time.perf_counter() - t0}
+        history.append(rec)
+        if math.isfinite(ev["ppl"]) and (best is None or ev["ppl"] < best["test_ppl"]):
+            best = rec
+        if bar is not None:
+            bar.set_postfix(epoch=epoch + 1, loss=f"{train_loss:.3f}", acc=f"{ev['acc']:.3f}",
+                            best=f"{(best or rec)['test_acc']:.3f}")
+        if not math.isfinite(train_loss):
+            diverged = True
+            break
+        if cfg.early_stop is not None and ev["acc"] > cfg.early_stop:
+            stopped_early = True
+            break
+        if truncated:
+            break
+    best = best or history[-1]
+    return {
+        "key": cfg.key, "config": cfg.to_dict(), "task": cfg.setting.task, "setting": cfg.setting.id,
+        "rule": cfg.rule, "lr": cfg.lr, "weight_decay": cfg.weight_decay,
+        "test_acc": best["test_acc"], "test_ppl": best["test_ppl"], "test_token_acc": best["test_token_acc"],
+        "best_epoch": best["epoch"], "max_test_acc": max(h["test_acc"] for h in history),
+        "final_train_loss": history[-1]["train_loss"], "epochs_run": len(history), "steps": steps,
+        "stopped_early": stopped_early, "truncated": truncated, "diverged": diverged, "time_limit": time_limit,
+        "seconds": time.perf_counter() - t0, "device": str(dev), "leakage": data.leakage,
+        "num_params": sum(p.numel() for p in model.parameters()), "history": history,
+    }

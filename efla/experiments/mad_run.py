@@ -1,0 +1,417 @@
+"""Orchestration of the MAD benchmark: presets, the lr x wd grid, resumable runs, the score
+aggregation ("max over the grid, mean over settings") and the output files.
+
+Every finished run is stored as ``<out>/runs/<key>.json``; re-invoking with the same output
+directory skips those runs. Outputs: ``results.json``, ``runs.csv``, ``summary.md`` (a table per
+task: EFLA, DeltaNet, difference, the paper's numbers) and ``mad_scores.png`` (grouped bars,
+like the paper's Fig. 3).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+from efla.data.mad import TASK_LABEL, TASKS, MADSetting, baseline_setting, benchmark_settings, make_dataset
+
+from .mad import RULE_LABEL, RULES, RunConfig, train_run
+
+GRID_LRS = (1e-4, 5e-4, 1e-3)
+GRID_WDS = (0.0, 0.1)
+
+# EFLA paper (arXiv 2512.12602), MAD table, percent
+PAPER = {
+    "compression": {"euler": 42.7, "exact": 43.8},
+    "fuzzy-in-context-recall": {"euler": 22.2, "exact": 22.6},
+    "in-context-recall": {"euler": 99.9, "exact": 100.0},
+    "memorization": {"euler": 29.9, "exact": 32.5},
+    "noisy-in-context-recall": {"euler": 99.9, "exact": 100.0},
+    "selective-copying": {"euler": 99.6, "exact": 99.8},
+}
+PAPER_AVERAGE = {"euler": 65.7, "exact": 66.4}
+
+# tiny settings (CI): every task at a few dozen sequences of 16-32 tokens
+_TINY = {
+    "in-context-recall": MADSetting("in-context-recall", 16, 32, 96, 32),
+    "fuzzy-in-context-recall": MADSetting("fuzzy-in-context-recall", 16, 32, 96, 32, k_motif_size=3, v_motif_size=3),
+    "noisy-in-context-recall": MADSetting("noisy-in-context-recall", 32, 32, 96, 32, frac_noise=0.2,
+                                          noise_vocab_size=16),
+    "selective-copying": MADSetting("selective-copying", 16, 32, 96, 32, num_tokens_to_copy=4),
+    "compression": MADSetting("compression", 16, 16, 96, 32),
+    "memorization": MADSetting("memorization", 32, 16, 64, 32),
+}
+
+
+@dataclass
+class Preset:
+    name: str
+    description: str
+    all_settings: bool = False  # False: the baseline setting of each task
+    lrs: tuple = GRID_LRS
+    wds: tuple = GRID_WDS
+    epochs: int = 200
+    max_steps: int | None = None  # epochs = clamp(max_steps // steps_per_epoch, 1, epochs)
+    batch_size: int = 128
+    width: int = 128
+    tiny: bool = False
+
+
+PRESETS = {
+    "tiny": Preset("tiny", "CI smoke test: tiny settings, width 32, 2 epochs, one lr", lrs=(1e-3,), wds=(0.0,),
+                   epochs=2, batch_size=32, width=32, tiny=True),
+    "quick": Preset("quick", "baseline setting of each task, lr 1e-3, wd 0, a budget of 300 optimizer steps "
+                             "(3 epochs of the 12,800-example tasks, 150 of memorization)",
+                    lrs=(1e-3,), wds=(0.0,), max_steps=300),
+    "baseline": Preset("baseline", "baseline setting of each task, full 3 lr x 2 wd grid, 200 epochs"),
+    "paper": Preset("paper", "all 66 settings of the MAD protocol, full grid, 200 epochs (396 runs per rule)",
+                    all_settings=True),
+}
+
+
+@dataclass
+class MADOptions:
+    preset: str = "quick"
+    tasks: list = field(default_factory=lambda: list(TASKS))
+    rules: list = field(default_factory=lambda: ["exact", "euler"])
+    num_heads: int = 8
+    blocks: int = 2
+    lrs: list | None = None  # overrides of the preset
+    wds: list | None = None
+    epochs: int | None = None
+    max_steps: int | None = None
+    width: int | None = None
+    batch_size: int | None = None
+    precision: str = "fp32"
+    seed: int = 12345
+    device: str = "cpu"
+    time_limit: float | None = None  # seconds per run
+    train: bool = True  # False: only aggregate the stored runs
+
+
+def settings_for(preset: Preset, task: str) -> list[MADSetting]:
+    if preset.tiny:
+        return [_TINY[task]]
+    return benchmark_settings(task) if preset.all_settings else [baseline_setting(task)]
+
+
+def _epochs_for(setting: MADSetting, epochs: int, max_steps: int | None, batch_size: int) -> int:
+    if max_steps is None:
+        return epochs
+    steps_per_epoch = math.ceil(setting.num_train_examples / batch_size)
+    return max(1, min(epochs, max_steps // steps_per_epoch))
+
+
+def plan(opts: MADOptions) -> list[RunConfig]:
+    """All runs of the options, grouped by setting (so each dataset is generated once)."""
+    if opts.preset not in PRESETS:
+        raise ValueError(f"preset: expected one of {list(PRESETS)}, got {opts.preset!r}")
+    for t in opts.tasks:
+        if t not in TASKS:
+            raise ValueError(f"tasks: expected names from {TASKS}, got {t!r}")
+    for r in opts.rules:
+        if r not in RULES:
+            raise ValueError(f"rules: expected names from {RULES}, got {r!r}")
+    p = PRESETS[opts.preset]
+    lrs = opts.lrs or p.lrs
+    wds = opts.wds if opts.wds is not None else p.wds
+    bs = opts.batch_size or p.batch_size
+    width = opts.width or p.width
+    epochs = opts.epochs or p.epochs
+    max_steps = opts.max_steps if opts.max_steps is not None else (None if opts.epochs else p.max_steps)
+    runs = []
+    for task in opts.tasks:
+        for s in settings_for(p, task):
+            e = _epochs_for(s, epochs, max_steps, bs)
+            for lr in lrs:
+                for wd in wds:
+                    for rule in opts.rules:
+                        runs.append(RunConfig(setting=s, rule=rule, lr=lr, weight_decay=wd, epochs=e, batch_size=bs,
+                                              width=width, num_heads=opts.num_heads, blocks=opts.blocks,
+                                              seed=opts.seed, precision=opts.precision))
+    return runs
+
+
+def versions() -> dict:
+    import numpy  # noqa: PLC0415
+
+    import efla  # noqa: PLC0415
+
+    return {"efla": efla.__version__, "torch": torch.__version__, "numpy": numpy.__version__,
+            "python": platform.python_version(), "machine": platform.machine(),
+            "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def run_path(out_dir: str, cfg: RunConfig) -> str:
+    return os.path.join(out_dir, "runs", cfg.key + ".json")
+
+
+def load_run(out_dir: str, cfg: RunConfig, time_limit: float | None = None, any_stored: bool = False) -> dict | None:
+    """The stored result of ``cfg`` if it counts as finished: complete, or truncated by a time
+    limit at least as long as ``time_limit`` (``any_stored``: every stored result counts)."""
+    p = run_path(out_dir, cfg)
+    if not os.path.exists(p):
+        return None
+    with open(p) as f:
+        res = json.load(f)
+    if res.get("truncated") and not any_stored and (time_limit is None or (res.get("time_limit") or 0) < time_limit):
+        return None
+    return res
+
+
+def run_mad(opts: MADOptions, out_dir: str, progress_factory=None, log=None) -> dict:
+    """Run (or resume) every run of ``opts``; returns ``{"runs": [...], "missing": [...], ...}``."""
+    os.makedirs(os.path.join(out_dir, "runs"), exist_ok=True)
+    cfgs = plan(opts)
+    results, missing = [], []
+    cache: dict = {}
+    report_only = not opts.train
+    todo = [c for c in cfgs if load_run(out_dir, c, opts.time_limit, report_only) is None]
+    if log:
+        log(f"{len(cfgs)} runs planned, {len(cfgs) - len(todo)} already stored in {out_dir}/runs, "
+            f"{len(todo) if opts.train else 0} to train")
+    for i, cfg in enumerate(cfgs):
+        res = load_run(out_dir, cfg, opts.time_limit, report_only)
+        if res is None and opts.train:
+            if cfg.setting.id not in cache:
+                cache.clear()
+                cache[cfg.setting.id] = make_dataset(cfg.setting, seed=cfg.seed)
+            n_steps = cfg.epochs * math.ceil(cfg.setting.num_train_examples / cfg.batch_size)
+            desc = f"[{i + 1}/{len(cfgs)}] {cfg.setting.id} {RULE_LABEL[cfg.rule]} lr={cfg.lr:g} wd={cfg.weight_decay:g}"
+            bar = progress_factory(total=n_steps, desc=desc) if progress_factory else None
+            try:
+                res = train_run(cfg, cache[cfg.setting.id], device=opts.device, time_limit=opts.time_limit, bar=bar)
+            finally:
+                if bar is not None:
+                    bar.close()
+            _atomic_write(run_path(out_dir, cfg), json.dumps(res))
+            if log:
+                log(f"{desc}: test acc {res['test_acc']:.4f} (best-ppl epoch {res['best_epoch']}/{res['epochs_run']}"
+                    f"{', early stop' if res['stopped_early'] else ''}{', TRUNCATED' if res['truncated'] else ''}) "
+                    f"in {res['seconds']:.0f} s")
+        if res is None:
+            missing.append(cfg.key)
+        else:
+            results.append(res)
+    return {"options": opts.__dict__, "preset": PRESETS[opts.preset].__dict__, "runs": results, "missing": missing,
+            "versions": versions()}
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """``{rule: {task: {"score", "n_settings", "settings": {id: {"acc", "lr", "wd"}}}, "average": x}}``.
+
+    Per setting the maximum test accuracy over the (lr, wd) runs; per task the mean of these
+    maxima over its settings; the average is the plain mean over the tasks present."""
+    by: dict = {}
+    for r in runs:
+        by.setdefault(r["rule"], {}).setdefault(r["task"], {}).setdefault(r["setting"], []).append(r)
+    out: dict = {}
+    for rule, tasks in by.items():
+        out[rule] = {}
+        for task, settings in tasks.items():
+            per = {}
+            for sid, rs in settings.items():
+                best = max(rs, key=lambda r: r["test_acc"])
+                per[sid] = {"acc": best["test_acc"], "lr": best["lr"], "wd": best["weight_decay"], "n_runs": len(rs),
+                            "truncated": any(r["truncated"] for r in rs)}
+            out[rule][task] = {"score": statistics.mean(v["acc"] for v in per.values()), "n_settings": len(per),
+                               "settings": per}
+        scores = [v["score"] for t, v in out[rule].items()]
+        out[rule]["average"] = statistics.mean(scores) if scores else float("nan")
+    return out
+
+
+def _pairs(rules) -> list[tuple[str, str]]:
+    return [(a, b) for a, b in (("exact", "euler"), ("gated-exact", "gated-euler")) if a in rules and b in rules]
+
+
+def _tasks_in(agg: dict) -> list[str]:
+    present = {t for rule in agg.values() for t in rule if t != "average"}
+    return [t for t in TASKS if t in present]
+
+
+def summary_markdown(results: dict, agg: dict, command: str) -> str:
+    rules = [r for r in RULES if r in agg]
+    tasks = _tasks_in(agg)
+    pairs = _pairs(rules)
+    opts = results["options"]
+    lines = [f"# MAD synthetic benchmark ({opts['preset']} preset)", "", f"Command: `{command}`", "",
+             f"Preset: {results['preset']['description']}. Heads: {opts['num_heads']}; precision {opts['precision']}; "
+             f"device {opts['device']}; versions: {json.dumps(results['versions'])}.", "",
+             "Overrides of the preset: " + (", ".join(f"{k}={opts[k]}" for k in ("lrs", "wds", "epochs", "max_steps",
+                                                                             "time_limit", "width", "batch_size")
+                                                 if opts.get(k) is not None) or "none") + ".", "",
+             "Accuracy is MAD's class-balanced (macro) test accuracy, ×100, at the epoch of lowest test perplexity; "
+             "per setting the maximum over the lr × wd runs, per task the mean over its settings. "
+             "Paper: EFLA paper (arXiv 2512.12602), all 66 settings with the full grid.", ""]
+    if results.get("missing"):
+        lines += [f"**{len(results['missing'])} planned runs are missing** (not trained yet); the scores below use "
+                  "only the stored runs.", ""]
+    n_trunc = sum(1 for r in results["runs"] if r["truncated"])
+    if n_trunc:
+        lines += [f"**{n_trunc} runs were cut by the time limit** before their epoch budget.", ""]
+    # overview
+    head = ["task"] + [RULE_LABEL[r] for r in rules]
+    for a, b in pairs:
+        head.append(f"{RULE_LABEL[a]} − {RULE_LABEL[b]}")
+    head += ["paper DeltaNet", "paper EFLA", "paper EFLA − DeltaNet"]
+    lines += ["## Scores", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+
+    def row(task_label, vals, diffs, paper):
+        return "| " + " | ".join([task_label] + vals + diffs + paper) + " |"
+
+    for t in tasks:
+        vals = [f"{100 * agg[r][t]['score']:.1f}" if t in agg[r] else "–" for r in rules]
+        diffs = [f"{100 * (agg[a][t]['score'] - agg[b][t]['score']):+.1f}" if t in agg[a] and t in agg[b] else "–"
+                 for a, b in pairs]
+        p = PAPER[t]
+        lines.append(row(TASK_LABEL[t], vals, diffs, [f"{p['euler']:.1f}", f"{p['exact']:.1f}",
+                                                       f"{p['exact'] - p['euler']:+.1f}"]))
+    vals = [f"{100 * agg[r]['average']:.1f}" for r in rules]
+    diffs = [f"{100 * (agg[a]['average'] - agg[b]['average']):+.1f}" for a, b in pairs]
+    lines.append(row(f"**Average** ({len(tasks)} of 6 tasks)" if len(tasks) < 6 else "**Average**", vals, diffs, [f"{PAPER_AVERAGE['euler']:.1f}", f"{PAPER_AVERAGE['exact']:.1f}",
+                                                  f"{PAPER_AVERAGE['exact'] - PAPER_AVERAGE['euler']:+.1f}"]))
+    lines.append("")
+    for a, b in pairs:
+        wins = [t for t in tasks if t in agg[a] and t in agg[b] and agg[a][t]["score"] > agg[b][t]["score"]]
+        losses = [t for t in tasks if t in agg[a] and t in agg[b] and agg[a][t]["score"] < agg[b][t]["score"]]
+        ties = [t for t in tasks if t in agg[a] and t in agg[b] and agg[a][t]["score"] == agg[b][t]["score"]]
+        fmt = lambda ts: ", ".join(f"{TASK_LABEL[t]} ({100 * (agg[a][t]['score'] - agg[b][t]['score']):+.1f})"  # noqa: E731
+                                   for t in ts) or "none"
+        lines += [f"- {RULE_LABEL[a]} above {RULE_LABEL[b]}: {fmt(wins)}.",
+                  f"- {RULE_LABEL[a]} below {RULE_LABEL[b]}: {fmt(losses)}.",
+                  f"- equal: {', '.join(TASK_LABEL[t] for t in ties) or 'none'}.", ""]
+    # one table per task
+    for t in tasks:
+        sids = []
+        for r in rules:
+            for sid in agg[r].get(t, {}).get("settings", {}):
+                if sid not in sids:
+                    sids.append(sid)
+        head = ["setting"] + [RULE_LABEL[r] + " (lr, wd)" for r in rules] + [f"{RULE_LABEL[a]} − {RULE_LABEL[b]}"
+                                                                            for a, b in pairs]
+        lines += [f"## {TASK_LABEL[t]} (`{t}`)", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+        for sid in sids:
+            cells = []
+            for r in rules:
+                s = agg[r].get(t, {}).get("settings", {}).get(sid)
+                cells.append("–" if s is None else f"{100 * s['acc']:.1f} ({s['lr']:g}, {s['wd']:g})"
+                             + (" ✂" if s["truncated"] else ""))
+            for a, b in pairs:
+                sa = agg[a].get(t, {}).get("settings", {}).get(sid)
+                sb = agg[b].get(t, {}).get("settings", {}).get(sid)
+                cells.append("–" if sa is None or sb is None else f"{100 * (sa['acc'] - sb['acc']):+.1f}")
+            lines.append("| " + " | ".join([sid] + cells) + " |")
+        cells = [f"**{100 * agg[r][t]['score']:.1f}**" if t in agg[r] else "–" for r in rules]
+        cells += [f"**{100 * (agg[a][t]['score'] - agg[b][t]['score']):+.1f}**" if t in agg[a] and t in agg[b]
+                  else "–" for a, b in pairs]
+        lines.append("| " + " | ".join([f"task score ({len(sids)} settings)"] + cells) + " |")
+        p = PAPER[t]
+        paper_cells = [f"{p['exact']:.1f}" if r == "exact" else f"{p['euler']:.1f}" if r == "euler" else "–"
+                       for r in rules] + [f"{p['exact'] - p['euler']:+.1f}" if (a, b) == ("exact", "euler") else "–"
+                                          for a, b in pairs]
+        lines += ["| " + " | ".join(["paper (66-setting protocol)"] + paper_cells) + " |", ""]
+    lines += ["## Runs", "", "| setting | rule | lr | wd | test acc | best epoch / run / budget | steps | stopped | "
+              "seconds |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results["runs"]:
+        lines.append(f"| {r['setting']} | {RULE_LABEL[r['rule']]} | {r['lr']:g} | {r['weight_decay']:g} | "
+                     f"{100 * r['test_acc']:.1f} | {r['best_epoch']} / {r['epochs_run']} / {r['config']['epochs']} | "
+                     f"{r['steps']} | "
+                     f"{'yes' if r['stopped_early'] else ('cut' if r['truncated'] else 'no')} | {r['seconds']:.0f} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot_scores(agg: dict, path: str, title: str) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    rules = [r for r in RULES if r in agg]
+    tasks = _tasks_in(agg)
+    labels = [TASK_LABEL[t] for t in tasks] + ["Average"]
+    series = []
+    colors = {"exact": "tab:red", "euler": "tab:blue", "gated-exact": "tab:orange", "gated-euler": "tab:cyan"}
+    for r in ("euler", "exact"):
+        if r in rules:
+            series.append((f"{RULE_LABEL[r]} (paper)", [PAPER[t][r] for t in tasks] + [PAPER_AVERAGE[r]],
+                           colors[r], 0.35, "//"))
+    for r in sorted(rules, key=lambda r: ("euler", "exact", "gated-euler", "gated-exact").index(r)):
+        series.append((f"{RULE_LABEL[r]} (ours)", [100 * agg[r][t]["score"] if t in agg[r] else float("nan")
+                                                  for t in tasks] + [100 * agg[r]["average"]], colors[r], 1.0, None))
+    n = len(series)
+    w = 0.8 / n
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(labels)), 4.8))
+    for i, (lab, vals, col, alpha, hatch) in enumerate(series):
+        xs = [j + (i - (n - 1) / 2) * w for j in range(len(labels))]
+        bars = ax.bar(xs, vals, w, label=lab, color=col, alpha=alpha, hatch=hatch, edgecolor="black", linewidth=0.4)
+        for b, v in zip(bars, vals):
+            if v == v:
+                ax.text(b.get_x() + b.get_width() / 2, v + 0.8, f"{v:.1f}", ha="center", va="bottom", fontsize=6.5,
+                        rotation=90)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels)
+    ax.set_ylabel("MAD accuracy (%)")
+    ax.set_ylim(0, 130)
+    ax.set_yticks(range(0, 101, 20))
+    ax.set_title(title)
+    ax.legend(fontsize=8, ncol=len(series), loc="upper center", frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    tmp = f"{path}.{os.getpid()}.tmp.png"
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+CSV_FIELDS = ["task", "setting", "rule", "lr", "weight_decay", "test_acc", "test_ppl", "test_token_acc", "best_epoch",
+              "max_test_acc", "epochs_run", "epochs_budget", "steps", "stopped_early", "truncated", "diverged",
+              "final_train_loss", "seconds", "num_heads", "precision", "device", "num_params", "leakage", "key"]
+
+
+def write_outputs(results: dict, out_dir: str, command: str) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    agg = aggregate(results["runs"])
+    results = dict(results, scores=agg, command=command, paper=PAPER, paper_average=PAPER_AVERAGE)
+    written = []
+    p = os.path.join(out_dir, "results.json")
+    _atomic_write(p, json.dumps(results, indent=1))
+    written.append(p)
+    p = os.path.join(out_dir, "runs.csv")
+    tmp = f"{p}.{os.getpid()}.tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in results["runs"]:
+            row = {k: r.get(k) for k in CSV_FIELDS}
+            row["epochs_budget"] = r["config"]["epochs"]
+            row["num_heads"] = r["config"]["num_heads"]
+            row["precision"] = r["config"]["precision"]
+            w.writerow(row)
+    os.replace(tmp, p)
+    written.append(p)
+    p = os.path.join(out_dir, "summary.md")
+    _atomic_write(p, summary_markdown(results, agg, command))
+    written.append(p)
+    if agg:
+        p = os.path.join(out_dir, "mad_scores.png")
+        plot_scores(agg, p, f"MAD ({results['options']['preset']} preset): ours vs the EFLA paper")
+        written.append(p)
+    return written

@@ -1,0 +1,441 @@
+"""MAD benchmark: generator structure, metric, backbone, chunked training, tiny end-to-end run,
+resume and the CLI."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import efla.ops.api as ops_api
+from efla.cli import build_parser, main
+from efla.data import mad as D
+from efla.experiments import mad as E
+from efla.experiments import mad_run as R
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def seed():
+    s = int(np.random.SeedSequence().entropy % (2**31))
+    print(f"seed {s}")
+    return s
+
+
+def _sets(setting, seed, n_train=64, n_test=64):
+    s = D.MADSetting(**{**setting.to_dict(), "num_train_examples": n_train, "num_test_examples": n_test})
+    return D.make_dataset(s, seed=seed)
+
+
+# ----------------------------------------------------------------------------- generators
+
+
+@pytest.mark.parametrize("V,L", [(16, 128), (64, 64)])
+def test_in_context_recall_structure(V, L, seed):
+    d = _sets(D.MADSetting("in-context-recall", V, L), seed)
+    xtr, ytr = d["train"]
+    assert xtr.shape == (64, L - 1) and ytr.shape == (64, L - 1)
+    np.testing.assert_array_equal(ytr[:, :-1], xtr[:, 1:])  # training: next token everywhere
+    assert (ytr != D.IGNORE).all()
+    x, y = d["test"]
+    for xi, yi in zip(x, y):
+        seq = np.append(xi, yi[-1])  # the last target is the probe's value
+        keys, vals = seq[0::2], seq[1::2]
+        assert ((keys >= 0) & (keys < V // 2)).all() and ((vals >= V // 2) & (vals < V)).all()
+        table = {}
+        for k, v in zip(keys, vals):
+            assert table.setdefault(k, v) == v  # one value per key within a sequence
+        seen = set()
+        for j in range(0, L - 1):
+            if j % 2 == 0 and seq[j] in seen:
+                assert yi[j] == table[seq[j]]  # scored: value of an earlier key
+            else:
+                assert yi[j] == D.IGNORE, (j, seq[j])
+            if j % 2 == 0:
+                seen.add(seq[j])
+        assert yi[-1] != D.IGNORE and seq[-2] in set(keys[:-1])  # the probe key was shown before
+        assert (yi != D.IGNORE).sum() >= L // 2 - V // 2  # only first occurrences are unscored
+
+
+def test_noisy_recall_structure(seed):
+    V, L, frac = 32, 128, 0.4
+    d = _sets(D.MADSetting("noisy-in-context-recall", V, L, frac_noise=frac, noise_vocab_size=16), seed, 32, 200)
+    x, y = d["test"]
+    noise_slots = slots = 0
+    for xi, yi in zip(x, y):
+        seq = np.append(xi, yi[-1])
+        pairs = seq.reshape(-1, 2)
+        table = {}
+        for p, (k, v) in enumerate(pairs):
+            is_noise = k >= V - 16
+            assert is_noise == (v >= V - 16), "a slot is either two noise tokens or a (key, value) pair"
+            if is_noise:
+                assert p < len(pairs) - 1 and k < V and v < V
+                assert 2 * p >= len(yi) or yi[2 * p] == D.IGNORE  # noise is never scored
+                noise_slots += 1
+            else:
+                assert 0 <= k < 8 and 8 <= v < 16
+                assert table.setdefault(k, v) == v
+                if 2 * p < len(yi) and yi[2 * p] != D.IGNORE:
+                    assert yi[2 * p] == table[k]
+            slots += p < len(pairs) - 1
+    assert abs(noise_slots / slots - frac) < 0.03, noise_slots / slots
+    xtr, ytr = d["train"]
+    np.testing.assert_array_equal(ytr[:, :-1], xtr[:, 1:])
+    assert (ytr >= V - 16).any()  # noise tokens are training targets too
+
+
+def _runs(mask):
+    """(start, length) of the maximal runs of True."""
+    out, j = [], 0
+    while j < len(mask):
+        if mask[j]:
+            k = j
+            while k < len(mask) and mask[k]:
+                k += 1
+            out.append((j, k - j))
+            j = k
+        else:
+            j += 1
+    return out
+
+
+def test_fuzzy_recall_structure(seed):
+    V, L = 16, 128
+    d = _sets(D.MADSetting("fuzzy-in-context-recall", V, L, k_motif_size=3, v_motif_size=3), seed, 64, 128)
+    nk = (V - 1) // 2  # keys 0..6, values 7..14, pad 15
+    for split in ("train", "test"):
+        x, y = d[split]
+        assert x.shape == y.shape == (len(x), L)
+        probe_in_body = 0
+        for xi, yi in zip(x, y):
+            seq = np.append(xi, yi[-1])  # the last target is the last token (scored at test)
+            pad = seq == V - 1
+            n_pad = int(np.argmin(pad))
+            assert pad[:n_pad].all() and not pad[n_pad:].any()  # left padding only
+            body = seq[n_pad:]
+            key_runs, val_runs = _runs(body < nk), _runs(body >= nk)
+            assert body[0] < nk and len(key_runs) == len(val_runs)  # key motif, value motif, ...
+            motifs = []
+            for (s, a), (t, b) in zip(key_runs, val_runs):
+                assert 1 <= a <= 3 and 1 <= b <= 3
+                if split == "test":
+                    assert a == 3  # test keys are always full-size motifs
+                k, v = tuple(body[s:s + a]), tuple(body[t:t + b])
+                assert len(set(k)) == a and len(set(v)) == b  # distinct letters within a motif
+                motifs.append((k, v, t))
+            table = {}
+            for k, v, _ in motifs:
+                assert table.setdefault(k, v) == v  # one value per key within a sequence
+            probe_in_body += motifs[-1][:2] in [m[:2] for m in motifs[:-1]]
+            if split == "train":
+                np.testing.assert_array_equal(yi[:-1], xi[1:])
+                continue
+            scored = yi != D.IGNORE
+            assert ((yi[scored] >= nk) & (yi[scored] < V - 1)).all()  # only value tokens are scored
+            shown = set()
+            for i, (k, v, t) in enumerate(motifs):
+                for j in range(t, t + len(v)):
+                    tgt = yi[n_pad + j - 1]
+                    # scored: a value of a key shown before, and always the final probe's value
+                    assert tgt == (body[j] if (k in shown or i == len(motifs) - 1) else D.IGNORE)
+                shown.add(k)
+            assert scored.sum() == sum(scored[n_pad + t - 1:n_pad + t - 1 + len(v)].sum() for _, v, t in motifs)
+        assert probe_in_body >= 0.85 * len(x)  # the probe pair is (nearly always) shown in the body first
+
+
+def test_selective_copying_structure(seed):
+    V, L, n = 16, 256, 16
+    d = _sets(D.MADSetting("selective-copying", V, L, num_tokens_to_copy=n), seed)
+    for split in ("train", "test"):
+        x, y = d[split]
+        assert x.shape == y.shape == (64, L)
+        for xi, yi in zip(x, y):
+            assert xi[L - n - 1] == V - 1 and (xi == V - 1).sum() == 1  # one copy token
+            assert (xi[L - n:] == V - 2).all()  # answers are not fed back
+            assert (yi[:L - n] == D.IGNORE).all()
+            head = xi[:L - n - 1]
+            content = head[head != V - 2]
+            assert len(content) == n and (content < V - 2).all()
+            np.testing.assert_array_equal(yi[L - n:], content)  # the content tokens in order
+            assert head[-1] != V - 2  # the last content token sits right before the copy token
+            assert (head == V - 2).sum() == L - 2 * n - 1
+
+
+def test_compression_structure(seed):
+    V, L = 32, 64
+    d = _sets(D.MADSetting("compression", V, L), seed)
+    for split in ("train", "test"):
+        x, y = d[split]
+        np.testing.assert_array_equal(x, y)
+        assert (x[:, -1] == V - 1).all() and (x[:, :-1] < V - 1).all() and (x >= 0).all()
+    # roughly uniform content tokens
+    counts = np.bincount(d["train"][0][:, :-1].ravel(), minlength=V - 1)
+    assert counts.min() > 0.7 * counts.mean()
+
+
+def test_memorization_table_is_fixed(seed):
+    V, L = 256, 32
+    table = D.memorization_table(V, seed)  # MAD-lab seeds the table with the run's seed (12345)
+    assert sorted(table) == list(range(127))
+    assert len(set(table.values())) == 127 and all(127 <= v <= 254 for v in table.values())
+    assert table == D.memorization_table(V, seed) and table != D.memorization_table(V, seed + 1)
+    d = _sets(D.MADSetting("memorization", V, L, num_train_examples=256), seed)
+    seen = {}
+    for split in ("train", "test"):
+        x, y = d[split]
+        assert (x[:, 1::2] == V - 1).all() and (y[:, 0::2] == D.IGNORE).all()
+        for k, v in zip(x[:, 0::2].ravel(), y[:, 1::2].ravel()):
+            assert table[int(k)] == v
+            assert seen.setdefault(int(k), int(v)) == v  # same table across sequences and splits
+    assert len(seen) > 100
+
+
+@pytest.mark.parametrize("task", D.TASKS)
+def test_datasets_deterministic_and_train_test_differ(task):
+    s = R._TINY[task]
+    a, b = D.make_dataset(s, seed=3), D.make_dataset(s, seed=3)
+    c = D.make_dataset(s, seed=4)
+    for split in ("train", "test"):
+        for i in range(2):
+            np.testing.assert_array_equal(a[split][i], b[split][i])
+    assert not np.array_equal(a["train"][0], c["train"][0])
+    n = len(a["test"][0])
+    assert not np.array_equal(a["train"][0][:n], a["test"][0])
+    assert a["leakage"] < 0.05
+    if task in ("in-context-recall", "noisy-in-context-recall", "fuzzy-in-context-recall"):
+        # training targets are the full next-token stream, test targets only the recalls
+        assert (a["train"][1] != D.IGNORE).mean() > 0.99 and (a["test"][1] == D.IGNORE).mean() > 0.3
+    else:
+        assert (a["train"][1] != D.IGNORE).mean() == pytest.approx((a["test"][1] != D.IGNORE).mean(), abs=0.05)
+
+
+def test_benchmark_settings():
+    counts = {t: len(D.benchmark_settings(t)) for t in D.TASKS}
+    assert counts == {"in-context-recall": 11, "fuzzy-in-context-recall": 11, "noisy-in-context-recall": 14,
+                      "selective-copying": 13, "compression": 11, "memorization": 6}
+    ids = [s.id for t in D.TASKS for s in D.benchmark_settings(t)]
+    assert len(set(ids)) == 66
+    nr = D.baseline_setting("noisy-in-context-recall")
+    assert (nr.vocab_size, nr.noise_vocab_size, nr.frac_noise) == (32, 16, 0.2)
+    assert D.baseline_setting("memorization").num_train_examples == 256
+
+
+# ----------------------------------------------------------------------------- metric and model
+
+
+def _naive_macro(logits, targets, V):
+    p = logits.argmax(-1).ravel().tolist()
+    t = targets.ravel().tolist()
+    pairs = [(a, b) for a, b in zip(p, t) if b != D.IGNORE]
+    scores = []
+    for c in range(V):
+        tp = sum(1 for a, b in pairs if a == c and b == c)
+        fn = sum(1 for a, b in pairs if a != c and b == c)
+        fp = sum(1 for a, b in pairs if a == c and b != c)
+        if tp + fp + fn:
+            scores.append(tp / (tp + fn) if tp + fn else 0.0)
+    return sum(scores) / len(scores)
+
+
+def test_macro_accuracy_matches_definition(seed):
+    g = torch.Generator().manual_seed(seed)
+    V = 12
+    targets = torch.randint(0, V - 3, (4, 50), generator=g)  # some classes never targets
+    targets[torch.rand(4, 50, generator=g) < 0.4] = D.IGNORE
+    logits = torch.randn(4, 50, V, generator=g)
+    logits[..., 0] += 1.0  # class 0 over-predicted
+    got = float(E.macro_accuracy(logits, targets, V))
+    assert got == pytest.approx(_naive_macro(logits, targets, V), abs=1e-12)
+    perfect = torch.nn.functional.one_hot(targets.clamp_min(0), V).float()
+    assert float(E.macro_accuracy(perfect, targets, V)) == 1.0
+    try:
+        from torchmetrics.classification import MulticlassAccuracy  # noqa: PLC0415
+    except ImportError:
+        return
+    ref = MulticlassAccuracy(num_classes=V, average="macro", ignore_index=D.IGNORE)
+    assert got == pytest.approx(float(ref(logits.reshape(-1, V), targets.reshape(-1))), abs=1e-6)
+
+
+def test_backbone_shapes_and_init():
+    s = D.MADSetting("in-context-recall", 16, 64)
+    m = E.build_model(s, "exact", seed=0)
+    assert E.swiglu_width(128) == 352
+    assert [type(layer.layer).__name__ for layer in m.layers] == ["Mixer", "GatedMLP", "Mixer", "GatedMLP"]
+    assert m.layers[1].layer.intermediate_size == 352
+    assert m.embed.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert m.head.bias.abs().max() == 0
+    x = torch.randint(0, 16, (3, 63))
+    assert m(x).shape == (3, 63, 16)
+    # causal: changing a later token leaves earlier logits untouched
+    x2 = x.clone()
+    x2[:, 40] = (x2[:, 40] + 1) % 16
+    with torch.no_grad():
+        a, b = m(x), m(x2)
+    assert torch.allclose(a[:, :40], b[:, :40], atol=1e-5) and not torch.allclose(a[:, 40:], b[:, 40:])
+
+    c = D.MADSetting("compression", 16, 32)
+    ae = E.build_model(c, "euler", seed=0)
+    assert ae.autoencoder
+    w = torch.cat([mod.weight.ravel() for mod in ae.modules() if isinstance(mod, torch.nn.Linear)])
+    assert w.std().item() == pytest.approx(0.02, rel=0.05)  # all linear weights N(0, 0.02), mixer's too
+    xc = torch.randint(0, 15, (2, 32))
+    out = ae(xc)
+    assert out.shape == (2, 32, 16)
+    xc2 = xc.clone()
+    xc2[:, 0] = (xc2[:, 0] + 1) % 15
+    with torch.no_grad():  # every output position depends on the first token (through the last state)
+        assert (ae(xc) - ae(xc2)).abs().amax(dim=-1).min() > 0
+    pe = E.sinusoidal_positions(32, 128)
+    assert pe.shape == (32, 128) and torch.allclose(pe[0, :64], torch.zeros(64)) and torch.allclose(pe[0, 64:],
+                                                                                                  torch.ones(64))
+
+
+@pytest.mark.parametrize("rule", E.RULES)
+def test_training_uses_chunked_ops(rule, monkeypatch):
+    calls = []
+    real = ops_api.chunk_generic
+
+    def chunk_spy(q, k, *args, **kw):
+        calls.append(k.shape[1])
+        return real(q, k, *args, **kw)
+
+    def no_scan(*args, **kw):
+        raise AssertionError("per-token recurrence used during training")
+
+    monkeypatch.setattr(ops_api, "chunk_generic", chunk_spy)
+    monkeypatch.setattr(ops_api, "recurrent_generic", no_scan)
+    s = D.MADSetting("selective-copying", 16, 512, 8, 8, num_tokens_to_copy=8)
+    cfg = E.RunConfig(setting=s, rule=rule, lr=1e-3, epochs=1, batch_size=8, width=32, num_heads=2)
+    res = E.train_run(cfg)
+    assert res["steps"] == 1 and calls and min(calls) == 512  # every mixer call ran the chunked form on T=512
+    assert len(calls) == 2 * 2  # 2 mixers x (1 training step + 1 eval batch)
+
+
+def test_learns_memorization():
+    """A small fixed table is learned in a few dozen steps (catches broken heads, targets, optimizers)."""
+    s = D.MADSetting("memorization", 16, 16, 256, 64)  # 7 facts
+    cfg = E.RunConfig(setting=s, rule="exact", lr=3e-3, epochs=12, batch_size=32, width=32, num_heads=2)
+    res = E.train_run(cfg)
+    assert res["test_acc"] > 0.95, res["history"][-1]
+    assert res["history"][-1]["train_loss"] < res["history"][0]["train_loss"] / 2
+
+
+def test_early_stop_and_best_checkpoint(monkeypatch):
+    s = D.MADSetting("memorization", 16, 16, 256, 64)
+    cfg = E.RunConfig(setting=s, rule="euler", lr=3e-3, epochs=40, batch_size=32, width=32, num_heads=2)
+    res = E.train_run(cfg)
+    assert res["stopped_early"] and res["epochs_run"] < 40 and res["history"][-1]["test_acc"] > E.EARLY_STOP
+    best = min(res["history"], key=lambda h: h["test_ppl"])
+    assert res["test_acc"] == best["test_acc"] and res["best_epoch"] == best["epoch"]
+    lrs = [h["lr"] for h in res["history"]]
+    assert lrs[0] == pytest.approx(3e-3) and all(a > b for a, b in zip(lrs, lrs[1:]))  # per-epoch cosine
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_tiny_preset_all_tasks_two_rules(tmp_path):
+    t0 = time.perf_counter()
+    opts = R.MADOptions(preset="tiny", rules=["exact", "euler"], num_heads=2)
+    res = R.run_mad(opts, str(tmp_path))
+    files = R.write_outputs(res, str(tmp_path), "efla mad --preset tiny")
+    elapsed = time.perf_counter() - t0
+    assert len(res["runs"]) == 12 and not res["missing"]
+    assert elapsed < 60, elapsed
+    for r in res["runs"]:
+        assert 0.0 <= r["test_acc"] <= 1.0 and np.isfinite(r["test_ppl"]) and r["epochs_run"] == 2
+    agg = R.aggregate(res["runs"])
+    assert set(agg) == {"exact", "euler"} and all(len(agg[r]) == 7 for r in agg)  # six tasks + average
+    names = {os.path.basename(f) for f in files}
+    assert names == {"results.json", "runs.csv", "summary.md", "mad_scores.png"}
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["scores"]["exact"]["average"] == pytest.approx(agg["exact"]["average"])
+    with open(tmp_path / "runs.csv") as f:
+        assert len(list(csv.DictReader(f))) == 12
+    md = (tmp_path / "summary.md").read_text()
+    for label in D.TASK_LABEL.values():
+        assert f"## {label}" in md
+    assert "paper (66-setting protocol)" in md and "EFLA − DeltaNet" in md
+    assert (tmp_path / "mad_scores.png").stat().st_size > 10_000
+
+
+def test_aggregation_max_over_grid_mean_over_settings():
+    def run(task, sid, rule, lr, acc):
+        return {"task": task, "setting": sid, "rule": rule, "lr": lr, "weight_decay": 0.0, "test_acc": acc,
+                "truncated": False}
+
+    runs = [run("compression", "a", "exact", 1e-3, 0.2), run("compression", "a", "exact", 1e-4, 0.5),
+            run("compression", "b", "exact", 1e-3, 0.9), run("memorization", "m", "exact", 1e-3, 0.3)]
+    agg = R.aggregate(runs)
+    assert agg["exact"]["compression"]["score"] == pytest.approx((0.5 + 0.9) / 2)
+    assert agg["exact"]["compression"]["settings"]["a"]["lr"] == 1e-4
+    assert agg["exact"]["average"] == pytest.approx(((0.5 + 0.9) / 2 + 0.3) / 2)
+
+
+def test_resume_skips_finished_runs(tmp_path, monkeypatch):
+    opts = R.MADOptions(preset="tiny", tasks=["memorization"], rules=["exact"], num_heads=2)
+    first = R.run_mad(opts, str(tmp_path))
+    assert len(first["runs"]) == 1
+    trained = []
+    real = R.train_run
+
+    def spy(cfg, *a, **kw):
+        trained.append(cfg.rule)
+        return real(cfg, *a, **kw)
+
+    monkeypatch.setattr(R, "train_run", spy)
+    again = R.run_mad(opts, str(tmp_path))
+    assert trained == [] and again["runs"][0]["test_acc"] == first["runs"][0]["test_acc"]
+    more = R.run_mad(R.MADOptions(preset="tiny", tasks=["memorization"], rules=["exact", "euler"], num_heads=2),
+                     str(tmp_path))
+    assert trained == ["euler"] and len(more["runs"]) == 2
+    # a run cut by the time limit is redone once more time is allowed
+    cut = R.run_mad(R.MADOptions(preset="tiny", tasks=["compression"], rules=["exact"], num_heads=2,
+                                 time_limit=0.0), str(tmp_path))
+    assert cut["runs"][0]["truncated"] and cut["runs"][0]["steps"] == 1
+    shown = R.run_mad(R.MADOptions(preset="tiny", tasks=["compression"], rules=["exact"], num_heads=2, train=False),
+                      str(tmp_path))
+    assert shown["runs"][0]["truncated"]  # --report-only shows what is stored, cut or not
+    trained.clear()
+    R.run_mad(R.MADOptions(preset="tiny", tasks=["compression"], rules=["exact"], num_heads=2), str(tmp_path))
+    assert trained == ["exact"]
+    report = R.run_mad(R.MADOptions(preset="tiny", tasks=["compression"], rules=["euler"], num_heads=2, train=False),
+                       str(tmp_path))
+    assert report["runs"] == [] and len(report["missing"]) == 1
+
+
+def test_quick_preset_plan():
+    cfgs = R.plan(R.MADOptions(preset="quick"))
+    assert len(cfgs) == 12 and {c.setting for c in cfgs} == {D.baseline_setting(t) for t in D.TASKS}
+    ep = {c.setting.task: c.epochs for c in cfgs}
+    assert ep["in-context-recall"] == 3 and ep["memorization"] == 150
+    assert all(c.batch_size == 128 and c.width == 128 for c in cfgs)
+    assert len(R.plan(R.MADOptions(preset="baseline"))) == 6 * 6 * 2
+    assert len(R.plan(R.MADOptions(preset="paper", rules=["exact"]))) == 396
+    assert {c.epochs for c in R.plan(R.MADOptions(preset="quick", epochs=200))} == {200}
+
+
+def test_cli(tmp_path):
+    args = build_parser().parse_args(["mad", "--quick", "--out", str(tmp_path)])
+    assert args.quick and args.out == str(tmp_path) and args.func.__name__ == "cmd_mad"
+    out = tmp_path / "cli"
+    rc = main(["mad", "--preset", "tiny", "--tasks", "M", "--rules", "exact", "gated-euler", "--num-heads", "2",
+               "--out", str(out)])
+    assert rc == 0
+    saved = json.loads((out / "results.json").read_text())
+    assert {r["task"] for r in saved["runs"]} == {"memorization"}
+    assert {r["rule"] for r in saved["runs"]} == {"exact", "gated-euler"}
+    assert "Gated DeltaNet" in (out / "summary.md").read_text()
