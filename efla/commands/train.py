@@ -1,0 +1,150 @@
+"""``efla train`` (language-model training; efla.experiments.lm_train) and ``efla lm-report``
+(losses JSON/CSV, loss-curve PNG and summary.md of several runs)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+_EPILOG = """\
+examples:
+  efla train --preset tiny-efla --data ../shared/data/corpus/gutenberg --max-steps 500 --out runs/lm/efla-s0
+  efla train --preset tiny-efla --data ../shared/data/corpus/gutenberg --max-steps 500 --out runs/lm/efla-s0 --resume
+  torchrun --nproc_per_node 2 -m efla train --preset tiny-deltanet --data corpus/ --max-steps 100 --out runs/ddp
+The output directory is a Hugging Face model directory (config.json, model.safetensors, tokenizer):
+  import efla; AutoModelForCausalLM.from_pretrained(out); AutoTokenizer.from_pretrained(out)
+"""
+
+
+def add_parser(subparsers) -> None:
+    from efla.experiments.lm_train import TrainConfig  # noqa: PLC0415
+
+    d = TrainConfig()
+    p = subparsers.add_parser(
+        "train", help="train a language model (EFLA / DeltaNet / gated variants) on text files",
+        description="Train a causal LM with the paper's recipe (AdamW, peak lr 3e-4, warm-up and cosine from/to "
+                    "3e-5, weight decay 0.1, clip 1.0). Works under torchrun (DDP; --fsdp for FSDP2).",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", default=d.preset, metavar="NAME",
+                   help="tiny|340m|1.3b x efla|gated-efla|deltanet|gated-deltanet, e.g. tiny-efla (default: %(default)s)")
+    g.add_argument("--config", dest="config_file", default=None, metavar="JSON",
+                   help="an EFLAConfig JSON file instead of --preset (vocab_size is set from the tokenizer)")
+    g.add_argument("--grad-checkpointing", action="store_true", help="activation checkpointing per block")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", nargs="+", default=None, metavar="PATH",
+                   help="text/JSONL files or directories (hf:NAME[:CONFIG][@SPLIT] for a Hugging Face dataset); "
+                        "required unless resuming")
+    g.add_argument("--val-data", nargs="+", default=None, metavar="PATH",
+                   help="held-out files for the validation loss (default: --val-sequences held out of --data)")
+    g.add_argument("--val-sequences", type=int, default=d.val_sequences,
+                   help="sequences for the validation loss (default: %(default)s)")
+    g.add_argument("--text-field", default=d.text_field, help="JSONL field with the text (default: %(default)s)")
+    g.add_argument("--no-gutenberg-strip", dest="gutenberg_strip", action="store_false",
+                   help="keep Project Gutenberg headers/licences (stripped by default when present)")
+    g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 256 tiny, 2048 others)")
+    g.add_argument("--varlen", action="store_true", help="pack sequences into one row with cu_seqlens at documents")
+    g.add_argument("--data-seed", type=int, default=d.data_seed, help="data order seed (default: %(default)s)")
+    g.add_argument("--cache-dir", default=None, help="tokenized-data cache (default: OUT/cache)")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer", default=None, metavar="NAME_OR_PATH",
+                   help="a Hugging Face tokenizer (name or directory); default: train a byte-level BPE on --data")
+    g.add_argument("--vocab-size", type=int, default=d.vocab_size, help="trained BPE vocabulary (default: %(default)s)")
+    g.add_argument("--tokenizer-train-chars", type=int, default=d.tokenizer_train_chars,
+                   help="characters of --data to train the BPE on (default: %(default)s)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--max-steps", type=int, default=None, metavar="N", help="optimizer updates")
+    g.add_argument("--max-tokens", type=int, default=None, help="or: training tokens (max steps = this / batch)")
+    g.add_argument("--batch-tokens", type=int, default=None,
+                   help="global batch in tokens (default: 4096 tiny, 1M (2^20) others, as in the paper)")
+    g.add_argument("--micro-batch-size", type=int, default=None,
+                   help="sequences per forward and rank; the rest is gradient accumulation (default: all)")
+    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
+    g.add_argument("--min-lr", type=float, default=d.min_lr, help="start and end learning rate (default: %(default)s)")
+    g.add_argument("--warmup-steps", type=int, default=None, help="default: max steps / 8")
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="default: %(default)s")
+    g.add_argument("--grad-clip", type=float, default=d.grad_clip, help="default: %(default)s")
+    g.add_argument("--seed", type=int, default=d.seed, help="model initialisation seed (default: %(default)s)")
+    g.add_argument("--on-nonfinite", choices=["stop", "skip"], default=d.on_nonfinite,
+                   help="non-finite loss: stop (keep the last good checkpoint) or skip the batch (default: %(default)s)")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--out", required=True, metavar="DIR", help="output model directory")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --out; options left at their defaults take the values "
+                        "saved in OUT/train_args.json")
+    g.add_argument("--resume-from", default=None, metavar="CKPT_DIR", help="continue from this checkpoint")
+    g.add_argument("--overwrite", action="store_true", help="start again in an --out that has checkpoints")
+    g.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="default: %(default)s")
+    g.add_argument("--val-every", type=int, default=d.val_every, help="validation every N steps (0: only at the end)")
+    g.add_argument("--log-every", type=int, default=d.log_every, help="log.jsonl entry every N steps")
+    g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
+    g.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="auto: bf16 autocast on CUDA, fp32 on CPU")
+    g.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard per block) instead of DDP under torchrun")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(func=cmd_train, _defaults={a.dest: a.default for a in p._actions})
+
+    r = subparsers.add_parser("lm-report", help="losses JSON/CSV, loss-curve PNG and summary.md of `efla train` runs")
+    r.add_argument("--runs", nargs="+", required=True, help="run directories (OUT of efla train)")
+    r.add_argument("--out", required=True, help="where to write lm_losses.json/.csv, lm_loss_curves.png, summary.md")
+    r.add_argument("--title", default="Language modelling, tiny presets")
+    r.add_argument("--notes", default=None, help="a markdown file appended to summary.md (commands, remarks)")
+    r.set_defaults(func=cmd_lm_report)
+
+
+def cmd_train(args) -> int:
+    from rich.console import Console  # noqa: PLC0415
+
+    from efla.experiments.lm_train import (  # noqa: PLC0415
+        CheckpointError,
+        NonFiniteLossError,
+        TrainConfig,
+        main_ddp_cleanup,
+        train,
+    )
+
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    console = Console(stderr=True)
+    fields = TrainConfig.__dataclass_fields__
+    given = {k: v for k, v in vars(args).items() if k in fields}
+    saved_path = os.path.join(args.out, "train_args.json")
+    if (args.resume or args.resume_from) and os.path.exists(saved_path):
+        with open(saved_path) as f:
+            saved = {k: v for k, v in json.load(f).items() if k in fields}
+        defaults = args._defaults
+        # what the command line leaves at its default comes from the run being resumed
+        given = {**saved, **{k: v for k, v in given.items() if k not in defaults or v != defaults[k]},
+                 "resume": args.resume, "resume_from": args.resume_from, "overwrite": False}
+    if not given.get("data"):
+        console.print("[red]efla train: --data is required (unless resuming a run that saved it)[/red]")
+        return 2
+    cfg = TrainConfig(**given)
+    if args.config_file:
+        cfg.preset = None
+    try:
+        res = train(cfg)
+    except (CheckpointError, NonFiniteLossError, ValueError, FileNotFoundError) as e:
+        console.print(f"[red]efla train: {type(e).__name__}: {e}[/red]")
+        main_ddp_cleanup()
+        return 2
+    main_ddp_cleanup()
+    if "final_loss" in res:
+        vl = res["val_loss"]
+        console.print(f"{res['steps']} steps, {res['tokens']:,} tokens; final loss {res['final_loss']:.4f}"
+                      + (f", validation loss {vl:.4f}" if vl is not None else "")
+                      + f"; {res['tokens_per_s']:,.0f} tokens/s. Model directory: [bold]{res['out']}[/bold]")
+    return 0
+
+
+def cmd_lm_report(args) -> int:
+    from efla.experiments.lm_train import write_lm_report  # noqa: PLC0415
+
+    notes = open(args.notes).read() if args.notes else ""  # noqa: SIM115
+    files = write_lm_report(args.runs, args.out, title=args.title, notes=notes,
+                            command_line="efla " + " ".join(sys.argv[1:]))
+    print("Wrote: " + ", ".join(files))
+    return 0
