@@ -26,7 +26,7 @@ CHUNK = 64
 
 class _UnitLowerInverse(torch.autograd.Function):
     """``(I + L)^{-1}`` for strictly lower-triangular ``L [..., C, C]`` by row-wise forward
-    substitution (C small batched products instead of a per-matrix LAPACK loop).
+    substitution, batched over all chunks (a per-matrix LAPACK loop was the slowest part).
     Backward: ``dL = -strict_tril(T^T dT T^T)``."""
 
     @staticmethod
@@ -36,9 +36,9 @@ class _UnitLowerInverse(torch.autograd.Function):
         L3 = L.reshape(-1, C, C)
         T = torch.eye(C, dtype=L.dtype, device=L.device).repeat(L3.shape[0], 1, 1)
         for i in range(1, C):
-            # row i: T[i, :i] = -L[i, :i] @ T[:i, :i]
-            torch.bmm(L3[:, i : i + 1, :i], T[:, :i, :i], out=T[:, i : i + 1, :i])
-            T[:, i, :i].neg_()
+            # row i: T[i, :i] = -L[i, :i] @ T[:i, :i]; a broadcast multiply-sum is several times
+            # faster on CPU than bmm on these thin slices (which loops over the batch)
+            T[:, i, :i] = -(L3[:, i, :i, None] * T[:, :i, :i]).sum(-2)
         T = T.reshape(shape)
         ctx.save_for_backward(T)
         return T
