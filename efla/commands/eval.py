@@ -1,0 +1,229 @@
+"""``efla eval`` (one model: WikiText, LAMBADA, lm-evaluation-harness) and ``efla compare`` (several
+models in the paper's Table 1 layout). Argument parsing and printing only; the work is in
+:mod:`efla.experiments.lm_eval`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+_DATA_FILES = {"wikitext": ("wikitext-2-raw", "wiki.test.raw"), "lambada": ("lambada", "lambada_test.jsonl")}
+
+
+def _shared_data_dirs() -> list[str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(os.path.dirname(here))
+    dirs = [os.environ.get("EFLA_DATA_DIR"), os.path.join(os.getcwd(), "..", "shared", "data"),
+            os.path.join(repo, "..", "shared", "data")]
+    return [os.path.normpath(d) for d in dirs if d]
+
+
+def default_data_file(kind: str) -> str | None:
+    """``wiki.test.raw`` / ``lambada_test.jsonl`` under ``$EFLA_DATA_DIR`` or ``../shared/data``, if present."""
+    for d in _shared_data_dirs():
+        p = os.path.join(d, *_DATA_FILES[kind])
+        if os.path.isfile(p):
+            return p
+    return None
+
+
+def _progress_factory():
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    return lambda total, desc: tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
+
+
+def _command_line(args) -> str:
+    """The effective command: the subcommand and every option that differs from its default
+    (rebuilt from the parsed arguments, so it is right however ``main`` was called)."""
+    parts = ["efla", args.command]
+    for action in args._parser._actions:
+        if action.dest in ("help", "command_line") or action.help == argparse.SUPPRESS:
+            continue
+        val = getattr(args, action.dest, None)
+        if val is None or val == action.default or val is False:
+            continue
+        vals = val if isinstance(val, list) else [val]
+        if not action.option_strings:  # positional
+            parts += [shlex.quote(str(v)) for v in vals]
+        elif val is True:
+            parts.append(action.option_strings[-1])
+        else:
+            parts += [action.option_strings[-1]] + [shlex.quote(str(v)) for v in vals]
+    return " ".join(parts)
+
+
+def _options(args):
+    from efla.experiments.lm_eval import EvalOptions  # noqa: PLC0415
+
+    wikitext, lambada = args.wikitext, args.lambada
+    harness = [t.strip() for t in args.harness.split(",") if t.strip()] if args.harness else None
+    if wikitext is None and lambada is None and not harness:
+        wikitext, lambada = default_data_file("wikitext"), default_data_file("lambada")
+        if wikitext is None and lambada is None:
+            raise SystemExit("efla: give --wikitext FILE and/or --lambada FILE (or --harness TASKS); "
+                             "no default data found under $EFLA_DATA_DIR or ../shared/data")
+        console.print(f"No data given: using wikitext={wikitext}, lambada={lambada}")
+    if wikitext and wikitext.lower() == "none":
+        wikitext = None
+    if lambada and lambada.lower() == "none":
+        lambada = None
+    if lambada and not os.path.isfile(lambada):
+        raise SystemExit(f"efla: --lambada: no such file: {lambada}")
+    return EvalOptions(wikitext=wikitext, lambada=lambada, context=args.context, stride=args.stride,
+                       batch_size=args.batch_size, limit=args.limit, wikitext_max_tokens=args.wikitext_max_tokens,
+                       prefix=args.prefix, device=args.device, dtype=args.dtype, harness=harness,
+                       harness_include=args.harness_include, harness_limit=args.harness_limit,
+                       num_fewshot=args.num_fewshot)
+
+
+def _setup_threads(args) -> None:
+    if args.threads:
+        import torch  # noqa: PLC0415
+
+        torch.set_num_threads(args.threads)
+
+
+def _print_record(rec: dict) -> None:
+    m = rec["model"]
+    tab = Table(title=f"{m['name']}: {m['label']} ({m['parameters'] / 1e6:.2f}M parameters"
+                      + (f", seed {m['seed']}" if m["seed"] is not None else "") + ")")
+    tab.add_column("benchmark")
+    tab.add_column("metric")
+    tab.add_column("value", justify="right")
+    tab.add_column("details")
+    if "wikitext" in rec:
+        w = rec["wikitext"]
+        det = (f"{w['scored_tokens']} tokens, {w['words']} words, {w['bytes']} bytes; context {w['context']}, "
+               f"stride {w['stride']}, {w['windows']} windows")
+        tab.add_row("WikiText", "word perplexity ↓", f"{w['word_perplexity']:.3f}", det)
+        tab.add_row("", "token perplexity ↓", f"{w['token_perplexity']:.3f}", "")
+        tab.add_row("", "bits per byte ↓", f"{w['bits_per_byte']:.4f}", "")
+    if "lambada" in rec:
+        lam = rec["lambada"]
+        det = f"{lam['n']} of {lam['passages_in_file']} passages" + (" (--limit)" if lam["limit"] else "")
+        tab.add_row("LAMBADA (OpenAI)", "accuracy ↑", f"{100 * lam['accuracy']:.2f}% ± {100 * lam['accuracy_stderr']:.2f}",
+                    det)
+        tab.add_row("", "last-word perplexity ↓", f"{lam['perplexity']:.3f}", "")
+    for task, vals in rec.get("harness", {}).items():
+        for k, v in vals.items():
+            if not k.endswith("_stderr"):
+                tab.add_row(f"lm-eval {task}", k, f"{v:.4f}", "")
+    console.print(tab)
+
+
+def cmd_eval(args) -> int:
+    from efla.experiments.lm_eval import evaluate_model, write_json  # noqa: PLC0415
+
+    _setup_threads(args)
+    opts = _options(args)
+    out = args.out or os.path.join("results", "eval", os.path.basename(os.path.normpath(args.model)))
+    rec = evaluate_model(args.model, opts, progress_factory=_progress_factory())
+    rec["command"] = args.command_line or _command_line(args)
+    _print_record(rec)
+    path = os.path.join(out, "eval.json")
+    write_json(path, rec)
+    console.print(f"Wrote {path} ({rec['seconds']:.1f} s)")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from efla.experiments.lm_eval import compare, evaluate_model, write_json, write_text  # noqa: PLC0415
+
+    _setup_threads(args)
+    sources = list(args.models or []) + list(args.models_opt or [])
+    if not sources:
+        raise SystemExit("efla compare: give model directories (or eval.json files)")
+    records = []
+    opts = None
+    for src in sources:
+        if src.endswith(".json") and os.path.isfile(src):
+            with open(src) as f:
+                obj = json.load(f)
+            recs = obj["records"] if "records" in obj else [obj]  # an earlier `efla compare` output, or one model
+            records.extend(recs)
+            console.print(f"{src}: using {len(recs)} recorded evaluation(s)")
+            continue
+        if not os.path.isdir(src):
+            raise SystemExit(f"efla compare: {src}: not a model directory or eval.json file")
+        opts = opts or _options(args)
+        name = os.path.basename(os.path.normpath(src))
+        cached = os.path.join(args.out, "models", name, "eval.json")
+        if args.reuse and os.path.isfile(cached):
+            with open(cached) as f:
+                rec = json.load(f)
+            console.print(f"{src}: reusing {cached}")
+        else:
+            console.print(f"Evaluating {src} ...")
+            rec = evaluate_model(src, opts, progress_factory=_progress_factory())
+            rec["command"] = args.command_line or _command_line(args)
+            write_json(cached, rec)
+        _print_record(rec)
+        records.append(rec)
+    md, summary = compare(records)
+    cmd = args.command_line or _command_line(args)
+    md = f"# Language-model evaluation\n\nCommand: `{cmd}`\n\n" + md
+    write_text(os.path.join(args.out, "table.md"), md)
+    write_json(os.path.join(args.out, "eval.json"), dict(summary, command=cmd, records=records))
+    console.print(md)
+    console.print(f"Wrote {os.path.join(args.out, 'table.md')} and {os.path.join(args.out, 'eval.json')}")
+    return 0
+
+
+def _add_eval_options(p) -> None:
+    p.add_argument("--wikitext", default=None,
+                   help="raw WikiText file (e.g. wiki.test.raw), or a datasets name when online "
+                        "(NAME[:CONFIG[:SPLIT]]); 'none' skips it")
+    p.add_argument("--lambada", default=None, help="OpenAI LAMBADA JSONL (lambada_test.jsonl); 'none' skips it. "
+                   "With neither given, both are looked up under $EFLA_DATA_DIR or ../shared/data")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens per forward (WikiText window, LAMBADA truncation); default: the model's "
+                        "max_position_embeddings, at most 2048")
+    p.add_argument("--stride", type=int, default=None,
+                   help="WikiText: new tokens scored per window (< context); default context/2")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward (LAMBADA uses twice as many)")
+    p.add_argument("--limit", type=int, default=None, help="LAMBADA: evaluate only the first N passages")
+    p.add_argument("--wikitext-max-tokens", type=int, default=None,
+                   help="WikiText: only the first N tokens (a quick check)")
+    p.add_argument("--prefix", default="auto", choices=["auto", "bos", "eos", "none"],
+                   help="token before the WikiText stream so its first token is scored (auto: BOS if the "
+                        "tokenizer adds BOS itself, else EOS, the document separator of `efla train`)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--harness", default=None, metavar="TASKS",
+                   help="comma-separated lm-evaluation-harness tasks (needs lm-eval: pip install 'efla[eval]'); "
+                        "'lambada_openai_local' runs lambada_openai over --lambada FILE offline")
+    p.add_argument("--harness-include", default=None, metavar="DIR", help="folder of extra lm-eval task YAMLs")
+    p.add_argument("--harness-limit", type=int, default=None, help="lm-eval: examples per task (default: --limit)")
+    p.add_argument("--num-fewshot", type=int, default=None, help="lm-eval: few-shot examples")
+    p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
+
+
+def add_parser(sub) -> None:
+    e = sub.add_parser("eval", help="WikiText perplexity, LAMBADA accuracy/perplexity (and lm-eval tasks) of a model",
+                       description="Evaluate a saved model directory: WikiText token/word perplexity and bits per byte "
+                                   "(sliding window), LAMBADA last-word accuracy and perplexity (lm-eval's "
+                                   "lambada_openai definition), optionally lm-evaluation-harness tasks. Writes eval.json.")
+    e.add_argument("--model", required=True, help="model directory (config, weights and tokenizer)")
+    e.add_argument("--out", default=None, help="output directory (default: results/eval/<model dir name>)")
+    _add_eval_options(e)
+    e.set_defaults(func=cmd_eval, _parser=e)
+
+    c = sub.add_parser("compare", help="evaluate several models; one Markdown table in the paper's Table 1 layout",
+                       description="Evaluate model directories (or read eval.json files) and write table.md and "
+                                   "eval.json: per-variant mean and spread over seeds, per-model rows, "
+                                   "EFLA-vs-DeltaNet differences, and the paper's Table 1 for reference.")
+    c.add_argument("models", nargs="*", help="model directories or eval.json files")
+    c.add_argument("--models", dest="models_opt", nargs="+", default=None, help="same as the positional arguments")
+    c.add_argument("--out", default=os.path.join("results", "compare"), help="output directory")
+    c.add_argument("--reuse", action="store_true", help="reuse <out>/models/<name>/eval.json when present")
+    _add_eval_options(c)
+    c.set_defaults(func=cmd_compare, _parser=c)
