@@ -6,7 +6,7 @@ optimizer step), a no-grad forward, and greedy decoding with the cache. Variants
 rotation and medians are reported, so a busy machine slows all of them alike.
 
 Usage: python benchmarks/cpu_model.py [--size tiny] [--batch 8] [--seq-len 256] [--reps 5]
-                                      [--threads 1,2] [--out benchmarks/results_cpu_model.md]
+                                      [--threads 1,2] [--out FILE]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ runs the PyTorch path instead:
 * head dims above 256,
 * chunk mode (or any mode with autograd) when flash-linear-attention cannot be imported.
 
-Design (measured: ``benchmarks/gpu_ops.py``, ``benchmarks/results_gpu.md``):
+Design (measured: ``benchmarks/gpu_ops.py``, ``benchmarks/RESULTS.md``):
 
 * chunk mode (training, prefill): flash-linear-attention 0.6.0's WY/UT delta-rule kernels with our
   Triton kernels around them (``chunk.py``): the exact coefficient in one pass over the keys, its
