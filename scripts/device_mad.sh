@@ -12,7 +12,7 @@
 # with --report-only. Runs cut by the time limit are marked "truncated" in the outputs.
 # Writes $OUT/mad.tar.gz (both result folders + per-run logs) and $OUT/log.txt.
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TQDM_MININTERVAL=5
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 TQDM_MININTERVAL=5
 OUT=${OUT:-/tmp/out}
 BUDGET=${BUDGET:-450}          # seconds for the whole script (device call limit: 600)
 STEPS2=${STEPS2:-2000}         # phase-2 step budget per run
