@@ -2,12 +2,8 @@
 # One H200 visit: the recorded robustness run and lr sweep (in parallel), then the GPU check of
 # `efla convert` against fla's own models. Carry: .whl (fla wheels) and .devdata (MNIST).
 set -uo pipefail
-export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+source scripts/device_env.sh
 R=/tmp/results/robustness; mkdir -p "$R"
 timeout 420 python3 -m efla robustness --data-dir .devdata/mnist --seeds 0 1 2 --paper-lr --device cuda --out "$R" \
   --command-line "efla robustness --data-dir ../shared/data/mnist --seeds 0 1 2 --paper-lr --device cuda --out docs/results/robustness" \

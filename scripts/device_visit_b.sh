@@ -3,11 +3,9 @@
 # training-throughput runs (scripts/device_lm_throughput.sh, issue 7).
 # Carry: .whl and .devdata (gutenberg/ + lm_tokenizer/). Writes $OUT/mad.tar.gz, lm_throughput.json, logs.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+source scripts/device_env.sh
 BUDGET=${MAD_BUDGET:-330} bash scripts/device_mad.sh
 LEFT=$(( ${TOTAL:-575} - SECONDS ))
 echo "MAD done at ${SECONDS}s; ${LEFT}s left for the LM throughput runs"
