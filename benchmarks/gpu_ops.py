@@ -174,7 +174,8 @@ def try_call(f):
 
 
 def timing(dev, shapes, rounds, fla_ok):
-    emit("## Chunk timings (ms, medians; K = V = 128, bf16)")
+    emit("## Chunk timings (ms, medians; K = V = 128, bf16; the layers' calls: fla DeltaNet/GDN with "
+         "`use_qk_l2norm_in_kernel=True`, EFLA/Gated EFLA with `use_q_l2norm_in_kernel=True`, gates in float32)")
     emit("")
     if fla_ok:
         from fla.ops.delta_rule import chunk_delta_rule as fla_dn
@@ -205,18 +206,22 @@ def timing(dev, shapes, rounds, fla_ok):
             for x in leaves:
                 x.grad = None
 
+        # the calls the layers make: fla normalises q and k in its kernels, EFLA normalises q in its
+        # (keys stay raw); the gate in float32, as fla's layers produce it
+        g32 = g.detach().float().requires_grad_()
+        leaves.append(g32)
         fwd = {
             "dn": (lambda: fla_dn(qn, kn, v, beta, use_qk_l2norm_in_kernel=True)) if fla_ok else None,
-            "efla": lambda: ops.chunk_efla(q, k, v, beta),
-            "gdn": (lambda: fla_gdn(qn, kn, v, g, beta, use_qk_l2norm_in_kernel=True)) if fla_ok else None,
-            "gefla": lambda: ops.chunk_gated_efla(q, k, v, g, beta),
+            "efla": lambda: ops.chunk_efla(q, k, v, beta, use_q_l2norm_in_kernel=True),
+            "gdn": (lambda: fla_gdn(qn, kn, v, g32, beta, use_qk_l2norm_in_kernel=True)) if fla_ok else None,
+            "gefla": lambda: ops.chunk_gated_efla(q, k, v, g32, beta, use_q_l2norm_in_kernel=True),
         }
         fwdbwd = {
             "dn": fb(fwd["dn"]) if fla_ok else None,
             "efla": fb(fwd["efla"]),
             "floor": fb(lambda: fla_dn(q, k, v, beta)) if fla_ok else None,
             "gdn": fb(fwd["gdn"]) if fla_ok else None,
-            "gdn_ours": fb(lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta)),
+            "gdn_ours": fb(lambda: ops.chunk_gated_delta_rule(q, k, v, g32, beta, use_qk_l2norm_in_kernel=True)),
             "gefla": fb(fwd["gefla"]),
         }
         with torch.no_grad():

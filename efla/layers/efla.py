@@ -162,9 +162,6 @@ class EFLA(nn.Module):
             return F.elu(x) + 1.0
         return x  # silu is applied by the convolution (or below without it); identity
 
-    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
-        return l2_normalize(x) if self.qk_norm == "l2" else _sum_normalize(x)
-
     def _conv_qkv(self, x, mask, last_state, use_cache, cu_seqlens):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if mask is not None:  # padded inputs never enter the convolution windows
@@ -185,17 +182,30 @@ class EFLA(nn.Module):
 
     def prepare_qkv_beta(self, hidden_states, attention_mask=None, last_state=None, use_cache=False, cu_seqlens=None):
         """The recurrence inputs ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``beta [B, T, H]`` exactly
-        as fed to the op (after convolution, activation, normalisation and padding mask), plus the
-        new convolution states. Useful for tests and analysis."""
+        as the op sees them (after convolution, activation, normalisation and padding mask), plus the
+        new convolution states and the padding mask. Useful for tests and analysis."""
+        q, k, v, beta, conv_state, mask = self._recurrence_inputs(hidden_states, attention_mask, last_state, use_cache,
+                                                                  cu_seqlens)
+        q_l2, k_l2 = self._l2_in_op()
+        return (l2_normalize(q) if q_l2 else q), (l2_normalize(k) if k_l2 else k), v, beta, conv_state, mask
+
+    def _l2_in_op(self) -> tuple[bool, bool]:
+        """Which of (q, k) the op L2-normalises: queries always, keys only for the Euler rule."""
+        l2 = self.qk_norm == "l2"
+        return l2, l2 and self.update_rule == "euler"
+
+    def _recurrence_inputs(self, hidden_states, attention_mask, last_state, use_cache, cu_seqlens):
+        # q and k before their L2 normalisation, which the op fuses into its kernels
         B, T = hidden_states.shape[:2]
         mask = padding_mask(attention_mask, B, T, cu_seqlens)
         q, k, v, conv_state = self._conv_qkv(hidden_states, mask, last_state, use_cache, cu_seqlens)
         q = self._qk_act(q.view(B, T, self.num_heads, self.head_k_dim))
         k = self._qk_act(k.view(B, T, self.num_heads, self.head_k_dim))
         v = v.view(B, T, self.num_heads, self.head_v_dim)
-        q = self._normalize(q)
-        if self.update_rule == "euler":
-            k = self._normalize(k)
+        if self.qk_norm == "sum":
+            q = _sum_normalize(q)
+            if self.update_rule == "euler":
+                k = _sum_normalize(k)
         beta = self.b_proj(hidden_states).sigmoid() if self.use_beta else q.new_ones(B, T, self.num_heads)
         if self.allow_neg_eigval:
             beta = beta * 2.0
@@ -227,14 +237,16 @@ class EFLA(nn.Module):
         last_state = get_layer_state(past_key_values, self.layer_idx)
         use_cache = bool(use_cache) and past_key_values is not None
 
-        q, k, v, beta, conv_state, mask = self.prepare_qkv_beta(hidden_states, attention_mask, last_state, use_cache,
-                                                                 cu_seqlens)
+        q, k, v, beta, conv_state, mask = self._recurrence_inputs(hidden_states, attention_mask, last_state, use_cache,
+                                                                  cu_seqlens)
         recurrent = self.mode == "recurrent" or (T == 1 and cu_seqlens is None)
         initial_state = last_state.get("recurrent_state") if last_state is not None else None
+        q_l2, k_l2 = self._l2_in_op()
         o, state = self._op(recurrent)(q, k, v, beta, initial_state=initial_state, output_final_state=use_cache,
-                                       cu_seqlens=cu_seqlens)
+                                       cu_seqlens=cu_seqlens, use_q_l2norm_in_kernel=q_l2,
+                                       use_qk_l2norm_in_kernel=k_l2)
         if self.record_stats:
-            self.stats = stiffness_stats(k, beta, None, self.update_rule)
+            self.stats = stiffness_stats(l2_normalize(k) if k_l2 else k, beta, None, self.update_rule)
         if use_cache:
             past_key_values.update_layer_state(self.layer_idx, recurrent_state=state,
                                                conv_state=conv_state if self.use_short_conv else None, offset=T)

@@ -157,14 +157,23 @@ class GatedEFLA(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
     def log_gate(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``g = -exp(A_log) * softplus(a_proj(x) + dt_bias)``, ``[B, T, num_v_heads]`` float32, ``<= 0``."""
-        a = self.a_proj(hidden_states).float() + self.dt_bias.float()
-        return -self.A_log.float().exp() * F.softplus(a)
+        """``g = -exp(A_log) * softplus(a_proj(x) + dt_bias)``, ``[B, T, num_v_heads]``, ``<= 0``, in
+        float32 (float64 for float64 inputs): the ops keep the gate's cumulative sum in that precision."""
+        cdt = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
+        a = self.a_proj(hidden_states).to(cdt) + self.dt_bias.to(cdt)
+        return -self.A_log.to(cdt).exp() * F.softplus(a)
 
     def prepare_qkv_beta(self, hidden_states, attention_mask=None, last_state=None, use_cache=False, cu_seqlens=None):
         """The recurrence inputs ``q, k [B, T, HV, K]`` (q/k heads repeated for grouped values),
-        ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` exactly as fed to the op, plus the new
-        convolution states and the padding mask."""
+        ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` (``g`` in float32) exactly as the op sees them,
+        plus the new convolution states and the padding mask."""
+        q, k, v, g, beta, conv_state, mask = self._recurrence_inputs(hidden_states, attention_mask, last_state,
+                                                                     use_cache, cu_seqlens)
+        k = l2_normalize(k) if self.update_rule == "euler" else k
+        return l2_normalize(q), k, v, g, beta, conv_state, mask
+
+    def _recurrence_inputs(self, hidden_states, attention_mask, last_state, use_cache, cu_seqlens):
+        # q (and the Euler rule's k) before their L2 normalisation, which the op fuses into its kernels
         B, T = hidden_states.shape[:2]
         mask = padding_mask(attention_mask, B, T, cu_seqlens)
         x = hidden_states
@@ -181,10 +190,8 @@ class GatedEFLA(nn.Module):
             conv_state = (cq, ck, cv)
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
-        q = l2_normalize(q.view(B, T, self.num_heads, self.head_k_dim))
+        q = q.view(B, T, self.num_heads, self.head_k_dim)
         k = k.view(B, T, self.num_heads, self.head_k_dim)
-        if self.update_rule == "euler":
-            k = l2_normalize(k)
         v = v.view(B, T, self.num_v_heads, self.head_v_dim)
         groups = self.num_v_heads // self.num_heads
         if groups > 1:
@@ -197,7 +204,6 @@ class GatedEFLA(nn.Module):
         if mask is not None:  # k = v = 0 and gate 1: the step is the identity
             k, v = k * mask[..., None], v * mask[..., None]
             g = g * mask
-        g = g.to(q.dtype)
         return q, k, v, g, beta, conv_state, mask
 
     def _op(self, recurrent: bool):
@@ -222,14 +228,16 @@ class GatedEFLA(nn.Module):
         last_state = get_layer_state(past_key_values, self.layer_idx)
         use_cache = bool(use_cache) and past_key_values is not None
 
-        q, k, v, g, beta, conv_state, mask = self.prepare_qkv_beta(hidden_states, attention_mask, last_state, use_cache,
-                                                                    cu_seqlens)
+        q, k, v, g, beta, conv_state, mask = self._recurrence_inputs(hidden_states, attention_mask, last_state,
+                                                                     use_cache, cu_seqlens)
         recurrent = self.mode == "recurrent" or (T == 1 and cu_seqlens is None)
         initial_state = last_state.get("recurrent_state") if last_state is not None else None
+        euler = self.update_rule == "euler"
         o, state = self._op(recurrent)(q, k, v, g, beta, initial_state=initial_state, output_final_state=use_cache,
-                                       cu_seqlens=cu_seqlens)
+                                       cu_seqlens=cu_seqlens, use_q_l2norm_in_kernel=True,
+                                       use_qk_l2norm_in_kernel=euler)
         if self.record_stats:
-            self.stats = stiffness_stats(k, beta, g, self.update_rule)
+            self.stats = stiffness_stats(l2_normalize(k) if euler else k, beta, g, self.update_rule)
         if use_cache:
             past_key_values.update_layer_state(self.layer_idx, recurrent_state=state,
                                                conv_state=conv_state if self.use_short_conv else None, offset=T)

@@ -2,7 +2,8 @@
 
 Each module keeps flash-linear-attention's parameter names and shapes (``weight`` / ``bias``,
 ``gate_proj`` / ``up_proj`` / ``down_proj``) so that a DeltaNet or Gated DeltaNet checkpoint
-maps onto our modules tensor by tensor. They are written in plain PyTorch (any device).
+maps onto our modules tensor by tensor. They are written in plain PyTorch (any device); on CUDA
+tensors they run flash-linear-attention's fused kernels when it is installed (``efla.layers.fused``).
 """
 
 from __future__ import annotations
@@ -11,17 +12,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from efla.ops.normalize import l2_normalize
+
+from .fused import kernels_for
+
 __all__ = ["ShortConvolution", "RMSNorm", "RMSNormGated", "GatedMLP", "l2_normalize", "mlp_intermediate_size"]
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x / sqrt(||x||^2 + eps)`` over the last dim, computed in float32, returned in x's dtype.
-
-    The ``eps`` inside the root (not a clamp of the norm) matches flash-linear-attention's
-    in-kernel q/k normalisation, so a zero vector stays exactly zero.
-    """
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class ShortConvolution(nn.Conv1d):
@@ -74,6 +69,12 @@ class ShortConvolution(nn.Conv1d):
         W = self.kernel_size[0]
         if D != self.hidden_size:
             raise ValueError(f"x: expected last dim {self.hidden_size}, got shape {tuple(x.shape)}")
+        fused = kernels_for(x)
+        # fla's kernel drops the gradient that reaches x through the final state, so a final state
+        # that autograd tracks stays on the PyTorch path (training never asks for one)
+        final_state_needs_grad = output_final_state and torch.is_grad_enabled()
+        if fused is not None and T > 1 and not final_state_needs_grad:
+            return self._forward_fused(fused, x, cache, output_final_state, cu_seqlens)
         if cu_seqlens is not None:
             return self._forward_varlen(x, cache, output_final_state, cu_seqlens)
         if cache is not None and cache.shape != (B, D, W):
@@ -87,6 +88,18 @@ class ShortConvolution(nn.Conv1d):
         y = F.conv1d(full[..., 1:], self.weight, self.bias, groups=D)  # [B, D, T]
         state = full[..., -W:].contiguous() if output_final_state else None
         return self._act(y.transpose(1, 2)), state
+
+    def _forward_fused(self, fused, x, cache, output_final_state, cu_seqlens):
+        B, _, D = x.shape
+        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        W = self.kernel_size[0]
+        if cache is not None and cache.shape != (N, D, W):
+            raise ValueError(f"cache: expected shape ({N}, {D}, {W}), got {tuple(cache.shape)}")
+        return fused.causal_conv1d(
+            x, weight=self.weight[:, 0], bias=self.bias,
+            initial_state=cache.to(x.dtype) if cache is not None else None,
+            output_final_state=output_final_state, activation=self.activation, cu_seqlens=cu_seqlens,
+        )
 
     def _forward_varlen(self, x, cache, output_final_state, cu_seqlens):
         # Packed sequences [1, T, D]: each output mixes only inputs of its own sequence (and that
@@ -151,7 +164,19 @@ class RMSNorm(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, prenorm: bool = False):
+        """``norm(x)``; with ``residual``, ``norm(x + residual)``; with ``prenorm`` also the sum
+        ``x + residual`` (in ``residual``'s dtype), as ``(normed, sum)``: the pre-norm block's
+        residual stream, fused into one kernel on the GPU."""
+        fused = kernels_for(x)
+        if fused is not None:
+            return fused.rms_norm(x, self.weight, None, residual=residual, eps=self.eps, prenorm=prenorm)
+        if residual is not None:
+            x = x.to(residual.dtype) + residual
+        y = self._normalize(x)
+        return (y, x) if prenorm else y
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight is not None:
@@ -175,9 +200,12 @@ class RMSNormGated(RMSNorm):
         return f"{self.hidden_size}, eps={self.eps}, activation={self.activation}"
 
     def forward(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        fused = kernels_for(x)
+        if fused is not None:
+            return fused.rms_norm_gated(x, g, self.weight, None, activation=self.activation, eps=self.eps)
         gf = g.float()
         gate = torch.sigmoid(gf) if self.activation == "sigmoid" else F.silu(gf)
-        return (super().forward(x).float() * gate).to(x.dtype)
+        return (self._normalize(x).float() * gate).to(x.dtype)
 
 
 def mlp_intermediate_size(hidden_size: int, hidden_ratio: float | None = 4, intermediate_size: int | None = None) -> int:
@@ -212,4 +240,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        fused = kernels_for(x)
+        if fused is not None:  # SiLU-gate and down projection in one op that keeps no product for backward
+            return fused.swiglu_linear(self.gate_proj(x), self.up_proj(x), self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -56,6 +56,10 @@ class EFLAConfig(PretrainedConfig):
         use_cache: return a cache by default at inference. Default ``True``.
         pad_token_id / bos_token_id / eos_token_id: Default ``None`` / ``1`` / ``2``.
         tie_word_embeddings: share ``lm_head`` with the embeddings. Default ``False``.
+        fuse_linear_cross_entropy: on the GPU with flash-linear-attention, a training forward with
+            labels computes the loss chunk by chunk from the hidden states and never materialises
+            the logits (``logits`` is then ``None``); evaluation and generation are unaffected.
+            Default ``False`` (flash-linear-attention's default).
 
     Example:
         >>> from efla.models import EFLAConfig
@@ -100,6 +104,7 @@ class EFLAConfig(PretrainedConfig):
         bos_token_id: int | None = 1,
         eos_token_id: int | None = 2,
         tie_word_embeddings: bool = False,
+        fuse_linear_cross_entropy: bool = False,
         **kwargs,
     ):
         if update_rule not in ("exact", "euler"):
@@ -144,6 +149,7 @@ class EFLAConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.max_position_embeddings = max_position_embeddings
         self.use_cache = use_cache
+        self.fuse_linear_cross_entropy = bool(fuse_linear_cross_entropy)
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,

@@ -18,6 +18,7 @@ from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from efla.layers import EFLA, GatedEFLA, GatedMLP, RMSNorm
+from efla.layers.fused import kernels_for
 
 from .cache import EFLACache
 from .configuration_efla import EFLAConfig
@@ -109,9 +110,8 @@ class EFLABlock(_BlockBase):
         residual = hidden_states
         h, _, past_key_values = self.attn(self.attn_norm(hidden_states), attention_mask=attention_mask,
                                           past_key_values=past_key_values, use_cache=use_cache, cu_seqlens=cu_seqlens)
-        hidden_states = residual + h
-        hidden_states = hidden_states + self.mlp(self.mlp_norm(hidden_states))
-        return hidden_states
+        h, residual = self.mlp_norm(h, residual, prenorm=True)  # residual += h, then the norm: one kernel on GPU
+        return residual + self.mlp(h)
 
 
 class EFLAPreTrainedModel(PreTrainedModel):
@@ -286,6 +286,8 @@ class EFLAForCausalLM(EFLAPreTrainedModel, GenerationMixin):
         logits_to_keep: int | None = 0,
         cu_seqlens: torch.Tensor | None = None,
         cache: EFLACache | None = None,
+        shift_labels: torch.LongTensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
         **kwargs: Any,
     ):
         return_dict = True if return_dict is None else return_dict
@@ -303,15 +305,11 @@ class EFLAForCausalLM(EFLAPreTrainedModel, GenerationMixin):
         keep = logits_to_keep or 0
         if not isinstance(keep, int) or keep < 0:
             raise ValueError(f"logits_to_keep: expected an int >= 0, got {logits_to_keep!r}")
-        logits = self.lm_head(hidden_states[:, -keep:] if keep > 0 else hidden_states)
-
-        loss = None
-        if labels is not None:
-            if labels.shape != hidden_states.shape[:2]:
-                raise ValueError(f"labels: expected shape {tuple(hidden_states.shape[:2])}, got {tuple(labels.shape)}")
-            if keep > 0:
-                raise ValueError("labels: cannot compute the loss with logits_to_keep > 0")
-            loss = self.loss(logits, labels, cu_seqlens=cu_seqlens)
+        target = self._targets(hidden_states, labels, shift_labels, keep, cu_seqlens)
+        if target is None:
+            logits, loss = self.lm_head(hidden_states[:, -keep:] if keep > 0 else hidden_states), None
+        else:
+            logits, loss = self._logits_and_loss(hidden_states, target, num_items_in_batch)
 
         out_cache = getattr(outputs, _CACHE_FIELD)
         if not return_dict:
@@ -321,15 +319,58 @@ class EFLAForCausalLM(EFLAPreTrainedModel, GenerationMixin):
                                          "hidden_states": outputs.hidden_states})
 
     @staticmethod
-    def loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean next-token cross-entropy (float32): position ``t`` predicts ``labels[t + 1]``;
-        ``-100`` labels are ignored; in packed input no position predicts across a boundary."""
+    def shift(labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token targets: position ``t`` predicts ``labels[t + 1]``; the last position, and in
+        packed input the last position of every sequence, get ``-100`` (ignored)."""
         target = torch.full_like(labels, -100)
         target[:, :-1] = labels[:, 1:]
         if cu_seqlens is not None:
             ends = cu_seqlens[1:].to(labels.device).long() - 1
             target[0, ends[ends >= 0]] = -100
+        return target
+
+    @staticmethod
+    def loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy (float32) of ``labels`` (see :meth:`shift`)."""
+        target = EFLAForCausalLM.shift(labels, cu_seqlens)
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+
+    def _targets(self, hidden_states, labels, shift_labels, keep, cu_seqlens):
+        """The per-position targets from ``labels`` (shifted here) or ``shift_labels`` (shifted by the
+        caller, as sequence-parallel trainers pass them), or ``None`` without either."""
+        if labels is None and shift_labels is None:
+            return None
+        if labels is not None and shift_labels is not None:
+            raise ValueError("labels, shift_labels: pass one of them (shift_labels are labels already shifted)")
+        name, given = ("labels", labels) if labels is not None else ("shift_labels", shift_labels)
+        if given.shape != hidden_states.shape[:2]:
+            raise ValueError(f"{name}: expected shape {tuple(hidden_states.shape[:2])}, got {tuple(given.shape)}")
+        if keep > 0:
+            raise ValueError(f"{name}: cannot compute the loss with logits_to_keep > 0")
+        given = given.to(hidden_states.device)
+        return self.shift(given, cu_seqlens) if labels is not None else given
+
+    def _logits_and_loss(self, hidden_states, target, num_items_in_batch):
+        """``(logits or None, loss)``. On the GPU (flash-linear-attention installed) a training step
+        with ``config.fuse_linear_cross_entropy`` never materialises the logits (returns ``None``
+        for them); otherwise the loss is a fused (GPU) or float32 (CPU) cross-entropy of the logits.
+        ``num_items_in_batch`` switches to a sum divided by it (gradient accumulation)."""
+        reduction = "mean" if num_items_in_batch is None else "sum"
+        fused = kernels_for(hidden_states) if hidden_states.is_cuda else None  # fla's losses are CUDA-only
+        logits = None
+        if fused is not None and self.config.fuse_linear_cross_entropy and self.training and torch.is_grad_enabled():
+            loss = fused.LinearCrossEntropyLoss(reduction=reduction)(hidden_states, target, self.lm_head.weight,
+                                                                     self.lm_head.bias)
+        else:
+            logits = self.lm_head(hidden_states)
+            flat_logits, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+            if fused is not None:
+                loss = fused.CrossEntropyLoss(reduction=reduction)(flat_logits, flat_target)
+            else:
+                loss = F.cross_entropy(flat_logits.float(), flat_target, ignore_index=-100, reduction=reduction)
+        if num_items_in_batch is not None:
+            loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device, dtype=loss.dtype)
+        return logits, loss
 
     # -- analysis -------------------------------------------------------------------------------------
     def set_record_stats(self, enabled: bool = True) -> None:

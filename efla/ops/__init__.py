@@ -17,8 +17,9 @@ op                            recurrence per head (``lambda = ||k||^2``)
 
 Keywords shared by all: ``scale=None`` (``K ** -0.5``), ``initial_state=None``
 (``[N, H, K, V]``), ``output_final_state=False``, ``cu_seqlens=None`` (varlen: ``B == 1`` and
-``N + 1`` offsets into T). ``q`` and ``k`` are used as given: normalisation is the layer's job
-(EFLA uses raw keys). CUDA tensors go to the GPU backend when it is installed
+``N + 1`` offsets into T), ``use_q_l2norm_in_kernel`` / ``use_qk_l2norm_in_kernel`` (normalise
+``q`` / ``q`` and ``k`` inside the op; default off: ``q`` and ``k`` are used as given, and EFLA
+uses raw keys). CUDA tensors go to the GPU backend when it is installed
 (``pip install "efla[cuda]"``); everything else runs the PyTorch implementation.
 """
 
@@ -28,9 +29,11 @@ import torch
 
 from .api import run as _run
 from .coefficients import efla_coefficient
+from .normalize import l2_normalize
 
 __all__ = [
     "efla_coefficient",
+    "l2_normalize",
     "chunk_efla",
     "recurrent_efla",
     "chunk_gated_efla",
@@ -53,6 +56,10 @@ _DOC = """{title}
         output_final_state: also return the final state ``[N, H, K, V]`` (float32, or
             float64 for float64 inputs).
         cu_seqlens: ``None`` or int tensor ``[N + 1]`` of offsets (``B == 1``, varlen).
+        use_q_l2norm_in_kernel: L2-normalise ``q`` inside the op (EFLA's layers: unit queries,
+            raw keys); on the GPU it is fused into the kernels' prologue and backward.
+        use_qk_l2norm_in_kernel: L2-normalise ``q`` and ``k`` inside the op (DeltaNet's layers;
+            flash-linear-attention's keyword).
 
     Returns:
         ``(o, final_state)``: ``o`` is ``[B, T, H, V]`` in the input dtype; ``final_state``
@@ -76,13 +83,19 @@ def _make(rule: str, mode: str, title: str):
     name = f"{mode}_{rule}"
 
     if gated:
-        def op(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+        def op(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+               use_q_l2norm_in_kernel=False, use_qk_l2norm_in_kernel=False):
             return _run(rule, mode, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                        output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                        q_l2norm=bool(use_q_l2norm_in_kernel or use_qk_l2norm_in_kernel),
+                        k_l2norm=bool(use_qk_l2norm_in_kernel))
     else:
-        def op(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+        def op(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+               use_q_l2norm_in_kernel=False, use_qk_l2norm_in_kernel=False):
             return _run(rule, mode, q, k, v, None, beta, scale=scale, initial_state=initial_state,
-                        output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                        q_l2norm=bool(use_q_l2norm_in_kernel or use_qk_l2norm_in_kernel),
+                        k_l2norm=bool(use_qk_l2norm_in_kernel))
 
     op.__name__ = op.__qualname__ = name
     op.__doc__ = _DOC.format(

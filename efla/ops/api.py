@@ -8,6 +8,7 @@ import torch
 
 from .chunk import chunk_generic
 from .coefficients import coefficients
+from .normalize import l2_normalize
 from .recurrent import recurrent_generic
 from .validate import validate
 
@@ -45,7 +46,8 @@ def _from_padded(x: torch.Tensor, cu: list[int]) -> torch.Tensor:
     return torch.cat([x[i, : cu[i + 1] - cu[i]] for i in range(len(cu) - 1)]).unsqueeze(0)
 
 
-def run(rule, mode, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens):
+def run(rule, mode, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, q_l2norm=False,
+        k_l2norm=False):
     gated = rule in ("gated_efla", "gated_delta_rule")
     dims = validate(
         q, k, v, beta, g, initial_state=initial_state, cu_seqlens=cu_seqlens, scale=scale, gated=gated,
@@ -58,15 +60,20 @@ def run(rule, mode, q, k, v, g, beta, *, scale, initial_state, output_final_stat
         backend = _cuda()
         if backend is not None:
             out = backend.dispatch(
-                rule, mode, q, k, v, g if gated else None, beta, scale, initial_state, output_final_state, cu_seqlens
+                rule, mode, q, k, v, g if gated else None, beta, scale, initial_state, output_final_state, cu_seqlens,
+                q_l2norm=q_l2norm, k_l2norm=k_l2norm,
             )
             if out is not None:
                 return out
 
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    gamma, a, w = coefficients(rule, k, beta, g if gated else None)
-    qc = q.to(cdt) * scale
-    kc, vc = k.to(cdt), v.to(cdt)
+    qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
+    if q_l2norm:
+        qc = l2_normalize(qc)
+    if k_l2norm:
+        kc = l2_normalize(kc)
+    gamma, a, w = coefficients(rule, kc, beta, g if gated else None)
+    qc = qc * scale
 
     cu = None
     if cu_seqlens is not None:

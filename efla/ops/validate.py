@@ -77,8 +77,10 @@ def validate(
         if g.shape != (B, T, H):
             raise ValueError(f"g: expected shape ({B}, {T}, {H}) = [B, T, H], got {_shape(g)}")
     for name, x in (("k", k), ("v", v), ("beta", beta)) + ((("g", g),) if gated else ()):
-        if x.dtype != q.dtype:
-            raise ValueError(f"{name}: expected dtype {q.dtype} (same as q), got {x.dtype}")
+        gate_in_float32 = name == "g" and x.dtype == torch.float32  # fla's layers keep gates in float32
+        if x.dtype != q.dtype and not gate_in_float32:
+            expected = f"{q.dtype} (same as q) or torch.float32" if name == "g" else f"{q.dtype} (same as q)"
+            raise ValueError(f"{name}: expected dtype {expected}, got {x.dtype}")
         if x.device != q.device:
             raise ValueError(f"{name}: expected device {q.device} (same as q), got {x.device}")
     if scale is not None:

@@ -54,7 +54,8 @@ def _needs_grad(*xs) -> bool:
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
 
-def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, q_l2norm=False,
+             k_l2norm=False):
     """Run ``kind`` (efla | gated_efla | delta_rule | gated_delta_rule) in ``mode`` (chunk |
     recurrent) on the GPU; ``None`` means "not handled here, use the PyTorch path"."""
     if kind not in KINDS or mode not in MODES:
@@ -85,8 +86,11 @@ def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_st
         g = g.contiguous()
 
     if mode == "recurrent" and not _needs_grad(q, k, v, beta, g, h0):
+        from ..normalize import l2_normalize
         from .recurrent import recurrent_forward
 
+        q = l2_normalize(q) if q_l2norm else q
+        k = l2_normalize(k) if k_l2norm else k
         return recurrent_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu)
 
     if not fla_available():
@@ -96,6 +100,6 @@ def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_st
     if kind == "gated_efla" and dt == torch.float16:
         # v * (w / c) grows like 1 / exp(g); bf16 has the range for it, fp16 may not.
         o, ht = chunk_forward(kind, q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16),
-                              g, beta, scale, h0, output_final_state, cu)
+                              g, beta, scale, h0, output_final_state, cu, q_l2norm, k_l2norm)
         return o.to(dt), ht
-    return chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu)
+    return chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu, q_l2norm, k_l2norm)

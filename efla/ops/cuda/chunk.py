@@ -30,6 +30,7 @@ def _fla():
     from fla.ops.delta_rule.chunk import chunk_delta_rule_bwd, chunk_delta_rule_fwd
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
     from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
+    from fla.modules.l2norm import l2norm, l2norm_bwd, l2norm_fwd
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.index import prepare_chunk_indices
 
@@ -44,6 +45,9 @@ def _fla():
         prepare_wy_repr_bwd=prepare_wy_repr_bwd,
         chunk_local_cumsum=chunk_local_cumsum,
         prepare_chunk_indices=prepare_chunk_indices,
+        l2norm=l2norm,
+        l2norm_fwd=l2norm_fwd,
+        l2norm_bwd=l2norm_bwd,
     )
 
 
@@ -76,7 +80,7 @@ def coef_fwd(k, beta, g=None, v=None):
     # specialisations, no extra autotuning); fp16 keeps float32 (alpha ~ 1/lambda underflows fp16).
     erase = torch.empty(B, T, H, device=k.device, dtype=COEF_DTYPE.get(k.dtype, torch.float32))
     gated = g is not None
-    gl = torch.empty_like(erase) if gated else None
+    gl = torch.empty(B, T, H, device=k.device, dtype=torch.float32) if gated else None  # gate cumsum in float32
     vout = torch.empty_like(v) if gated else None
     kn.coef_fwd_kernel[(triton.cdiv(R, BR),)](
         k, v, beta, g, erase, gl, vout, R,
@@ -123,22 +127,43 @@ def gated_dqkwg(q, k, v_new, g, h, do, dh, dv, scale, cu_seqlens, chunk_indices)
     return dq, dk, dw, (dg[0] if NK == 1 else dg.sum(0))
 
 
+# ------------------------------------------------------------------ in-op q/k normalisation
+def l2norm_inputs(q, k, q_l2norm, k_l2norm):
+    """Normalised (q, k) and their inverse norms (``None`` where not normalised)."""
+    q_rstd = k_rstd = None
+    if q_l2norm:
+        q, q_rstd = F["l2norm_fwd"](q)
+    if k_l2norm:
+        k, k_rstd = F["l2norm_fwd"](k)
+    return q, q_rstd, k, k_rstd
+
+
+def l2norm_grads(q, q_rstd, dq, k, k_rstd, dk):
+    """Chain (dq, dk) back through the normalisation done by ``l2norm_inputs``."""
+    if q_rstd is not None:
+        dq = F["l2norm_bwd"](q, q_rstd, dq)
+    if k_rstd is not None:
+        dk = F["l2norm_bwd"](k, k_rstd, dk)
+    return dq, dk
+
+
 # ------------------------------------------------------------------ autograd Functions
 class ChunkEFLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, beta, h0, scale, output_final_state, cu_seqlens, chunk_indices):
+    def forward(ctx, q, k, v, beta, h0, scale, output_final_state, cu_seqlens, chunk_indices, q_l2norm, k_l2norm):
+        q, q_rstd, k, k_rstd = l2norm_inputs(q, k, q_l2norm, k_l2norm)
         alpha = coef_fwd(k, beta)
         o, A, ht = F["chunk_delta_rule_fwd"](
             q=q, k=k, v=v, beta=alpha, scale=scale, initial_state=h0,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
         )
-        ctx.save_for_backward(q, k, v, beta, alpha, A, h0)
+        ctx.save_for_backward(q, q_rstd, k, k_rstd, v, beta, alpha, A, h0)
         ctx.scale, ctx.cu, ctx.ci = scale, cu_seqlens, chunk_indices
         return o.to(q.dtype), ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, beta, alpha, A, h0 = ctx.saved_tensors
+        q, q_rstd, k, k_rstd, v, beta, alpha, A, h0 = ctx.saved_tensors
         dq, dk, dv, dalpha, dh0 = F["chunk_delta_rule_bwd"](
             q=q, k=k, v=v, beta=alpha, A=A, scale=ctx.scale, initial_state=h0,
             do=do.contiguous(), dht=dht.contiguous() if dht is not None else None,
@@ -146,14 +171,17 @@ class ChunkEFLA(torch.autograd.Function):
         )
         dk = dk.contiguous()
         dbeta = coef_bwd(k, beta, dalpha.float().contiguous(), dk)
-        return dq, dk, dv, dbeta, (dh0 if h0 is not None else None), None, None, None, None
+        dq, dk = l2norm_grads(q, q_rstd, dq, k, k_rstd, dk)
+        return dq, dk, dv, dbeta, (dh0 if h0 is not None else None), None, None, None, None, None, None
 
 
 class ChunkGated(torch.autograd.Function):
     """Gated chunk op: ``exact`` = Gated EFLA, else Gated DeltaNet (Euler), with our backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, chunk_indices, exact):
+    def forward(ctx, q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, chunk_indices, exact, q_l2norm,
+                k_l2norm):
+        q, q_rstd, k, k_rstd = l2norm_inputs(q, k, q_l2norm, k_l2norm)
         if exact:
             c, gl, vp = coef_fwd(k, beta, g=g, v=v)
         else:
@@ -163,13 +191,13 @@ class ChunkGated(torch.autograd.Function):
             output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
             chunk_size=CHUNK,
         )
-        ctx.save_for_backward(q, k, v, vp, g, beta, c, gcum, A, h0)
+        ctx.save_for_backward(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0)
         ctx.scale, ctx.cu, ctx.ci, ctx.exact = scale, cu_seqlens, chunk_indices, exact
         return o.to(q.dtype), ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, vp, g, beta, c, gcum, A, h0 = ctx.saved_tensors
+        q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0 = ctx.saved_tensors
         cu, ci, scale = ctx.cu, ctx.ci, ctx.scale
         do = do.contiguous()
         dht = dht.contiguous() if dht is not None else None
@@ -196,23 +224,30 @@ class ChunkGated(torch.autograd.Function):
                                          dgl=dgl.contiguous(), dvin=dvp.contiguous())
         else:
             dbeta, dg, dv_out = dc.to(beta.dtype), dgl.to(g.dtype), dvp
+        dq, dk = l2norm_grads(q, q_rstd, dq, k, k_rstd, dk)
         return (dq, dk, dv_out, dg, dbeta, (dh0 if h0 is not None else None),
-                None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
-def chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens):
+def chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm=False, k_l2norm=False):
     """Returns (o, final_state or None). Inputs already checked by the dispatcher."""
     load()
     ci = F["prepare_chunk_indices"](cu_seqlens, CHUNK) if cu_seqlens is not None else None
     if kind == "efla":
-        o, ht = ChunkEFLA.apply(q, k, v, beta, h0, scale, output_final_state, cu_seqlens, ci)
+        o, ht = ChunkEFLA.apply(q, k, v, beta, h0, scale, output_final_state, cu_seqlens, ci, q_l2norm, k_l2norm)
     elif kind == "delta_rule":
-        # the Euler baseline is fla's DeltaNet as is (keys used as given)
+        # the Euler baseline is fla's DeltaNet as is
         from fla.ops.delta_rule import chunk_delta_rule
 
+        both = q_l2norm and k_l2norm
+        if q_l2norm and not both:
+            q = F["l2norm"](q)
+        if k_l2norm and not both:
+            k = F["l2norm"](k)
         o, ht = chunk_delta_rule(q, k, v, beta, scale=scale, initial_state=h0,
-                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                 use_qk_l2norm_in_kernel=both)
     else:
         o, ht = ChunkGated.apply(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, ci,
-                                 kind == "gated_efla")
+                                 kind == "gated_efla", q_l2norm, k_l2norm)
     return o, (ht if output_final_state else None)

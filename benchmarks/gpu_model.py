@@ -1,0 +1,269 @@
+"""Model-level training speed and memory on one GPU: efla presets vs flash-linear-attention's DeltaNet.
+
+Every model of one size lives in one process; training steps (forward, loss, backward, fused AdamW
+step; bf16 weights; random tokens) are taken in turn, one step per model per round, so all models
+see the same machine state. Reported per model and shape:
+
+* tokens/s: median over the measured steps (after warm-up steps that compile and autotune);
+* peak memory: the model's own weights and optimizer state plus the largest amount of memory the
+  step allocated above what was allocated before it (gradients, activations, logits), i.e. what
+  the model would peak at alone in a process.
+
+Models: ``fla``: ``fla.models.DeltaNetForCausalLM`` with its default fused settings and our preset's
+sizes (same parameter count); ours: the ``<size>-efla``, ``-deltanet``, ``-gated-efla`` and
+``-gated-deltanet`` presets as they are, and ``efla+flce`` (``fuse_linear_cross_entropy=True``).
+
+A second stage (``--loss-curve``) trains a preset for a few steps on real tokens twice from the same
+initialisation, once with the fused GPU modules and once with the PyTorch modules
+(``efla.layers.fused.disabled()``), and reports the two loss curves.
+
+Usage (GPU machine): ``python benchmarks/gpu_model.py --sizes 340m --shapes 2048x8,4096x4 --out DIR``.
+Prints Markdown tables and writes ``DIR/gpu_model.json`` and ``DIR/gpu_model.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from efla.layers import fused  # noqa: E402
+from efla.models import EFLAForCausalLM, get_preset_config  # noqa: E402
+
+GIB = 2 ** 30
+OURS = ("efla", "efla+flce", "deltanet", "gated-efla", "gated-deltanet")
+LINES: list[str] = []
+
+
+def emit(out_dir: str, line: str = "") -> None:
+    print(line, flush=True)
+    LINES.append(line)
+    with open(os.path.join(out_dir, "gpu_model.md"), "w") as fh:
+        fh.write("\n".join(LINES) + "\n")
+
+
+def build_fla(size: str):
+    from fla.models import DeltaNetConfig, DeltaNetForCausalLM
+
+    ours = get_preset_config(f"{size}-efla")
+    cfg = DeltaNetConfig(
+        hidden_size=ours.hidden_size, num_hidden_layers=ours.num_hidden_layers, num_heads=ours.num_heads,
+        vocab_size=ours.vocab_size, hidden_ratio=ours.hidden_ratio, intermediate_size=ours.intermediate_size,
+        norm_eps=ours.norm_eps, conv_size=ours.conv_size, expand_k=1.0, expand_v=1.0, use_gate=False,
+        tie_word_embeddings=False,
+    )
+    return DeltaNetForCausalLM(cfg)
+
+
+def build(kind: str, size: str):
+    torch.manual_seed(0)
+    if kind == "fla":
+        model = build_fla(size)
+    elif kind == "efla+flce":
+        model = EFLAForCausalLM(get_preset_config(f"{size}-efla", fuse_linear_cross_entropy=True))
+    else:
+        model = EFLAForCausalLM(get_preset_config(f"{size}-{kind}"))
+    model = model.to("cuda", torch.bfloat16).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    return model, opt
+
+
+def state_bytes(model, opt) -> int:
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    moments = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                  if isinstance(t, torch.Tensor) and t.is_cuda)
+    return params + moments
+
+
+def train_step(model, opt, ids) -> tuple[float, int, float]:
+    """One step; returns (seconds, bytes allocated above the pre-step level at the peak, loss)."""
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    return seconds, torch.cuda.max_memory_allocated() - before, float(loss)
+
+
+def bench_size(size: str, kinds, shapes, warmup: int, steps: int, out_dir: str) -> list[dict]:
+    models = {}
+    for kind in kinds:
+        try:
+            models[kind] = build(kind, size)
+        except Exception as e:  # fla missing or a build error: that column is left out, not the table
+            emit(out_dir, f"- {size} {kind}: not built ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+    params = {k: sum(p.numel() for p in m.parameters()) for k, (m, _) in models.items()}
+    rows = []
+    for T, B in shapes:
+        gen = torch.Generator(device="cuda").manual_seed(T)
+        ids = torch.randint(0, 32000, (B, T), device="cuda", generator=gen)
+        times = {k: [] for k in models}
+        peaks = {k: 0 for k in models}
+        losses = {k: None for k in models}
+        failed = {}
+        for r in range(warmup + steps):
+            for kind, (model, opt) in models.items():
+                if kind in failed:
+                    continue
+                try:
+                    sec, peak, loss = train_step(model, opt, ids)
+                except Exception as e:
+                    failed[kind] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                    traceback.print_exc()
+                    opt.zero_grad(set_to_none=True)
+                    torch.cuda.empty_cache()
+                    continue
+                peaks[kind] = max(peaks[kind], peak)
+                losses[kind] = loss
+                if r >= warmup:
+                    times[kind].append(sec)
+        for kind, (model, opt) in models.items():
+            if kind in failed or not times[kind]:
+                rows.append(dict(size=size, model=kind, T=T, B=B, error=failed.get(kind, "no steps")))
+                continue
+            med = statistics.median(times[kind])
+            rows.append(dict(size=size, model=kind, T=T, B=B, params=params[kind], steps=len(times[kind]),
+                             step_s_median=med, step_s_all=times[kind], tokens_per_s=B * T / med,
+                             peak_gib=(state_bytes(model, opt) + peaks[kind]) / GIB, last_loss=losses[kind]))
+        emit_shape(out_dir, size, T, B, [r for r in rows if r["T"] == T and r["size"] == size])
+    del models
+    torch.cuda.empty_cache()
+    return rows
+
+
+def emit_shape(out_dir, size, T, B, rows):
+    ref = next((r for r in rows if r["model"] == "fla" and "error" not in r), None)
+    efla = next((r for r in rows if r["model"] == "efla" and "error" not in r), None)
+    emit(out_dir, f"### {size}, T x B = {T} x {B}")
+    emit(out_dir, "")
+    emit(out_dir, "| model | tokens/s | vs fla DeltaNet | vs our efla | peak GiB | peak vs fla |")
+    emit(out_dir, "| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if "error" in r:
+            emit(out_dir, f"| {r['model']} | failed: {r['error']} | | | | |")
+            continue
+        vs_fla = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
+        vs_efla = f"{r['tokens_per_s'] / efla['tokens_per_s']:.2f}x" if efla else "-"
+        mem = f"{r['peak_gib'] / ref['peak_gib']:.2f}x" if ref else "-"
+        emit(out_dir, f"| {r['model']} | {r['tokens_per_s']:,.0f} | {vs_fla} | {vs_efla} | {r['peak_gib']:.1f} | {mem} |")
+    emit(out_dir, "")
+
+
+def load_tokens(path: str, n: int) -> torch.Tensor:
+    import numpy as np
+
+    ids = np.load(path)
+    return torch.from_numpy(ids[:n].astype("int64"))
+
+
+def loss_curve(size: str, variants, tokens_path: str, steps: int, T: int, B: int, out_dir: str) -> list[dict]:
+    tokens = load_tokens(tokens_path, steps * T * B).view(steps, B, T).cuda()
+    rows = []
+    for variant in variants:
+        curves = {}
+        for path in ("fused", "pytorch"):
+            model, opt = build(variant, size)
+            curve = []
+            ctx = fused.disabled() if path == "pytorch" else contextlib.nullcontext()
+            with ctx:
+                for s in range(steps):
+                    opt.zero_grad(set_to_none=True)
+                    loss = model(input_ids=tokens[s], labels=tokens[s]).loss
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    opt.step()
+                    curve.append(float(loss))
+            curves[path] = curve
+            del model, opt
+            torch.cuda.empty_cache()
+        diffs = [abs(a - b) for a, b in zip(curves["fused"], curves["pytorch"])]
+        row = dict(size=size, model=variant, T=T, B=B, steps=steps, fused=curves["fused"], pytorch=curves["pytorch"],
+                   max_abs_diff=max(diffs), max_rel_diff=max(d / b for d, b in zip(diffs, curves["pytorch"])),
+                   mean_abs_diff_last10=statistics.mean(diffs[-10:]))
+        rows.append(row)
+        emit(out_dir, f"- loss curve {size}-{variant}, {steps} steps of {T} x {B} real tokens: first "
+                      f"{curves['fused'][0]:.3f} / {curves['pytorch'][0]:.3f}, last {curves['fused'][-1]:.3f} / "
+                      f"{curves['pytorch'][-1]:.3f} (fused / PyTorch); max |diff| {row['max_abs_diff']:.4f}, "
+                      f"max rel {row['max_rel_diff']:.2e}")
+    emit(out_dir, "")
+    return rows
+
+
+def header(out_dir: str, args) -> dict:
+    import transformers
+    import triton
+
+    try:
+        import fla
+
+        fla_version = getattr(fla, "__version__", "?")
+    except Exception:  # fla is optional: our models still run
+        fla_version = "not installed"
+    info = dict(date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+                gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                transformers=transformers.__version__, fla=fla_version, command=" ".join(sys.argv),
+                warmup=args.warmup, steps=args.steps)
+    emit(out_dir, "# Model-level training speed and memory")
+    emit(out_dir, "")
+    for k, v in info.items():
+        emit(out_dir, f"- {k}: {v}")
+    emit(out_dir, "")
+    return info
+
+
+def parse_shapes(text: str):
+    return [tuple(int(x) for x in s.split("x")) for s in text.split(",") if s]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="340m")
+    ap.add_argument("--shapes", default="2048x8,4096x4,8192x2,16384x1", help="TxB,TxB,...")
+    ap.add_argument("--models", default="fla," + ",".join(OURS))
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--loss-curve", default=None, help="token ids (.npy) for the fused-vs-PyTorch loss curves")
+    ap.add_argument("--loss-curve-variants", default="efla,gated-efla")
+    ap.add_argument("--loss-curve-steps", type=int, default=50)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to do")
+        return 0
+    info = header(args.out, args)
+    result = dict(info=info, speed=[], loss_curves=[])
+    kinds = [k for k in args.models.split(",") if k and k != "none"]
+    for size in (args.sizes.split(",") if kinds else []):
+        try:
+            result["speed"] += bench_size(size, kinds, parse_shapes(args.shapes), args.warmup, args.steps, args.out)
+        except Exception:
+            traceback.print_exc()
+        json.dump(result, open(os.path.join(args.out, "gpu_model.json"), "w"), indent=1)
+    if args.loss_curve:
+        try:
+            result["loss_curves"] = loss_curve(args.sizes.split(",")[0], args.loss_curve_variants.split(","),
+                                               args.loss_curve, args.loss_curve_steps, 2048, 8, args.out)
+        except Exception:
+            traceback.print_exc()
+    json.dump(result, open(os.path.join(args.out, "gpu_model.json"), "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""flash-linear-attention's fused Triton modules, used by our blocks on CUDA tensors.
+
+Our modules (``RMSNorm``, ``RMSNormGated``, ``ShortConvolution``, ``GatedMLP``) and the model's
+loss keep their parameters and their PyTorch code; on a CUDA tensor they hand the arithmetic to
+fla's fused kernels (one pass instead of a chain of float32 elementwise kernels, nothing kept for
+backward that can be recomputed), the same kernels fla's own models use by default. Everything
+else (CPU tensors, float64, fla not installed) runs the PyTorch code.
+
+``set_enabled(False)`` (or ``EFLA_FUSED=0``) forces the PyTorch code everywhere: a control for
+speed and numerics comparisons.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import torch
+
+__all__ = ["kernels_for", "set_enabled", "enabled", "disabled"]
+
+FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_kernels: SimpleNamespace | bool | None = None  # False once the import failed
+_enabled = os.environ.get("EFLA_FUSED", "1") not in ("0", "false", "False")
+# Tests run the kernels on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1).
+_allow_cpu = False
+
+
+def _load() -> SimpleNamespace | None:
+    global _kernels
+    if _kernels is None:
+        try:
+            from fla.modules import FusedCrossEntropyLoss, FusedLinearCrossEntropyLoss
+            from fla.modules.activations import swiglu_linear
+            from fla.modules.causal_conv1d import causal_conv1d
+            from fla.modules.fused_norm_gate import rms_norm_gated
+            from fla.modules.layernorm import rms_norm
+
+            _kernels = SimpleNamespace(
+                rms_norm=rms_norm, rms_norm_gated=rms_norm_gated, causal_conv1d=causal_conv1d,
+                swiglu_linear=swiglu_linear, CrossEntropyLoss=FusedCrossEntropyLoss,
+                LinearCrossEntropyLoss=FusedLinearCrossEntropyLoss,
+            )
+        except Exception:  # no triton / no fla / a broken install: the PyTorch code serves
+            _kernels = False
+    return _kernels or None
+
+
+def kernels_for(x: torch.Tensor) -> SimpleNamespace | None:
+    """fla's fused functions for a tensor ``x`` they can run on, else ``None``."""
+    if not _enabled or x.dtype not in FUSED_DTYPES or not (x.is_cuda or _allow_cpu):
+        return None
+    return _load()
+
+
+def set_enabled(flag: bool) -> None:
+    """Use (True, the default) or bypass (False) the fused kernels."""
+    global _enabled
+    _enabled = bool(flag)
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+@contextmanager
+def disabled():
+    """``with disabled():`` runs the PyTorch code of every block, also on CUDA."""
+    before = _enabled
+    set_enabled(False)
+    try:
+        yield
+    finally:
+        set_enabled(before)
