@@ -59,7 +59,9 @@ class EFLAConfig(PretrainedConfig):
         fuse_linear_cross_entropy: on the GPU with flash-linear-attention, a training forward with
             labels computes the loss chunk by chunk from the hidden states and never materialises
             the logits (``logits`` is then ``None``); evaluation and generation are unaffected.
-            Default ``False`` (flash-linear-attention's default).
+            Default ``False`` (flash-linear-attention's default): the loss is fla's fused
+            cross-entropy of the logits, whose backward in a training step overwrites the returned
+            logits with their gradient (they are valid until ``backward``).
 
     Example:
         >>> from efla.models import EFLAConfig

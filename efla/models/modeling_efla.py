@@ -353,19 +353,24 @@ class EFLAForCausalLM(EFLAPreTrainedModel, GenerationMixin):
     def _logits_and_loss(self, hidden_states, target, num_items_in_batch):
         """``(logits or None, loss)``. On the GPU (flash-linear-attention installed) a training step
         with ``config.fuse_linear_cross_entropy`` never materialises the logits (returns ``None``
-        for them); otherwise the loss is a fused (GPU) or float32 (CPU) cross-entropy of the logits.
+        for them); otherwise the loss is a fused (GPU) or float32 (CPU) cross-entropy of the logits,
+        and on the GPU a training step's backward overwrites the returned logits with their gradient.
         ``num_items_in_batch`` switches to a sum divided by it (gradient accumulation)."""
         reduction = "mean" if num_items_in_batch is None else "sum"
         fused = kernels_for(hidden_states) if hidden_states.is_cuda else None  # fla's losses are CUDA-only
+        training_step = self.training and torch.is_grad_enabled()
         logits = None
-        if fused is not None and self.config.fuse_linear_cross_entropy and self.training and torch.is_grad_enabled():
+        if fused is not None and self.config.fuse_linear_cross_entropy and training_step:
             loss = fused.LinearCrossEntropyLoss(reduction=reduction)(hidden_states, target, self.lm_head.weight,
                                                                      self.lm_head.bias)
         else:
             logits = self.lm_head(hidden_states)
             flat_logits, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
             if fused is not None:
-                loss = fused.CrossEntropyLoss(reduction=reduction)(flat_logits, flat_target)
+                # a training step writes the logits' gradient over the logits (one logits-sized buffer
+                # less, as in fla's models): the returned logits are valid until backward
+                loss = fused.CrossEntropyLoss(reduction=reduction, inplace_backward=training_step)(flat_logits,
+                                                                                                   flat_target)
             else:
                 loss = F.cross_entropy(flat_logits.float(), flat_target, ignore_index=-100, reduction=reduction)
         if num_items_in_batch is not None:

@@ -73,7 +73,7 @@ def module_cases(device, dtype=torch.float32):
     sig = RMSNormGated(32, eps=1e-5, activation="sigmoid").to(device, dtype)
     for m in (norm, gated, sig):
         with torch.no_grad():
-            m.weight.uniform_(0.5, 1.5, generator=g)
+            m.weight.copy_(torch.empty(m.weight.shape).uniform_(0.5, 1.5, generator=g))
     conv = ShortConvolution(48, 4, activation="silu").to(device, dtype)
     conv_plain = ShortConvolution(48, 4, activation=None).to(device, dtype)
     mlp = GatedMLP(64, intermediate_size=128).to(device, dtype)
