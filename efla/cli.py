@@ -181,7 +181,8 @@ def _cuda_available() -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="efla", description="Exact Flow Linear Attention: ops, models and experiments.")
+    p = argparse.ArgumentParser(prog="efla", description="Exact Flow Linear Attention: ops, models and experiments.",
+                                epilog="Errors are reported in one line; EFLA_DEBUG=1 or --debug shows the traceback.")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="a 5-minute CPU tour: exact vs Euler, robustness on embedded digits, MAD, timings")
     d.add_argument("--out", default="efla-demo", help="output directory (default: ./efla-demo)")
@@ -209,13 +210,56 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_debug_option(parser) -> None:
+    for sub in _subparsers(parser):
+        sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                         help="show the full traceback of an error (same as EFLA_DEBUG=1)")
+
+
+def _subparsers(parser) -> list:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return list(actions[0].choices.values()) if actions else []
+
+
+def _debug_wanted(args) -> bool:
+    return bool(getattr(args, "debug", False)) or os.environ.get("EFLA_DEBUG", "") not in ("", "0")
+
+
+def exit_status_and_message(error: BaseException) -> tuple[int, str]:
+    """Exit status (2: the command cannot run as given, 1: the work failed) and the one-line message."""
+    from efla.errors import UsageError  # noqa: PLC0415
+
+    text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, (UsageError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)):
+        return 2, text
+    if type(error).__name__ == "CheckpointError":
+        return 2, text
+    if isinstance(error, (OSError, RuntimeError, ImportError, EOFError)) or type(error).__module__.startswith("efla"):
+        return 1, text
+    return 1, f"{type(error).__name__}: {text} (an unexpected error; EFLA_DEBUG=1 or --debug shows the traceback)"
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    _add_debug_option(parser)
+    args = parser.parse_args(argv)
     if args.command == "lr-sweep":
         args.lrs_given = args.lrs is not None
         if args.lrs is None:
             args.lrs = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2]
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        if _debug_wanted(args):
+            raise
+        print(f"efla {args.command}: interrupted; what was finished is kept", file=sys.stderr)
+        return 130
+    except Exception as error:  # every error ends as one line unless a traceback is asked for
+        if _debug_wanted(args):
+            raise
+        status, message = exit_status_and_message(error)
+        print(f"efla {args.command}: {message}", file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ import shlex
 from rich.console import Console
 from rich.table import Table
 
+from efla.errors import UsageError
+
 console = Console()
 
 _DATA_FILES = {"wikitext": ("wikitext-2-raw", "wiki.test.raw"), "lambada": ("lambada", "lambada_test.jsonl")}
@@ -68,15 +70,15 @@ def _options(args):
     if wikitext is None and lambada is None and not harness:
         wikitext, lambada = default_data_file("wikitext"), default_data_file("lambada")
         if wikitext is None and lambada is None:
-            raise SystemExit("efla: give --wikitext FILE and/or --lambada FILE (or --harness TASKS); "
-                             "no default data found under $EFLA_DATA_DIR or ../shared/data")
+            raise UsageError("nothing to evaluate: no default data found under $EFLA_DATA_DIR or ../shared/data "
+                             "(--wikitext FILE, --lambada FILE or --harness TASKS)")
         console.print(f"No data given: using wikitext={wikitext}, lambada={lambada}")
     if wikitext and wikitext.lower() == "none":
         wikitext = None
     if lambada and lambada.lower() == "none":
         lambada = None
     if lambada and not os.path.isfile(lambada):
-        raise SystemExit(f"efla: --lambada: no such file: {lambada}")
+        raise UsageError(f"no such file: {lambada} (--lambada)")
     return EvalOptions(wikitext=wikitext, lambada=lambada, context=args.context, stride=args.stride,
                        batch_size=args.batch_size, limit=args.limit, wikitext_max_tokens=args.wikitext_max_tokens,
                        prefix=args.prefix, device=args.device, dtype=args.dtype, harness=harness,
@@ -140,7 +142,7 @@ def cmd_compare(args) -> int:
     _setup_threads(args)
     sources = list(args.models or []) + list(args.models_opt or [])
     if not sources:
-        raise SystemExit("efla compare: give model directories (or eval.json files)")
+        raise UsageError("give model directories or eval.json files (MODELS)")
     records = []
     opts = None
     for src in sources:
@@ -152,7 +154,7 @@ def cmd_compare(args) -> int:
             console.print(f"{src}: using {len(recs)} recorded evaluation(s)")
             continue
         if not os.path.isdir(src):
-            raise SystemExit(f"efla compare: {src}: not a model directory or eval.json file")
+            raise UsageError(f"not a model directory or eval.json file: {src} (MODELS)")
         opts = opts or _options(args)
         name = os.path.basename(os.path.normpath(src))
         cached = os.path.join(args.out, "models", name, "eval.json")
