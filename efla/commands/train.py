@@ -122,7 +122,8 @@ def cmd_train(args) -> int:
         vl = res["val_loss"]
         console.print(f"{res['steps']} steps, {res['tokens']:,} tokens; final loss {res['final_loss']:.4f}"
                       + (f", validation loss {vl:.4f}" if vl is not None else "")
-                      + f"; {res['tokens_per_s']:,.0f} tokens/s. Model directory: [bold]{res['out']}[/bold]")
+                      + (f"; {res['tokens_per_s']:,.0f} tokens/s" if res["tokens_per_s"] else "; nothing left to train")
+                      + f". Model directory: [bold]{res['out']}[/bold]")
     return 0
 
 

@@ -311,13 +311,18 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(st: dict) -> None:
+    """Restores :func:`_rng_state` (or the numpy-array form of checkpoints written before it)."""
     version, mt_state, gauss = st["python"]
-    random.setstate((version, tuple(int(x) for x in mt_state.tolist()), gauss))
+    random.setstate((version, tuple(int(x) for x in _as_list(mt_state)), gauss))
     kind, keys, pos, has_gauss, cached = st["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    np.random.set_state((kind, np.asarray(_as_list(keys), dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(st["torch"])
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state(st["cuda"])
+
+
+def _as_list(values) -> list:
+    return values.tolist() if hasattr(values, "tolist") else list(values)
 
 
 def load_checkpoint_state(path: str):
@@ -474,6 +479,8 @@ def _resumed_schedule(cfg: TrainConfig, r: dict, ckpt: str, state: dict) -> dict
     """
     saved = _saved_settings(ckpt, state, cfg.out)
     now = dict(_schedule_of(cfg, r), **_hyperparameters(cfg))
+    if cfg.warmup_steps is None:  # derived from the length: the saved run's own
+        now["warmup"] = saved.get("warmup", now["warmup"])
     changed = [k for k in now if k in saved and saved[k] != now[k]]
     extended = "planned_steps" in changed and cfg.extend_at_min_lr and now["planned_steps"] > saved["planned_steps"]
     if extended:
