@@ -222,8 +222,15 @@ def _cuda_available() -> bool:
         return False
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Reports a command-line mistake in one line, ``efla <command>: <what> (see ... --help)``, exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="efla", description="Exact Flow Linear Attention: ops, models and experiments.",
+    p = OneLineErrorParser(prog="efla", description="Exact Flow Linear Attention: ops, models and experiments.",
                                 epilog="Errors are reported in one line; EFLA_DEBUG=1 or --debug shows the traceback.")
     sub = p.add_subparsers(dest="command", required=True)
     from efla.experiments.demo import MEASURED_SECONDS  # noqa: PLC0415
@@ -272,16 +279,17 @@ def _debug_wanted(args) -> bool:
     return bool(getattr(args, "debug", False)) or os.environ.get("EFLA_DEBUG", "") not in ("", "0")
 
 
-def exit_status_and_message(error: BaseException) -> tuple[int, str]:
-    """Exit status (2: the command cannot run as given, 1: the work failed) and the one-line message."""
-    from efla.errors import UsageError  # noqa: PLC0415
+_USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)  # UsageError is a ValueError
+_RUN_FAILURES = (OSError, RuntimeError, ImportError, EOFError)
 
+
+def exit_status_and_message(error: BaseException) -> tuple[int, str]:
+    """Exit status (2: the command cannot run as given, 1: the work failed) and the one-line message.
+    A damaged checkpoint counts as a wrong input (2): the run did not start."""
     text = " ".join(str(error).split()) or type(error).__name__
-    if isinstance(error, (UsageError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)):
+    if isinstance(error, _USAGE_ERRORS) or type(error).__name__ == "CheckpointError":
         return 2, text
-    if type(error).__name__ == "CheckpointError":
-        return 2, text
-    if isinstance(error, (OSError, RuntimeError, ImportError, EOFError)) or type(error).__module__.startswith("efla"):
+    if isinstance(error, _RUN_FAILURES):
         return 1, text
     return 1, f"{type(error).__name__}: {text} (an unexpected error; EFLA_DEBUG=1 or --debug shows the traceback)"
 

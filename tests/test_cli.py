@@ -77,6 +77,19 @@ def test_usage_errors_are_one_line_with_status_2(argv, expected, tmp_path, monke
     assert os.listdir(tmp_path) == []  # nothing written
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--data", "corpus"], "the following arguments are required: --out"),
+    (["eval", "--model", "m", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+    (["mad", "--epochs", "two"], "argument --epochs: invalid int value: 'two'"),
+])
+def test_command_line_mistakes_are_one_line_with_status_2(argv, expected, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    line = _one_error_line(capsys.readouterr().err, argv[0])
+    assert expected in line and line.endswith(f"(see efla {argv[0]} --help)")
+
+
 def test_eval_names_the_file_and_line_at_fault(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "not-a-model").mkdir()

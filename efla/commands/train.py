@@ -165,8 +165,13 @@ def _saved_options(out: str, fields) -> dict | None:
 
 
 def cmd_lm_report(args) -> int:
+    from efla.experiments import arg_checks as check  # noqa: PLC0415
     from efla.experiments.lm_train import write_lm_report  # noqa: PLC0415
 
+    for run in args.runs:
+        check.existing_dir(run, "--runs")
+    check.existing_file(args.notes, "--notes")
+    check.output_dir(args.out)
     notes = open(args.notes).read() if args.notes else ""  # noqa: SIM115
     files = write_lm_report(args.runs, args.out, title=args.title, notes=notes,
                             command_line="efla " + " ".join(sys.argv[1:]))
