@@ -19,7 +19,7 @@ from .timing import op_timings
 
 MEASURED_SECONDS = 70  # `efla demo` on an idle 2-core CPU (x86-64, torch 2.13), fresh clone
 # share of the demo's time each part takes (measured alongside MEASURED_SECONDS)
-PART_SHARE = {"one_step": 0.01, "robustness": 0.45, "mad": 0.40, "cpu_timings": 0.14}
+PART_SHARE = {"one_step": 0.01, "robustness": 0.44, "mad": 0.48, "cpu_timings": 0.07}
 PART_TITLE = {"one_step": "(a) one step", "robustness": "(b) digits", "mad": "(c) MAD recall",
               "cpu_timings": "(d) CPU timings"}
 
