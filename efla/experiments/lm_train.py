@@ -18,15 +18,21 @@ Output directory ``out``:
     model directory (``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` after ``import efla``);
     ``log.jsonl``: one JSON object per logged step (loss, lr, grad norm, tokens, tokens/s, val loss);
     ``train_args.json``, ``train_summary.json``; ``checkpoints/step-NNNNNNN/``: ``model.safetensors``,
-    ``optimizer.pt``, ``scheduler.pt``, ``rng.pt`` (every rank's RNG states), ``trainer_state.json``
-    (step, data position, data fingerprint) and ``manifest.json`` (size and SHA-256 of every file,
-    written last). A checkpoint is written in ``checkpoints/.tmp-...`` and renamed into place, so a
+    ``optimizer.pt``, ``scheduler.pt``, ``rng.pt`` (every rank's RNG states; all three hold tensors and
+    plain values only and load with ``torch.load(weights_only=True)``, so a crafted pickle is refused,
+    never run), ``trainer_state.json`` (step, data position, data fingerprint, learning-rate schedule
+    and optimizer settings) and ``manifest.json`` (size and SHA-256 of every file, written last).
+    ``.efla-run.lock``: marks the directory as a run and locks it while a run uses it
+    (:mod:`efla.experiments.run_dir`). A checkpoint is written in ``checkpoints/.tmp-...`` and renamed into place, so a
     crash never leaves a half-written checkpoint under a ``step-`` name; one whose files do not match
     their manifest is refused (:class:`CheckpointError`, naming the newest good one).
 
 Resuming (``resume=True``) loads the newest checkpoint and continues: the data position, RNG states,
 optimizer and scheduler are restored, so on a CPU the per-step losses equal the uninterrupted run's bit
-for bit (same thread count and library versions).
+for bit (same thread count and library versions). Without a checkpoint it stops (``resume_or_start``
+starts a new run then). The learning-rate schedule and optimizer settings are the checkpoint's: a
+change is refused, except a larger ``max_steps`` with ``extend_at_min_lr``, which finishes the saved
+schedule and trains the extra steps at ``min_lr`` (:func:`scheduled_lr`).
 """
 
 from __future__ import annotations
