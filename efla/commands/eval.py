@@ -101,7 +101,8 @@ def _check_eval_options(args, wikitext: str | None, lambada: str | None) -> None
     check.existing_file(lambada, "--lambada")
     if lambada:
         load_lambada(lambada, args.limit)
-    if wikitext and os.path.exists(wikitext):
+    if wikitext and (os.path.exists(wikitext) or wikitext.startswith((".", "/", "~"))
+                     or wikitext.endswith((".raw", ".txt", ".jsonl"))):  # a local file, not a datasets name
         check.existing_file(wikitext, "--wikitext")
         load_text(wikitext)
     if args.out:

@@ -61,6 +61,9 @@ from .run_dir import check_out_dir, claim_run_dir
 __all__ = [
     "TrainConfig",
     "CheckpointError",
+    "check_train_config",
+    "load_checkpoint_state",
+    "scheduled_lr",
     "NonFiniteLossError",
     "train",
     "lr_at",
