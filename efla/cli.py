@@ -231,12 +231,15 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(prog="efla", description="Exact Flow Linear Attention: ops, models and experiments.",
-                                epilog="Errors are reported in one line; EFLA_DEBUG=1 or --debug shows the traceback.")
+                           epilog="Errors are reported in one line; EFLA_DEBUG=1 or --debug shows the traceback.")
     sub = p.add_subparsers(dest="command", required=True)
     from efla.experiments.demo import MEASURED_SECONDS  # noqa: PLC0415
 
     d = sub.add_parser("demo", help=f"a CPU tour (about {MEASURED_SECONDS} s on an idle 2-core CPU): exact vs Euler, "
-                                    "robustness on embedded digits, MAD, timings")
+                                    "robustness on embedded digits, MAD, timings",
+                       description=f"A CPU tour, about {MEASURED_SECONDS} s on an idle 2-core CPU (longer on a busy "
+                                   "machine: it uses the cores the load average leaves free and shows the time left). "
+                                   "Each part's results are written to --out as soon as that part ends.")
     d.add_argument("--out", default="efla-demo", help="output directory (default: ./efla-demo)")
     d.add_argument("--quick", action="store_true", help="fewer training epochs and smaller timing shapes")
     d.add_argument("--epochs", type=int, default=None, help="training epochs of the digit classifiers (default 30, quick 12)")

@@ -168,6 +168,7 @@ def test_demo_threads_follow_the_load():
 
 
 def test_demo_estimates_the_time_left_from_finished_parts():
+    import efla.experiments.demo as demo
     from efla.experiments.demo import PART_SHARE, remaining_seconds
 
     assert sum(PART_SHARE.values()) == pytest.approx(1.0)
@@ -175,6 +176,7 @@ def test_demo_estimates_the_time_left_from_finished_parts():
     share = PART_SHARE["one_step"] + PART_SHARE["robustness"]
     assert remaining_seconds(done, 46.0) == pytest.approx(46.0 * (1 - share) / share)
     assert remaining_seconds(dict(done, mad={}, cpu_timings=[]), 80.0) == pytest.approx(0.0, abs=1e-9)
+    assert remaining_seconds({"one_step": []}, 0.2) == pytest.approx(demo.MEASURED_SECONDS * (1 - PART_SHARE["one_step"]))
 
 
 def test_demo_states_one_measured_time_in_readme_help_and_banner(tmp_path, capsys, monkeypatch):
@@ -187,6 +189,7 @@ def test_demo_states_one_measured_time_in_readme_help_and_banner(tmp_path, capsy
     assert times == {str(demo.MEASURED_SECONDS)}, times
     sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices and "demo" in a.choices)
     assert stated in next(c.help for c in sub._choices_actions if c.dest == "demo")
+    assert f"about {demo.MEASURED_SECONDS} s on an idle 2-core CPU" in " ".join(sub.choices["demo"].format_help().split())
 
     monkeypatch.setattr(demo, "run_mad_demo_task", _interrupt)
     assert main(["demo", "--epochs", "1", "--out", str(tmp_path)]) == 130

@@ -17,7 +17,7 @@ from .onestep import one_step_table
 from .robustness import RULE_LABEL, TrainConfig, evaluate_perturbations, train_classifier
 from .timing import op_timings
 
-MEASURED_SECONDS = 70  # `efla demo` on an idle 2-core CPU (x86-64, torch 2.13), fresh clone
+MEASURED_SECONDS = 70  # `efla demo` on an idle 2-core x86-64 CPU, torch 2.13, 2 threads
 # share of the demo's time each part takes (measured alongside MEASURED_SECONDS)
 PART_SHARE = {"one_step": 0.01, "robustness": 0.44, "mad": 0.48, "cpu_timings": 0.07}
 PART_TITLE = {"one_step": "(a) one step", "robustness": "(b) digits", "mad": "(c) MAD recall",
@@ -31,10 +31,11 @@ def threads_for_load(cpus: int, load: float) -> int:
 
 
 def remaining_seconds(res: dict, elapsed: float) -> float:
-    """Estimated seconds left, from the time the finished parts took and their share of the whole."""
+    """Estimated seconds left: from the time the finished parts took and their share of the whole, or
+    from the measured time while too little is finished to go by."""
     done = sum(share for part, share in PART_SHARE.items() if part in res)
-    if done <= 0:
-        return MEASURED_SECONDS
+    if done < 0.1:
+        return MEASURED_SECONDS * (1.0 - done)
     return elapsed * (1.0 - done) / done
 
 
