@@ -274,7 +274,7 @@ def load_token_stream(paths: list[str], tokenizer, eos_id: int, cache_dir: str |
         path = os.path.join(cache_dir, f"tokens-{key}.npy")
         if os.path.exists(path):
             try:
-                return np.load(path)
+                return np.load(path, allow_pickle=False)
             except (OSError, ValueError):
                 pass  # a damaged cache file is rebuilt
     toks = tokenize_documents(read_documents(paths, text_field, gutenberg, accept_invalid_utf8), tokenizer, eos_id)
