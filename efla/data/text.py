@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from efla.errors import UsageError
+
 __all__ = [
     "TEXT_SUFFIXES",
     "TextCheck",
@@ -119,15 +121,13 @@ def _looks_binary(head: bytes) -> bool:
     return b"\x00" in head
 
 
-def check_text_file(path: str, chunk_bytes: int = 1 << 20) -> TextCheck:
+def check_text_file(path: str, chunk_bytes: int = 1 << 20, option: str = "--data") -> TextCheck:
     """Reads ``path`` once: refuses a binary file (NUL bytes near its start) and counts the bytes that
     are not UTF-8, with the line of the first.
 
     Raises:
-        ValueError: the file looks binary (``path`` and the offset of the first NUL byte).
+        UsageError: the file looks binary (``path``, the offset of the first NUL byte and ``option``).
     """
-    from efla.errors import UsageError  # noqa: PLC0415
-
     found = TextCheck(path)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
     lines_before = 0
@@ -135,7 +135,7 @@ def check_text_file(path: str, chunk_bytes: int = 1 << 20) -> TextCheck:
         head = f.read(_BINARY_SNIFF_BYTES)
         if _looks_binary(head):
             nul_at = head.index(b"\x00")
-            raise UsageError(f"{path}: looks like a binary file, not text (a NUL byte at offset {nul_at}) (--data)")
+            raise UsageError(f"{path}: looks like a binary file, not text (a NUL byte at offset {nul_at}) ({option})")
         chunk, final = head, False
         while not final:
             nxt = f.read(chunk_bytes)
@@ -151,22 +151,21 @@ def check_text_file(path: str, chunk_bytes: int = 1 << 20) -> TextCheck:
     return found
 
 
-def check_text_files(paths: list[str], accept_invalid_utf8: bool = False, warn=None) -> list[TextCheck]:
+def check_text_files(paths: list[str], accept_invalid_utf8: bool = False, warn=None,
+                     option: str = "--data") -> list[TextCheck]:
     """:func:`check_text_file` of every local file named by ``paths`` (``hf:`` specs skipped).
 
-    Undecodable bytes are refused (``ValueError`` naming the file, the count and the first line)
+    Undecodable bytes are refused (``UsageError`` naming the file, the count, the first line and ``option``)
     unless ``accept_invalid_utf8``; then ``warn(message)`` is called once per such file and the bytes
     are read as U+FFFD.
     """
-    from efla.errors import UsageError  # noqa: PLC0415
-
-    found = [check_text_file(p) for p in expand_paths(paths) if not p.startswith("hf:")]
+    found = [check_text_file(p, option=option) for p in expand_paths(paths) if not p.startswith("hf:")]
     for c in found:
         if not c.invalid_bytes:
             continue
         if not accept_invalid_utf8:
             raise UsageError(f"{c.describe()}; convert the file to UTF-8, or pass --accept-invalid-utf8 to "
-                             "read them as U+FFFD (--data)")
+                             f"read them as U+FFFD ({option})")
         if warn is not None:
             warn(f"{c.describe()}: read as U+FFFD (--accept-invalid-utf8)")
     return found

@@ -701,7 +701,8 @@ def _check_text(cfg: TrainConfig, dist: _Dist) -> None:
         if dist.main:
             print(f"efla train: warning: {message}", file=sys.stderr)
 
-    check_text_files(list(cfg.data) + list(cfg.val_data or []), cfg.accept_invalid_utf8, warn)
+    check_text_files(cfg.data, cfg.accept_invalid_utf8, warn, option="--data")
+    check_text_files(cfg.val_data or [], cfg.accept_invalid_utf8, warn, option="--val-data")
 
 
 def _choose_start(cfg: TrainConfig) -> str | None:

@@ -158,6 +158,8 @@ def test_binary_data_is_refused(corpus, tokenizer_dir, tmp_path, capsys):
     assert main(_args(data, tokenizer_dir, out)) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert "random.txt: looks like a binary file" in line and line.endswith("(--data)")
+    assert main(_args(corpus, tokenizer_dir, out, "--val-data", str(data / "random.txt"))) == 2
+    assert _one_error_line(capsys.readouterr().err).endswith("(--val-data)")
     assert not out.exists()
 
 
