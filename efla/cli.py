@@ -13,11 +13,31 @@ from rich.table import Table
 console = Console()
 
 
-def cmd_demo(args) -> int:
-    from efla.experiments.demo import run_demo, side_by_side, write_demo_outputs  # noqa: PLC0415
+def _demo_threads(args) -> int:
+    from efla.experiments.demo import threads_for_load  # noqa: PLC0415
 
+    if args.threads:
+        return args.threads
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return threads_for_load(os.cpu_count() or 1, load)
+
+
+def cmd_demo(args) -> int:
+    import torch  # noqa: PLC0415
+
+    from efla.experiments import arg_checks as check  # noqa: PLC0415
+    from efla.experiments.demo import MEASURED_SECONDS, run_demo, side_by_side, write_demo_outputs  # noqa: PLC0415
+
+    check.at_least(args.epochs, 1, "--epochs")
+    check.at_least(args.threads, 1, "--threads")
+    check.output_dir(args.out)
     t0 = time.perf_counter()
-    console.rule("[bold]EFLA demo[/bold]: exact flow vs Euler (DeltaNet)")
+    threads = _demo_threads(args)
+    torch.set_num_threads(threads)
+    console.rule(f"[bold]EFLA demo[/bold]: exact flow vs Euler (DeltaNet); about {MEASURED_SECONDS} s on an idle "
+                 "2-core CPU")
+    console.print(f"Using {threads} CPU thread(s) (from the load average; --threads N to choose). Each part's "
+                  f"results are written to {args.out} as soon as it ends.")
     console.print(
         "One step of S' = (I - c k k^T) S + c k v^T from the same state, unit key (lambda = 1).\n"
         "Euler (DeltaNet) uses c = beta: its eigenvalue along k is 1 - beta*lambda.\n"
@@ -25,7 +45,8 @@ def cmd_demo(args) -> int:
     )
     res = run_demo(quick=args.quick, progress_factory=_progress_factory(), log=lambda m: console.print(f"[dim]{m}[/dim]"),
                    epochs=args.epochs, timing_shapes=((1, 128, 2, 32),) if args.epochs and args.epochs < 3 else None,
-                   mad_epochs=args.epochs if args.epochs and args.epochs < 3 else None)
+                   mad_epochs=args.epochs if args.epochs and args.epochs < 3 else None,
+                   on_part_done=lambda partial: write_demo_outputs(partial, args.out))
     tab = Table(title="(a) One step: exact flow vs Euler")
     for col in ("beta*lambda", "Euler eigenvalue 1-beta*lambda", "EFLA eigenvalue exp(-beta*lambda)",
                 "||S_exact - S_euler|| / ||S_0||", "Euler"):
@@ -99,10 +120,30 @@ def _command_line() -> str:
     return "efla " + " ".join(sys.argv[1:])
 
 
+def _check_pixel_args(args) -> None:
+    from efla.experiments import arg_checks as check  # noqa: PLC0415
+    from efla.errors import UsageError  # noqa: PLC0415
+
+    check.at_least(args.epochs, 1, "--epochs")
+    check.positive(args.lr, "--lr")
+    check.positive(getattr(args, "lrs", None), "--lrs")
+    check.at_least(args.batch_size, 1, "--batch-size")
+    check.at_least(args.width, 1, "--width")
+    check.at_least(args.num_heads, 1, "--num-heads")
+    if args.width % args.num_heads:
+        raise UsageError(f"--width {args.width} is not a multiple of --num-heads {args.num_heads} (--num-heads)")
+    check.at_least(args.train_limit, 1, "--train-limit")
+    check.at_least(args.test_limit, 1, "--test-limit")
+    check.existing_dir(args.data_dir, "--data-dir")
+    check.device(args.device)
+    check.output_dir(args.out)
+
+
 def cmd_robustness(args) -> int:
     from efla.experiments.robustness_run import aggregate, run_robustness, write_robustness_outputs  # noqa: PLC0415
     from efla.experiments.robustness import RULE_LABEL  # noqa: PLC0415
 
+    _check_pixel_args(args)
     data = _load_pixels(args)
     args._data_name = data.name
     opts = _robustness_options(args)
@@ -126,6 +167,7 @@ def cmd_lr_sweep(args) -> int:
     from efla.experiments.robustness_run import run_lr_sweep, write_lr_sweep_outputs  # noqa: PLC0415
     from efla.experiments.robustness import RULE_LABEL  # noqa: PLC0415
 
+    _check_pixel_args(args)
     data = _load_pixels(args)
     args._data_name = data.name
     opts = _robustness_options(args)
@@ -180,13 +222,29 @@ def _cuda_available() -> bool:
         return False
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Reports a command-line mistake in one line, ``efla <command>: <what> (see ... --help)``, exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="efla", description="Exact Flow Linear Attention: ops, models and experiments.")
+    p = OneLineErrorParser(prog="efla", description="Exact Flow Linear Attention: ops, models and experiments.",
+                           epilog="Errors are reported in one line; EFLA_DEBUG=1 or --debug shows the traceback.")
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="a 5-minute CPU tour: exact vs Euler, robustness on embedded digits, MAD, timings")
+    from efla.experiments.demo import MEASURED_SECONDS  # noqa: PLC0415
+
+    d = sub.add_parser("demo", help=f"a CPU tour (about {MEASURED_SECONDS} s on an idle 2-core CPU): exact vs Euler, "
+                                    "robustness on embedded digits, MAD, timings",
+                       description=f"A CPU tour, about {MEASURED_SECONDS} s on an idle 2-core CPU (longer on a busy "
+                                   "machine: it uses the cores the load average leaves free and shows the time left). "
+                                   "Each part's results are written to --out as soon as that part ends.")
     d.add_argument("--out", default="efla-demo", help="output directory (default: ./efla-demo)")
     d.add_argument("--quick", action="store_true", help="fewer training epochs and smaller timing shapes")
     d.add_argument("--epochs", type=int, default=None, help="training epochs of the digit classifiers (default 30, quick 12)")
+    d.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the cores the 1-minute load average leaves free, at least 1)")
     d.set_defaults(func=cmd_demo)
 
     r = sub.add_parser("robustness", help="pixel-sequence classification under intensity scaling, noise and dropout")
@@ -209,13 +267,57 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_debug_option(parser) -> None:
+    for sub in _subparsers(parser):
+        sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                         help="show the full traceback of an error (same as EFLA_DEBUG=1)")
+
+
+def _subparsers(parser) -> list:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return list(actions[0].choices.values()) if actions else []
+
+
+def _debug_wanted(args) -> bool:
+    return bool(getattr(args, "debug", False)) or os.environ.get("EFLA_DEBUG", "") not in ("", "0")
+
+
+_USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)  # UsageError is a ValueError
+_RUN_FAILURES = (OSError, RuntimeError, ImportError, EOFError)
+
+
+def exit_status_and_message(error: BaseException) -> tuple[int, str]:
+    """Exit status (2: the command cannot run as given, 1: the work failed) and the one-line message.
+    A damaged checkpoint counts as a wrong input (2): the run did not start."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, _USAGE_ERRORS) or type(error).__name__ == "CheckpointError":
+        return 2, text
+    if isinstance(error, _RUN_FAILURES):
+        return 1, text
+    return 1, f"{type(error).__name__}: {text} (an unexpected error; EFLA_DEBUG=1 or --debug shows the traceback)"
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    _add_debug_option(parser)
+    args = parser.parse_args(argv)
     if args.command == "lr-sweep":
         args.lrs_given = args.lrs is not None
         if args.lrs is None:
             args.lrs = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2]
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        if _debug_wanted(args):
+            raise
+        print(f"efla {args.command}: interrupted; what was finished is kept", file=sys.stderr)
+        return 130
+    except Exception as error:  # every error ends as one line unless a traceback is asked for
+        if _debug_wanted(args):
+            raise
+        status, message = exit_status_and_message(error)
+        print(f"efla {args.command}: {message}", file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

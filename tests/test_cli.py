@@ -1,8 +1,16 @@
-"""The command line: `efla demo` runs and writes its results."""
+"""The command line: `efla demo` runs and writes its results; every command reports a mistake in one
+line (exit status 2), a failure in one line (exit status 1), and the traceback only when asked."""
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
+import pathlib
+import re
+
+import numpy as np
+import pytest
 
 from efla.cli import main
 
@@ -28,3 +36,189 @@ def test_demo_quick_writes_results(tmp_path, capsys):
     report = (tmp_path / "report.md").read_text()
     assert "MAD in-context recall" in report
     assert "![one step](one_step.png)" in report and "| metric | EFLA | DeltaNet |" in report
+
+
+# -- every command: one line, exit 2 for usage errors and 1 for failures, --debug for the traceback ---
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _one_error_line(err: str, command: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"efla {command}: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+def _fake_model_dir(path: pathlib.Path) -> pathlib.Path:
+    """Passes the up-front model-directory check (never loaded: the tests fail before that)."""
+    path.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (path / name).write_text("{}")
+    return path
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["eval", "--model", "no/such/model-dir"], "no such directory: no/such/model-dir (--model)"),
+    (["compare", "no-such-dir", "--out", "x"], "no such directory: no-such-dir (MODELS)"),
+    (["convert", "no-such-src", "dst"], "no such directory: no-such-src (SRC)"),
+    (["robustness", "--epochs", "0"], "expected a value >= 1, got 0 (--epochs)"),
+    (["lr-sweep", "--lrs", "1e-3", "-1"], "expected a value > 0, got -1 (--lrs)"),
+    (["lr-sweep", "--data-dir", "no-such-mnist"], "no such directory: no-such-mnist (--data-dir)"),
+    (["mad", "--tasks", "no-such-task"], "unknown task 'no-such-task'"),
+    (["mad", "--num-heads", "0"], "(--num-heads)"),
+    (["demo", "--epochs", "0"], "expected a value >= 1, got 0 (--epochs)"),
+    (["train", "--out", "x", "--data", "no-such-corpus"], "no-such-corpus: no such file or directory"),
+])
+def test_usage_errors_are_one_line_with_status_2(argv, expected, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert expected in _one_error_line(capsys.readouterr().err, argv[0])
+    assert os.listdir(tmp_path) == []  # nothing written
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--data", "corpus"], "the following arguments are required: --out"),
+    (["eval", "--model", "m", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+    (["mad", "--epochs", "two"], "argument --epochs: invalid int value: 'two'"),
+])
+def test_command_line_mistakes_are_one_line_with_status_2(argv, expected, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    line = _one_error_line(capsys.readouterr().err, argv[0])
+    assert expected in line and line.endswith(f"(see efla {argv[0]} --help)")
+
+
+def test_eval_names_the_file_and_line_at_fault(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "not-a-model").mkdir()
+    (tmp_path / "not-a-model" / "notes.txt").write_text("hello")
+    assert main(["eval", "--model", "not-a-model", "--wikitext", "none", "--lambada", "none"]) == 2
+    assert "not-a-model is not a model directory: no config.json (--model)" in _one_error_line(
+        capsys.readouterr().err, "eval")
+
+    model = _fake_model_dir(tmp_path / "model")
+    (tmp_path / "empty.raw").write_text("\n\n")
+    assert main(["eval", "--model", str(model), "--wikitext", "empty.raw", "--lambada", "none"]) == 2
+    assert "empty.raw: the file is empty (--wikitext)" in _one_error_line(capsys.readouterr().err, "eval")
+
+    lines = [json.dumps({"text": f"passage number {i} ends here"}) for i in range(5)] + ["{'text': 'single quotes'}"]
+    (tmp_path / "lambada.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["eval", "--model", str(model), "--wikitext", "none", "--lambada", "lambada.jsonl"]) == 2
+    line = _one_error_line(capsys.readouterr().err, "eval")
+    assert "lambada.jsonl:6: not a JSON line" in line and line.endswith("(--lambada)")
+    assert sorted(os.listdir(tmp_path)) == ["empty.raw", "lambada.jsonl", "model", "not-a-model"]
+
+
+def _write_idx(path: pathlib.Path, arr: np.ndarray) -> None:
+    header = bytes([0, 0, 8, arr.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in arr.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + arr.astype(np.uint8).tobytes())
+
+
+def test_truncated_mnist_gz_is_named(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    mnist = tmp_path / "mnist"
+    mnist.mkdir()
+    for stem, n in (("train", 20), ("t10k", 10)):
+        _write_idx(mnist / f"{stem}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
+        _write_idx(mnist / f"{stem}-labels-idx1-ubyte.gz", rng.integers(0, 10, (n,)))
+    broken = mnist / "train-images-idx3-ubyte.gz"
+    broken.write_bytes(broken.read_bytes()[:-200])
+    out = tmp_path / "out"
+    assert main(["robustness", "--data-dir", str(mnist), "--out", str(out), "--device", "cpu"]) == 2
+    line = _one_error_line(capsys.readouterr().err, "robustness")
+    assert f"{broken}: a truncated or damaged gzip file" in line and line.endswith("(--data-dir)")
+    assert not out.exists()
+
+
+def test_failures_are_one_line_with_status_1_and_debug_shows_the_traceback(tmp_path, monkeypatch, capsys):
+    import efla.experiments.demo as demo
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(tmp_path / "demo.json"))
+
+    monkeypatch.setattr(demo, "run_demo", disk_full)
+    assert main(["demo", "--out", str(tmp_path / "d")]) == 1
+    assert "No space left on device" in _one_error_line(capsys.readouterr().err, "demo")
+
+    def bug(*args, **kwargs):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(demo, "run_demo", bug)
+    assert main(["demo", "--out", str(tmp_path / "d")]) == 1
+    assert "KeyError" in _one_error_line(capsys.readouterr().err, "demo")
+    with pytest.raises(KeyError):
+        main(["demo", "--out", str(tmp_path / "d"), "--debug"])
+    monkeypatch.setenv("EFLA_DEBUG", "1")
+    with pytest.raises(KeyError):
+        main(["demo", "--out", str(tmp_path / "d")])
+
+
+# -- the demo: one stated time, outputs part by part, time left, threads from the load --------------
+
+def test_demo_threads_follow_the_load():
+    from efla.experiments.demo import threads_for_load
+
+    assert threads_for_load(2, 0.05) == 2
+    assert threads_for_load(2, 1.2) == 1
+    assert threads_for_load(2, 12.0) == 1
+    assert threads_for_load(16, 3.6) == 12
+
+
+def test_demo_estimates_the_time_left_from_finished_parts():
+    import efla.experiments.demo as demo
+    from efla.experiments.demo import PART_SHARE, remaining_seconds
+
+    assert sum(PART_SHARE.values()) == pytest.approx(1.0)
+    done = {"one_step": [], "robustness": {}}
+    share = PART_SHARE["one_step"] + PART_SHARE["robustness"]
+    assert remaining_seconds(done, 46.0) == pytest.approx(46.0 * (1 - share) / share)
+    assert remaining_seconds(dict(done, mad={}, cpu_timings=[]), 80.0) == pytest.approx(0.0, abs=1e-9)
+    assert remaining_seconds({"one_step": []}, 0.2) == pytest.approx(demo.MEASURED_SECONDS * (1 - PART_SHARE["one_step"]))
+
+
+def test_demo_states_one_measured_time_in_readme_help_and_banner(tmp_path, capsys, monkeypatch):
+    import efla.experiments.demo as demo
+    from efla.cli import build_parser
+
+    stated = f"about {demo.MEASURED_SECONDS} s on an idle 2-core CPU"
+    assert stated in README.read_text()
+    times = set(re.findall(r"(\d+)(?: |-)(?:s\b|seconds?\b|minutes?\b)", _readme_demo_lines()))
+    assert times == {str(demo.MEASURED_SECONDS)}, times
+    sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices and "demo" in a.choices)
+    assert stated in next(c.help for c in sub._choices_actions if c.dest == "demo")
+    assert f"about {demo.MEASURED_SECONDS} s on an idle 2-core CPU" in " ".join(sub.choices["demo"].format_help().split())
+
+    monkeypatch.setattr(demo, "run_mad_demo_task", _interrupt)
+    assert main(["demo", "--epochs", "1", "--out", str(tmp_path)]) == 130
+    out, err = capsys.readouterr()
+    assert stated in " ".join(out.split())
+    assert "interrupted" in err
+
+
+def _interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def _readme_demo_lines() -> str:
+    """The Quickstart section and every other README line that mentions the demo."""
+    text = README.read_text()
+    quickstart = text.split("## Quickstart")[1].split("\n## ")[0]
+    return quickstart + "\n".join(ln for ln in text.splitlines() if "demo" in ln.lower())
+
+
+def test_interrupted_demo_keeps_the_parts_it_finished(tmp_path, capsys, monkeypatch):
+    import efla.experiments.demo as demo
+
+    monkeypatch.setattr(demo, "run_mad_demo_task", _interrupt)
+    assert main(["demo", "--epochs", "1", "--threads", "1", "--out", str(tmp_path)]) == 130
+    saved = json.loads((tmp_path / "demo.json").read_text())
+    assert set(saved) >= {"one_step", "robustness"} and "mad" not in saved and "cpu_timings" not in saved
+    report = (tmp_path / "report.md").read_text()
+    assert "![one step](one_step.png)" in report and "digits: clean test accuracy" in report
+    assert "Not finished yet: (c) MAD recall, (d) CPU timings" in report
+    assert (tmp_path / "one_step.png").stat().st_size > 200 and (tmp_path / "robustness.png").stat().st_size > 200
+    out = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"\(b\) digits done at \d+ s; about \d+ s left", out), out

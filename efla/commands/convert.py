@@ -8,7 +8,10 @@ def cmd_convert(args) -> int:
     from rich.console import Console  # noqa: PLC0415
 
     from efla.convert import convert_fla_checkpoint  # noqa: PLC0415
+    from efla.experiments import arg_checks as check  # noqa: PLC0415
 
+    check.existing_dir(args.src, "SRC")
+    check.output_dir(args.dst, "DST")
     dtype = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     rep = convert_fla_checkpoint(args.src, args.dst, update_rule=args.update_rule, dtype=dtype)
     con = Console()

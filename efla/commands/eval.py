@@ -12,6 +12,8 @@ import shlex
 from rich.console import Console
 from rich.table import Table
 
+from efla.errors import UsageError
+
 console = Console()
 
 _DATA_FILES = {"wikitext": ("wikitext-2-raw", "wiki.test.raw"), "lambada": ("lambada", "lambada_test.jsonl")}
@@ -68,20 +70,43 @@ def _options(args):
     if wikitext is None and lambada is None and not harness:
         wikitext, lambada = default_data_file("wikitext"), default_data_file("lambada")
         if wikitext is None and lambada is None:
-            raise SystemExit("efla: give --wikitext FILE and/or --lambada FILE (or --harness TASKS); "
-                             "no default data found under $EFLA_DATA_DIR or ../shared/data")
+            raise UsageError("nothing to evaluate: no default data found under $EFLA_DATA_DIR or ../shared/data "
+                             "(--wikitext FILE, --lambada FILE or --harness TASKS)")
         console.print(f"No data given: using wikitext={wikitext}, lambada={lambada}")
     if wikitext and wikitext.lower() == "none":
         wikitext = None
     if lambada and lambada.lower() == "none":
         lambada = None
-    if lambada and not os.path.isfile(lambada):
-        raise SystemExit(f"efla: --lambada: no such file: {lambada}")
+    _check_eval_options(args, wikitext, lambada)
     return EvalOptions(wikitext=wikitext, lambada=lambada, context=args.context, stride=args.stride,
                        batch_size=args.batch_size, limit=args.limit, wikitext_max_tokens=args.wikitext_max_tokens,
                        prefix=args.prefix, device=args.device, dtype=args.dtype, harness=harness,
                        harness_include=args.harness_include, harness_limit=args.harness_limit,
                        num_fewshot=args.num_fewshot)
+
+
+def _check_eval_options(args, wikitext: str | None, lambada: str | None) -> None:
+    from efla.experiments import arg_checks as check  # noqa: PLC0415
+    from efla.experiments.lm_eval import load_lambada, load_text  # noqa: PLC0415
+
+    check.at_least(args.context, 2, "--context")
+    check.at_least(args.stride, 1, "--stride")
+    check.at_least(args.batch_size, 1, "--batch-size")
+    check.at_least(args.limit, 1, "--limit")
+    check.at_least(args.wikitext_max_tokens, 1, "--wikitext-max-tokens")
+    check.at_least(args.threads, 1, "--threads")
+    check.at_least(args.harness_limit, 1, "--harness-limit")
+    check.at_least(args.num_fewshot, 0, "--num-fewshot")
+    check.device(args.device)
+    check.existing_file(lambada, "--lambada")
+    if lambada:
+        load_lambada(lambada, args.limit)
+    if wikitext and (os.path.exists(wikitext) or wikitext.startswith((".", "/", "~"))
+                     or wikitext.endswith((".raw", ".txt", ".jsonl"))):  # a local file, not a datasets name
+        check.existing_file(wikitext, "--wikitext")
+        load_text(wikitext)
+    if args.out:
+        check.output_dir(args.out, "--out")
 
 
 def _setup_threads(args) -> None:
@@ -120,8 +145,9 @@ def _print_record(rec: dict) -> None:
 
 
 def cmd_eval(args) -> int:
-    from efla.experiments.lm_eval import evaluate_model, write_json  # noqa: PLC0415
+    from efla.experiments.lm_eval import check_model_dir, evaluate_model, write_json  # noqa: PLC0415
 
+    check_model_dir(args.model)
     _setup_threads(args)
     opts = _options(args)
     out = args.out or os.path.join("results", "eval", os.path.basename(os.path.normpath(args.model)))
@@ -135,12 +161,16 @@ def cmd_eval(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from efla.experiments.lm_eval import compare, evaluate_model, write_json, write_text  # noqa: PLC0415
+    from efla.experiments.lm_eval import (  # noqa: PLC0415
+        check_model_dir, compare, evaluate_model, write_json, write_text)
 
     _setup_threads(args)
     sources = list(args.models or []) + list(args.models_opt or [])
     if not sources:
-        raise SystemExit("efla compare: give model directories (or eval.json files)")
+        raise UsageError("give model directories or eval.json files (MODELS)")
+    for src in sources:
+        if not (src.endswith(".json") and os.path.isfile(src)):
+            check_model_dir(src, "MODELS")
     records = []
     opts = None
     for src in sources:
@@ -151,8 +181,6 @@ def cmd_compare(args) -> int:
             records.extend(recs)
             console.print(f"{src}: using {len(recs)} recorded evaluation(s)")
             continue
-        if not os.path.isdir(src):
-            raise SystemExit(f"efla compare: {src}: not a model directory or eval.json file")
         opts = opts or _options(args)
         name = os.path.basename(os.path.normpath(src))
         cached = os.path.join(args.out, "models", name, "eval.json")

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from efla.experiments import arg_checks as check
+from efla.errors import UsageError
+
 
 def _cuda_available() -> bool:
     try:
@@ -57,10 +60,23 @@ def _resolve_tasks(names):
     for n in names:
         t = inv.get(n.lower(), n)
         if t not in TASKS:
-            raise SystemExit(f"efla mad: unknown task {n!r}; expected one of {', '.join(TASKS)} or {', '.join(inv)}")
+            raise UsageError(f"unknown task {n!r}; expected one of {', '.join(TASKS)} or {', '.join(inv)} (--tasks)")
         if t not in out:
             out.append(t)
     return out
+
+
+def _check_arguments(args) -> None:
+    _resolve_tasks(args.tasks)
+    check.at_least(args.num_heads, 1, "--num-heads")
+    check.positive(args.lrs, "--lrs")
+    check.at_least(args.wds, 0, "--wds")
+    check.at_least(args.epochs, 1, "--epochs")
+    check.at_least(args.max_steps, 1, "--max-steps")
+    check.positive(args.time_limit, "--time-limit")
+    check.at_least(args.threads, 1, "--threads")
+    check.device(args.device)
+    check.output_dir(args.out)
 
 
 def cmd_mad(args) -> int:
@@ -75,8 +91,9 @@ def cmd_mad(args) -> int:
         PAPER, PAPER_AVERAGE, MADOptions, aggregate, run_mad, write_outputs)
 
     console = Console()
+    _check_arguments(args)
     if args.quick and args.preset not in (None, "quick"):
-        raise SystemExit("efla mad: --quick and --preset disagree")
+        raise UsageError("--quick and --preset disagree (--preset)")
     preset = args.preset or "quick"
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -10,6 +10,7 @@ _EPILOG = """\
 examples:
   efla train --preset tiny-efla --data ../shared/data/corpus/gutenberg --max-steps 500 --out runs/lm/efla-s0
   efla train --preset tiny-efla --data ../shared/data/corpus/gutenberg --max-steps 500 --out runs/lm/efla-s0 --resume
+  efla train --out runs/lm/efla-s0 --resume --max-steps 800 --extend-at-min-lr   # 300 more steps at --min-lr
   torchrun --nproc_per_node 2 -m efla train --preset tiny-deltanet --data corpus/ --max-steps 100 --out runs/ddp
 The output directory is a Hugging Face model directory (config.json, model.safetensors, tokenizer):
   import efla; AutoModelForCausalLM.from_pretrained(out); AutoTokenizer.from_pretrained(out)
@@ -40,6 +41,8 @@ def add_parser(subparsers) -> None:
     g.add_argument("--val-sequences", type=int, default=d.val_sequences,
                    help="sequences for the validation loss (default: %(default)s)")
     g.add_argument("--text-field", default=d.text_field, help="JSONL field with the text (default: %(default)s)")
+    g.add_argument("--accept-invalid-utf8", action="store_true",
+                   help="read bytes that are not UTF-8 as U+FFFD (each such file is reported); default: refuse them")
     g.add_argument("--no-gutenberg-strip", dest="gutenberg_strip", action="store_false",
                    help="keep Project Gutenberg headers/licences (stripped by default when present)")
     g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 256 tiny, 2048 others)")
@@ -68,12 +71,20 @@ def add_parser(subparsers) -> None:
     g.add_argument("--on-nonfinite", choices=["stop", "skip"], default=d.on_nonfinite,
                    help="non-finite loss: stop (keep the last good checkpoint) or skip the batch (default: %(default)s)")
     g = p.add_argument_group("runtime")
-    g.add_argument("--out", required=True, metavar="DIR", help="output model directory")
+    g.add_argument("--out", required=True, metavar="DIR",
+                   help="output model directory: new, empty, or an efla run (locked while a run uses it)")
     g.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --out; options left at their defaults take the values "
-                        "saved in OUT/train_args.json")
+                   help="continue from the newest checkpoint in --out (stops if there is none); options left at their "
+                        "defaults take the values saved in OUT/train_args.json; the schedule and optimizer settings "
+                        "must stay the same")
+    g.add_argument("--resume-or-start", action="store_true",
+                   help="like --resume, but start a new run when --out has no checkpoint")
     g.add_argument("--resume-from", default=None, metavar="CKPT_DIR", help="continue from this checkpoint")
-    g.add_argument("--overwrite", action="store_true", help="start again in an --out that has checkpoints")
+    g.add_argument("--extend-at-min-lr", action="store_true",
+                   help="resuming with a larger --max-steps: the saved schedule runs to its planned end, then the "
+                        "extra steps train at --min-lr")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start again in an --out that has checkpoints, or write into a directory that is not an efla run")
     g.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="default: %(default)s")
     g.add_argument("--val-every", type=int, default=d.val_every, help="validation every N steps (0: only at the end)")
@@ -97,52 +108,70 @@ def add_parser(subparsers) -> None:
 def cmd_train(args) -> int:
     from rich.console import Console  # noqa: PLC0415
 
-    from efla.experiments.lm_train import (  # noqa: PLC0415
-        CheckpointError,
-        NonFiniteLossError,
-        TrainConfig,
-        main_ddp_cleanup,
-        train,
-    )
-
-    import json  # noqa: PLC0415
-    import os  # noqa: PLC0415
+    from efla.experiments.lm_train import TrainConfig, main_ddp_cleanup, train  # noqa: PLC0415
 
     console = Console(stderr=True)
-    fields = TrainConfig.__dataclass_fields__
-    given = {k: v for k, v in vars(args).items() if k in fields}
-    saved_path = os.path.join(args.out, "train_args.json")
-    if (args.resume or args.resume_from) and os.path.exists(saved_path):
-        with open(saved_path) as f:
-            saved = {k: v for k, v in json.load(f).items() if k in fields}
-        defaults = args._defaults
-        # what the command line leaves at its default comes from the run being resumed
-        given = {**saved, **{k: v for k, v in given.items() if k not in defaults or v != defaults[k]},
-                 "resume": args.resume, "resume_from": args.resume_from, "overwrite": False}
-    if not given.get("data"):
-        console.print("[red]efla train: --data is required (unless resuming a run that saved it)[/red]")
-        return 2
-    cfg = TrainConfig(**given)
+    cfg = TrainConfig(**_given_options(args))
     if args.config_file:
         cfg.preset = None
     try:
         res = train(cfg)
-    except (CheckpointError, NonFiniteLossError, ValueError, FileNotFoundError) as e:
-        console.print(f"[red]efla train: {type(e).__name__}: {e}[/red]")
+    finally:
         main_ddp_cleanup()
-        return 2
-    main_ddp_cleanup()
     if "final_loss" in res:
         vl = res["val_loss"]
         console.print(f"{res['steps']} steps, {res['tokens']:,} tokens; final loss {res['final_loss']:.4f}"
                       + (f", validation loss {vl:.4f}" if vl is not None else "")
-                      + f"; {res['tokens_per_s']:,.0f} tokens/s. Model directory: [bold]{res['out']}[/bold]")
+                      + (f"; {res['tokens_per_s']:,.0f} tokens/s" if res["tokens_per_s"] else "; nothing left to train")
+                      + f". Model directory: [bold]{res['out']}[/bold]")
     return 0
 
 
+def _given_options(args) -> dict:
+    """TrainConfig fields from the command line; when resuming, what it leaves at its default comes
+    from the run's saved ``train_args.json``."""
+    from efla.errors import UsageError  # noqa: PLC0415
+    from efla.experiments.lm_train import TrainConfig  # noqa: PLC0415
+
+    fields = TrainConfig.__dataclass_fields__
+    given = {k: v for k, v in vars(args).items() if k in fields}
+    resuming = args.resume or args.resume_or_start or args.resume_from
+    saved = _saved_options(args.out, fields) if resuming else None
+    if saved is not None:
+        defaults = args._defaults
+        given = {**saved, **{k: v for k, v in given.items() if k not in defaults or v != defaults[k]},
+                 "resume": args.resume, "resume_or_start": args.resume_or_start, "resume_from": args.resume_from,
+                 "overwrite": False}
+    if not given.get("data"):
+        raise UsageError("give the training text (--data); only a resumed run that saved it can leave it out")
+    return given
+
+
+def _saved_options(out: str, fields) -> dict | None:
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    from efla.errors import UsageError  # noqa: PLC0415
+
+    path = os.path.join(out, "train_args.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: unreadable ({e}) (--resume)") from None
+    return {k: v for k, v in saved.items() if k in fields}
+
+
 def cmd_lm_report(args) -> int:
+    from efla.experiments import arg_checks as check  # noqa: PLC0415
     from efla.experiments.lm_train import write_lm_report  # noqa: PLC0415
 
+    for run in args.runs:
+        check.existing_dir(run, "--runs")
+    check.existing_file(args.notes, "--notes")
+    check.output_dir(args.out)
     notes = open(args.notes).read() if args.notes else ""  # noqa: SIM115
     files = write_lm_report(args.runs, args.out, title=args.title, notes=notes,
                             command_line="efla " + " ".join(sys.argv[1:]))

@@ -9,6 +9,7 @@ import gzip
 import os
 import pathlib
 import struct
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,17 +39,20 @@ class PixelData:
 
 def _read_idx(path: pathlib.Path) -> np.ndarray:
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise ValueError(f"{path}: a truncated or damaged gzip file ({e}) (--data-dir)") from None
     if len(data) < 4:
-        raise ValueError(f"data: {path} is not an idx file (too short)")
+        raise ValueError(f"{path}: not an idx file (too short) (--data-dir)")
     zero, dtype_code, ndim = data[0:2], data[2], data[3]
     if zero != b"\x00\x00" or dtype_code != 0x08:
-        raise ValueError(f"data: {path} is not an unsigned-byte idx file (magic {data[:4].hex()})")
+        raise ValueError(f"{path}: not an unsigned-byte idx file (magic {data[:4].hex()}) (--data-dir)")
     dims = struct.unpack(">" + "I" * ndim, data[4 : 4 + 4 * ndim])
     arr = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
     if arr.size != int(np.prod(dims)):
-        raise ValueError(f"data: {path} holds {arr.size} values, header says {dims}")
+        raise ValueError(f"{path}: holds {arr.size} values, its header says {dims} (truncated?) (--data-dir)")
     return arr.reshape(dims)
 
 
@@ -123,9 +127,9 @@ def load_pixel_data(dataset: str = "auto", data_dir=None) -> PixelData:
         return load_digits_sequences()
     folder = find_mnist_dir(data_dir) if data_dir is not None else default_mnist_dir()
     if data_dir is not None and folder is None:
-        raise ValueError(f"data_dir: no MNIST idx files found in {data_dir}")
+        raise ValueError(f"no MNIST idx files found in {data_dir} (--data-dir)")
     if folder is None:
         if dataset == "mnist":
-            raise ValueError("dataset: 'mnist' requested but no MNIST files found; pass --data-dir DIR")
+            raise ValueError("no MNIST files found; pass --data-dir DIR (--dataset mnist)")
         return load_digits_sequences()
     return load_mnist_sequences(folder)

@@ -26,6 +26,7 @@ takes the ``r``-th contiguous ``G/W`` of them. Resuming needs only the position.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -36,8 +37,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from efla.errors import UsageError
+
 __all__ = [
     "TEXT_SUFFIXES",
+    "TextCheck",
+    "check_text_file",
+    "check_text_files",
     "PackedData",
     "SequenceOrder",
     "expand_paths",
@@ -94,6 +100,77 @@ def expand_paths(paths: list[str]) -> list[str]:
     return out
 
 
+_BINARY_SNIFF_BYTES = 1 << 16
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
+
+
+@dataclass
+class TextCheck:
+    """What :func:`check_text_file` found in one file."""
+
+    path: str
+    invalid_bytes: int = 0  # bytes that are not UTF-8
+    first_invalid_line: int | None = None  # 1-based line of the first such byte
+
+    def describe(self) -> str:
+        return (f"{self.path}:{self.first_invalid_line}: not UTF-8 ({self.invalid_bytes} undecodable byte(s) "
+                f"in the file, the first on line {self.first_invalid_line})")
+
+
+def _looks_binary(head: bytes) -> bool:
+    return b"\x00" in head
+
+
+def check_text_file(path: str, chunk_bytes: int = 1 << 20, option: str = "--data") -> TextCheck:
+    """Reads ``path`` once: refuses a binary file (NUL bytes near its start) and counts the bytes that
+    are not UTF-8, with the line of the first.
+
+    Raises:
+        UsageError: the file looks binary (``path``, the offset of the first NUL byte and ``option``).
+    """
+    found = TextCheck(path)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+    lines_before = 0
+    with open(path, "rb") as f:
+        head = f.read(_BINARY_SNIFF_BYTES)
+        if _looks_binary(head):
+            nul_at = head.index(b"\x00")
+            raise UsageError(f"{path}: looks like a binary file, not text (a NUL byte at offset {nul_at}) ({option})")
+        chunk, final = head, False
+        while not final:
+            nxt = f.read(chunk_bytes)
+            final = not nxt
+            text = decoder.decode(chunk, final=final)
+            bad = _ESCAPED_BYTE.findall(text)
+            if bad and found.first_invalid_line is None:
+                first = _ESCAPED_BYTE.search(text).start()
+                found.first_invalid_line = lines_before + text.count("\n", 0, first) + 1
+            found.invalid_bytes += len(bad)
+            lines_before += text.count("\n")
+            chunk = nxt
+    return found
+
+
+def check_text_files(paths: list[str], accept_invalid_utf8: bool = False, warn=None,
+                     option: str = "--data") -> list[TextCheck]:
+    """:func:`check_text_file` of every local file named by ``paths`` (``hf:`` specs skipped).
+
+    Undecodable bytes are refused (``UsageError`` naming the file, the count, the first line and ``option``)
+    unless ``accept_invalid_utf8``; then ``warn(message)`` is called once per such file and the bytes
+    are read as U+FFFD.
+    """
+    found = [check_text_file(p, option=option) for p in expand_paths(paths) if not p.startswith("hf:")]
+    for c in found:
+        if not c.invalid_bytes:
+            continue
+        if not accept_invalid_utf8:
+            raise UsageError(f"{c.describe()}; convert the file to UTF-8, or pass --accept-invalid-utf8 to "
+                             f"read them as U+FFFD ({option})")
+        if warn is not None:
+            warn(f"{c.describe()}: read as U+FFFD (--accept-invalid-utf8)")
+    return found
+
+
 def _read_hf(spec: str, text_field: str) -> Iterator[str]:
     try:
         import datasets  # noqa: PLC0415
@@ -108,30 +185,44 @@ def _read_hf(spec: str, text_field: str) -> Iterator[str]:
             yield t
 
 
-def read_documents(paths: list[str], text_field: str = "text", gutenberg: bool = True) -> Iterator[str]:
-    """Documents (strings) from ``paths`` in order (see the module docstring); empty ones skipped."""
+def read_documents(paths: list[str], text_field: str = "text", gutenberg: bool = True,
+                   accept_invalid_utf8: bool = False) -> Iterator[str]:
+    """Documents (strings) from ``paths`` in order (see the module docstring); empty ones skipped.
+
+    Bytes that are not UTF-8 raise ``ValueError`` (file and line) unless ``accept_invalid_utf8``, which
+    reads them as U+FFFD (:func:`check_text_files` reports them first)."""
+    errors = "replace" if accept_invalid_utf8 else "strict"
     for path in expand_paths(paths):
         if path.startswith("hf:"):
             yield from _read_hf(path, text_field)
             continue
-        if path.lower().endswith((".jsonl", ".json")):
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        t = json.loads(line)[text_field]
-                    except (json.JSONDecodeError, KeyError, TypeError) as e:
-                        raise ValueError(f"{path}:{n}: expected a JSON object with a {text_field!r} string") from e
-                    if isinstance(t, str) and t.strip():
-                        yield t
-            continue
-        with open(path, encoding="utf-8", errors="replace", newline="") as f:
-            text = f.read().replace("\r\n", "\n")
-        if gutenberg:
-            text = strip_gutenberg(text)
-        if text.strip():
-            yield text
+        try:
+            yield from _read_file_documents(path, text_field, gutenberg, errors)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{check_text_file(path).describe()} ({e.reason}); pass --accept-invalid-utf8 to "
+                             "read them as U+FFFD (--data)") from e
+
+
+def _read_file_documents(path: str, text_field: str, gutenberg: bool, errors: str) -> Iterator[str]:
+    if path.lower().endswith((".jsonl", ".json")):
+        with open(path, encoding="utf-8", errors=errors) as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    t = json.loads(line)[text_field]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{path}:{n}: expected a JSON object with a {text_field!r} string "
+                                     "(--text-field)") from e
+                if isinstance(t, str) and t.strip():
+                    yield t
+        return
+    with open(path, encoding="utf-8", errors=errors, newline="") as f:
+        text = f.read().replace("\r\n", "\n")
+    if gutenberg:
+        text = strip_gutenberg(text)
+    if text.strip():
+        yield text
 
 
 def tokenize_documents(docs, tokenizer, eos_id: int, batch_docs: int = 64) -> np.ndarray:
@@ -173,7 +264,7 @@ def _fingerprint(paths: list[str], tokenizer, extra: dict) -> str:
 
 
 def load_token_stream(paths: list[str], tokenizer, eos_id: int, cache_dir: str | None = None,
-                      text_field: str = "text", gutenberg: bool = True) -> np.ndarray:
+                      text_field: str = "text", gutenberg: bool = True, accept_invalid_utf8: bool = False) -> np.ndarray:
     """:func:`tokenize_documents` of :func:`read_documents`, cached as ``.npy`` in ``cache_dir`` (keyed by
     the files' paths, sizes and mtimes, the tokenizer and the options)."""
     path = None
@@ -182,10 +273,10 @@ def load_token_stream(paths: list[str], tokenizer, eos_id: int, cache_dir: str |
         path = os.path.join(cache_dir, f"tokens-{key}.npy")
         if os.path.exists(path):
             try:
-                return np.load(path)
+                return np.load(path, allow_pickle=False)
             except (OSError, ValueError):
                 pass  # a damaged cache file is rebuilt
-    toks = tokenize_documents(read_documents(paths, text_field, gutenberg), tokenizer, eos_id)
+    toks = tokenize_documents(read_documents(paths, text_field, gutenberg, accept_invalid_utf8), tokenizer, eos_id)
     if path is not None:
         os.makedirs(cache_dir, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp.npy"

@@ -3,7 +3,8 @@
 (a) the one-step picture (exact vs Euler across beta*lambda), (b) EFLA vs DeltaNet trained
 briefly on the embedded 8x8 digits and evaluated under intensity scaling and noise, (c) a short
 MAD task when the MAD module is available, (d) CPU timings of the ops. Returns plain results;
-``write_demo_outputs`` writes demo.json, PNG plots and report.md.
+``write_demo_outputs`` writes demo.json, PNG plots and report.md, and is called after every part, so
+an interrupted demo keeps the parts it finished.
 """
 
 from __future__ import annotations
@@ -15,6 +16,28 @@ import time
 from .onestep import one_step_table
 from .robustness import RULE_LABEL, TrainConfig, evaluate_perturbations, train_classifier
 from .timing import op_timings
+
+MEASURED_SECONDS = 70  # `efla demo` on an idle 2-core x86-64 CPU, torch 2.13, 2 threads
+# share of the demo's time each part takes (measured alongside MEASURED_SECONDS)
+PART_SHARE = {"one_step": 0.01, "robustness": 0.44, "mad": 0.48, "cpu_timings": 0.07}
+PART_TITLE = {"one_step": "(a) one step", "robustness": "(b) digits", "mad": "(c) MAD recall",
+              "cpu_timings": "(d) CPU timings"}
+
+
+def threads_for_load(cpus: int, load: float) -> int:
+    """CPU threads for a machine with ``cpus`` cores and a 1-minute load average of ``load``: the
+    cores nobody else is using, at least one."""
+    return max(1, min(cpus, cpus - int(round(load))))
+
+
+def remaining_seconds(res: dict, elapsed: float) -> float:
+    """Estimated seconds left: from the time the finished parts took and their share of the whole, or
+    from the measured time while too little is finished to go by."""
+    done = sum(share for part, share in PART_SHARE.items() if part in res)
+    if done < 0.1:
+        return MEASURED_SECONDS * (1.0 - done)
+    return elapsed * (1.0 - done) / done
+
 
 DEMO_LEVELS = {"scale": [1.0, 2.0, 3.0, 5.0, 10.0], "noise": [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]}
 
@@ -41,19 +64,28 @@ def run_mad_demo_task(quick: bool = False, epochs: int | None = None, progress_f
 
 
 def run_demo(quick: bool = False, progress_factory=None, log=lambda msg: None, epochs: int | None = None,
-             timing_shapes=None, mad_epochs: int | None = None) -> dict:
+             timing_shapes=None, mad_epochs: int | None = None, on_part_done=lambda res: None) -> dict:
+    """Runs the four parts; ``on_part_done(res)`` is called after each with the results so far."""
     from efla.data import load_digits_sequences  # noqa: PLC0415
 
     t0 = time.perf_counter()
     res: dict = {"quick": quick}
+
+    def finished(part: str) -> None:
+        res["seconds"] = time.perf_counter() - t0
+        left = remaining_seconds(res, res["seconds"])
+        log(f"{PART_TITLE[part]} done at {res['seconds']:.0f} s" + (f"; about {left:.0f} s left" if left >= 1 else ""))
+        on_part_done(res)
+
     log("(a) one step: exact flow vs Euler")
     res["one_step"] = one_step_table()
+    finished("one_step")
 
     log("(b) EFLA vs DeltaNet on the embedded 8x8 digits (scikit-learn, no download)")
     data = load_digits_sequences()
     epochs = epochs or (12 if quick else 30)
-    res["robustness"] = {"dataset": data.source, "n_train": len(data.x_train), "n_test": len(data.x_test),
-                         "epochs": epochs, "lr": 3e-3, "levels": DEMO_LEVELS, "rules": {}}
+    robustness = {"dataset": data.source, "n_train": len(data.x_train), "n_test": len(data.x_test),
+                  "epochs": epochs, "lr": 3e-3, "levels": DEMO_LEVELS, "rules": {}}
     for rule in ("exact", "euler"):
         cfg = TrainConfig(rule=rule, lr=3e-3, epochs=epochs, batch_size=64, width=64, seed=0)
         steps = epochs * -(-len(data.x_train) // cfg.batch_size)
@@ -63,23 +95,27 @@ def run_demo(quick: bool = False, progress_factory=None, log=lambda msg: None, e
             bar.close()
         ev = evaluate_perturbations(model, data, DEMO_LEVELS)
         stiff = model.stiffness(data.x_test[:200] * 5.0)
-        res["robustness"]["rules"][rule] = dict(losses=tr.losses, final_train_loss=tr.final_train_loss, eval=ev,
-                                                stiffness_x5_median=stiff.median().item(),
-                                                stiffness_x5_max=stiff.max().item())
+        robustness["rules"][rule] = dict(losses=tr.losses, final_train_loss=tr.final_train_loss, eval=ev,
+                                         stiffness_x5_median=stiff.median().item(), stiffness_x5_max=stiff.max().item())
+    res["robustness"] = robustness
+    finished("robustness")
 
     log("(c) a short MAD task: in-context recall (small setting)")
     res["mad"] = run_mad_demo_task(quick=quick, epochs=mad_epochs, progress_factory=progress_factory)
+    finished("mad")
 
     log("(d) CPU timings of the ops")
     shapes = timing_shapes or (((1, 256, 4, 64), (1, 1024, 4, 64)) if quick else ((1, 512, 4, 64), (1, 2048, 4, 64)))
     res["cpu_timings"] = op_timings(shapes=shapes, reps=2 if quick else 3)
-    res["seconds"] = time.perf_counter() - t0
+    finished("cpu_timings")
     return res
 
 
 def side_by_side(res: dict) -> list[tuple[str, str, str]]:
     """Rows (metric, EFLA, DeltaNet) for the one summary table."""
     rows = []
+    if "robustness" not in res:
+        return rows
     rb = res["robustness"]["rules"]
     e, d = rb["exact"]["eval"], rb["euler"]["eval"]
     rows.append(("digits: clean test accuracy", f"{e['clean']:.3f}", f"{d['clean']:.3f}"))
@@ -92,6 +128,11 @@ def side_by_side(res: dict) -> list[tuple[str, str, str]]:
         rows.append((f"digits: mean accuracy over {kind} levels", f"{me:.3f}", f"{md:.3f}"))
     rows.append(("digits: median beta*||k||^2 at x5 intensity", f"{rb['exact']['stiffness_x5_median']:.2f}",
                  f"{rb['euler']['stiffness_x5_median']:.2f}"))
+    return rows + _mad_rows(res)
+
+
+def _mad_rows(res: dict) -> list[tuple[str, str, str]]:
+    rows = []
     if res.get("mad"):
         m = res["mad"]
         rows.append((f"MAD {m['task']}: test accuracy", f"{m['exact']:.3f}", f"{m['euler']:.3f}"))
@@ -105,7 +146,14 @@ def _plots(res: dict, out_dir: str) -> list[str]:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     files = []
-    rows = res["one_step"]
+    if "one_step" in res:
+        files.append(_plot_one_step(res["one_step"], out_dir, plt))
+    if "robustness" in res:
+        files.append(_plot_robustness(res["robustness"], out_dir, plt))
+    return files
+
+
+def _plot_one_step(rows: list, out_dir: str, plt) -> str:
     x = [r["beta_lambda"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     axes[0].plot(x, [r["euler_eigenvalue"] for r in rows], "o-", color="tab:blue", label="Euler (DeltaNet): 1 - βλ")
@@ -125,11 +173,18 @@ def _plots(res: dict, out_dir: str) -> list[str]:
     axes[1].grid(alpha=0.3, which="both")
     fig.tight_layout()
     p = os.path.join(out_dir, "one_step.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    files.append(p)
+    _save_figure(fig, p, plt)
+    return p
 
-    rb = res["robustness"]
+
+def _save_figure(fig, path: str, plt) -> None:
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _plot_robustness(rb: dict, out_dir: str, plt) -> str:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, kind, lab in zip(axes, ("scale", "noise"), ("intensity scale (x)", "Gaussian noise std")):
         for rule, color in (("exact", "tab:red"), ("euler", "tab:blue")):
@@ -144,40 +199,51 @@ def _plots(res: dict, out_dir: str) -> list[str]:
     fig.suptitle(f"Embedded 8x8 digits ({rb['n_train']} train, {rb['epochs']} epochs, 1 seed, lr {rb['lr']:g})")
     fig.tight_layout()
     p = os.path.join(out_dir, "robustness.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    files.append(p)
-    return files
+    _save_figure(fig, p, plt)
+    return p
 
 
 def write_demo_outputs(res: dict, out_dir: str) -> list[str]:
+    """demo.json, the plots and report.md of the parts in ``res`` so far (each file replaced atomically)."""
     os.makedirs(out_dir, exist_ok=True)
     files = _plots(res, out_dir)
     p = os.path.join(out_dir, "demo.json")
-    with open(p + ".tmp", "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(p + ".tmp", p)
+    _write_text(p, json.dumps(res, indent=1))
     files.append(p)
-    lines = ["# EFLA demo", "",
-             "A small CPU demonstration (minutes, no downloads). The full experiments are `efla robustness`, "
-             "`efla lr-sweep`, `efla mad`, `efla train` and `efla eval` (see the README).", "",
-             "## One step: exact flow vs Euler", "", "![one step](one_step.png)", "",
-             "| β·λ | Euler eigenvalue 1−βλ | EFLA eigenvalue exp(−βλ) | ‖S_exact − S_Euler‖/‖S_0‖ |",
-             "| --- | --- | --- | --- |"]
-    for r in res["one_step"]:
-        lines.append(f"| {r['beta_lambda']:g} | {r['euler_eigenvalue']:+.4f} | {r['exact_eigenvalue']:.4f} | "
-                     f"{r['one_step_rel_diff']:.2e} |")
-    lines += ["", "## EFLA vs DeltaNet", "", "![robustness](robustness.png)", "",
-              "| metric | EFLA | DeltaNet |", "| --- | --- | --- |"]
-    lines += [f"| {a} | {b} | {c} |" for a, b, c in side_by_side(res)]
-    lines += ["", "## CPU timings (float32, median ms)", "",
-              "| [B, T, H, D] | chunk fwd+bwd | recurrent fwd+bwd |", "| --- | --- | --- |"]
-    for t in res["cpu_timings"]:
-        lines.append(f"| {t['shape']} | {t['chunk_fwd_bwd_ms']:.1f} | {t['recurrent_fwd_bwd_ms']:.1f} |")
-    lines += ["", f"Total time: {res['seconds']:.0f} s. One seed on a tiny dataset: read it as an illustration, "
-              "not as evidence; `docs/results/` holds the recorded runs.", ""]
     p = os.path.join(out_dir, "report.md")
-    with open(p, "w") as f:
-        f.write("\n".join(lines))
+    _write_text(p, "\n".join(_report_lines(res)))
     files.append(p)
     return files
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _report_lines(res: dict) -> list[str]:
+    lines = ["# EFLA demo", "",
+             "A small CPU demonstration (minutes, no downloads). The full experiments are `efla robustness`, "
+             "`efla lr-sweep`, `efla mad`, `efla train` and `efla eval` (see the README).", ""]
+    if "one_step" in res:
+        lines += ["## One step: exact flow vs Euler", "", "![one step](one_step.png)", "",
+                  "| β·λ | Euler eigenvalue 1−βλ | EFLA eigenvalue exp(−βλ) | ‖S_exact − S_Euler‖/‖S_0‖ |",
+                  "| --- | --- | --- | --- |"]
+        lines += [f"| {r['beta_lambda']:g} | {r['euler_eigenvalue']:+.4f} | {r['exact_eigenvalue']:.4f} | "
+                  f"{r['one_step_rel_diff']:.2e} |" for r in res["one_step"]]
+    if "robustness" in res or "mad" in res:
+        lines += ["", "## EFLA vs DeltaNet", ""] + (["![robustness](robustness.png)", ""] if "robustness" in res else [])
+        lines += ["| metric | EFLA | DeltaNet |", "| --- | --- | --- |"]
+        lines += [f"| {a} | {b} | {c} |" for a, b, c in side_by_side(res) or _mad_rows(res)]
+    if "cpu_timings" in res:
+        lines += ["", "## CPU timings (float32, median ms)", "",
+                  "| [B, T, H, D] | chunk fwd+bwd | recurrent fwd+bwd |", "| --- | --- | --- |"]
+        lines += [f"| {t['shape']} | {t['chunk_fwd_bwd_ms']:.1f} | {t['recurrent_fwd_bwd_ms']:.1f} |"
+                  for t in res["cpu_timings"]]
+    missing = [PART_TITLE[p] for p in PART_SHARE if p not in res]
+    if missing:
+        lines += ["", f"Not finished yet: {', '.join(missing)} (the demo was still running or was interrupted)."]
+    lines += ["", f"{'Time so far' if missing else 'Total time'}: {res.get('seconds', 0):.0f} s. One seed on a tiny dataset: read it as an illustration, "
+              "not as evidence; `docs/results/` holds the recorded runs.", ""]
+    return lines

@@ -94,8 +94,14 @@ def load_text(spec: str) -> tuple[str, str]:
     (``NAME[:CONFIG[:SPLIT]]``, default split ``test``; rows of its ``text`` column are joined as
     lines, e.g. ``Salesforce/wikitext:wikitext-2-raw-v1``)."""
     if os.path.isfile(spec):
-        with open(spec, encoding="utf-8") as f:
-            return f.read(), os.path.abspath(spec)
+        try:
+            with open(spec, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{spec}: not UTF-8 text (byte offset {e.start}) (--wikitext)") from None
+        if not text.strip():
+            raise ValueError(f"{spec}: the file is empty (--wikitext)")
+        return text, os.path.abspath(spec)
     if os.path.exists(spec) or spec.startswith((".", "/")) or spec.endswith((".raw", ".txt", ".jsonl")):
         raise FileNotFoundError(f"--wikitext: no such file: {spec}")
     try:
@@ -112,19 +118,51 @@ def load_text(spec: str) -> tuple[str, str]:
 def load_lambada(path: str, limit: int | None = None) -> list[str]:
     """Passages of an OpenAI-format LAMBADA JSONL file (one ``{"text": ...}`` per line), the first ``limit``."""
     texts = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
+    with open(path, encoding="utf-8", errors="strict") as f:
+        for i, line in enumerate(_lines_naming_file(f, path)):
             if not line.strip():
                 continue
-            obj = json.loads(line)
-            if "text" not in obj or not isinstance(obj["text"], str):
-                raise ValueError(f"{path}:{i + 1}: expected a JSON object with a string 'text' field")
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i + 1}: not a JSON line ({e.msg}, column {e.colno}) (--lambada)") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise ValueError(f"{path}:{i + 1}: expected a JSON object with a string 'text' field (--lambada)")
             texts.append(obj["text"])
             if limit is not None and len(texts) >= limit:
                 break
     if not texts:
-        raise ValueError(f"{path}: no passages")
+        raise ValueError(f"{path}: no passages (--lambada)")
     return texts
+
+
+def _lines_naming_file(f, path: str):
+    n = 0
+    try:
+        for n, line in enumerate(f, 1):  # noqa: B007
+            yield line
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}:{n + 1}: not UTF-8 text ({e.reason}) (--lambada)") from None
+
+
+def check_model_dir(path: str, option: str = "--model") -> None:
+    """``path`` is a saved model directory: a ``config.json``, weights and tokenizer files.
+
+    Raises:
+        ValueError: naming what is missing (and ``option``).
+    """
+    if not os.path.exists(path):
+        raise ValueError(f"no such directory: {path} ({option})")
+    if not os.path.isdir(path):
+        raise ValueError(f"{path} is not a directory ({option})")
+    names = set(os.listdir(path))
+    if "config.json" not in names:
+        raise ValueError(f"{path} is not a model directory: no config.json ({option})")
+    if not any(n.endswith((".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")) for n in names):
+        raise ValueError(f"{path} has a config.json but no weights (*.safetensors) ({option})")
+    tokenizer_files = {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"}
+    if not names & tokenizer_files:
+        raise ValueError(f"{path} has no tokenizer files (tokenizer.json or tokenizer_config.json) ({option})")
 
 
 def load_model(path: str, device: str = "cpu", dtype: str = "float32"):

@@ -18,15 +18,21 @@ Output directory ``out``:
     model directory (``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` after ``import efla``);
     ``log.jsonl``: one JSON object per logged step (loss, lr, grad norm, tokens, tokens/s, val loss);
     ``train_args.json``, ``train_summary.json``; ``checkpoints/step-NNNNNNN/``: ``model.safetensors``,
-    ``optimizer.pt``, ``scheduler.pt``, ``rng.pt`` (every rank's RNG states), ``trainer_state.json``
-    (step, data position, data fingerprint) and ``manifest.json`` (size and SHA-256 of every file,
-    written last). A checkpoint is written in ``checkpoints/.tmp-...`` and renamed into place, so a
+    ``optimizer.pt``, ``scheduler.pt``, ``rng.pt`` (every rank's RNG states; all three hold tensors and
+    plain values only and load with ``torch.load(weights_only=True)``, so a crafted pickle is refused,
+    never run), ``trainer_state.json`` (step, data position, data fingerprint, learning-rate schedule
+    and optimizer settings) and ``manifest.json`` (size and SHA-256 of every file, written last).
+    ``.efla-run.lock``: marks the directory as a run and locks it while a run uses it
+    (:mod:`efla.experiments.run_dir`). A checkpoint is written in ``checkpoints/.tmp-...`` and renamed into place, so a
     crash never leaves a half-written checkpoint under a ``step-`` name; one whose files do not match
     their manifest is refused (:class:`CheckpointError`, naming the newest good one).
 
 Resuming (``resume=True``) loads the newest checkpoint and continues: the data position, RNG states,
 optimizer and scheduler are restored, so on a CPU the per-step losses equal the uninterrupted run's bit
-for bit (same thread count and library versions).
+for bit (same thread count and library versions). Without a checkpoint it stops (``resume_or_start``
+starts a new run then). The learning-rate schedule and optimizer settings are the checkpoint's: a
+change is refused, except a larger ``max_steps`` with ``extend_at_min_lr``, which finishes the saved
+schedule and trains the extra steps at ``min_lr`` (:func:`scheduled_lr`).
 """
 
 from __future__ import annotations
@@ -47,9 +53,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from efla.errors import UsageError
+
+from . import arg_checks as check
+from .run_dir import check_out_dir, claim_run_dir
+
 __all__ = [
     "TrainConfig",
     "CheckpointError",
+    "check_train_config",
+    "load_checkpoint_state",
+    "scheduled_lr",
     "NonFiniteLossError",
     "train",
     "lr_at",
@@ -113,7 +127,10 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: bool = False
     resume_from: str | None = None
+    resume_or_start: bool = False  # with resume: start a new run when there is no checkpoint
+    extend_at_min_lr: bool = False  # resuming with a larger max_steps: keep the schedule, then train at min_lr
     overwrite: bool = False
+    accept_invalid_utf8: bool = False  # read bytes that are not UTF-8 as U+FFFD (reported) instead of refusing
     device: str = "auto"
     precision: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     grad_checkpointing: bool = False
@@ -175,6 +192,15 @@ def lr_at(step: int, max_steps: int, warmup_steps: int, lr: float, min_lr: float
     span = max(1, max_steps - 1 - warmup_steps)
     p = min(1.0, (step - warmup_steps) / span)
     return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+def scheduled_lr(step: int, schedule: dict) -> float:
+    """Learning rate of update ``step`` under ``schedule`` (``planned_steps``, ``warmup``, ``lr``,
+    ``min_lr``): :func:`lr_at` over the planned steps, then ``min_lr`` for any steps past them (a run
+    extended with ``extend_at_min_lr``)."""
+    if step >= schedule["planned_steps"]:
+        return schedule["min_lr"]
+    return lr_at(step, schedule["planned_steps"], schedule["warmup"], schedule["lr"], schedule["min_lr"])
 
 
 # -- checkpoint files --------------------------------------------------------------------------------
@@ -282,18 +308,53 @@ def find_resume_checkpoint(out: str) -> str | None:
 
 
 def _rng_state() -> dict:
-    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG states as tensors, ints and lists only (loadable with ``weights_only=True``)."""
+    version, mt_state, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    st = {"python": [version, torch.tensor(mt_state, dtype=torch.int64), gauss],
+          "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+          "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         st["cuda"] = torch.cuda.get_rng_state()
     return st
 
 
 def _set_rng_state(st: dict) -> None:
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
+    """Restores :func:`_rng_state` (or the numpy-array form of checkpoints written before it)."""
+    version, mt_state, gauss = st["python"]
+    random.setstate((version, tuple(int(x) for x in _as_list(mt_state)), gauss))
+    kind, keys, pos, has_gauss, cached = st["numpy"]
+    np.random.set_state((kind, np.asarray(_as_list(keys), dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(st["torch"])
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state(st["cuda"])
+
+
+def _as_list(values) -> list:
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
+def load_checkpoint_state(path: str):
+    """A checkpoint's ``.pt`` file without running any code from it (``torch.load(weights_only=True)``:
+    tensors, numbers, strings and containers only).
+
+    Raises:
+        CheckpointError: the file holds anything else (a crafted pickle, or an object that needs code).
+    """
+    import pickle  # noqa: PLC0415
+
+    try:
+        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):  # RNG states of checkpoints before 0.1.1
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError, EOFError) as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        reason = next((ln for ln in lines if "unsupported global" in ln.lower()), lines[-1] if lines else type(e).__name__)
+        raise CheckpointError(f"{path}: refused: it holds more than tensors and plain values, and loading it "
+                              f"could run code ({reason[:200]})") from None
+
+
+_NUMPY_CORE = getattr(np, "_core", None) or np.core
+_NUMPY_ARRAY_GLOBALS = [_NUMPY_CORE.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 # -- model / state helpers ---------------------------------------------------------------------------
@@ -388,6 +449,60 @@ def _model_config(cfg: TrainConfig, tok, eos_id: int):
     return get_preset_config(cfg.preset, **ids)
 
 
+# -- schedule on resume ------------------------------------------------------------------------------
+
+_OPTION_OF = {"planned_steps": "--max-steps", "warmup": "--warmup-steps", "lr": "--lr", "min_lr": "--min-lr",
+              "weight_decay": "--weight-decay", "betas": "betas", "eps": "eps", "grad_clip": "--grad-clip"}
+
+
+def _schedule_of(cfg: TrainConfig, r: dict) -> dict:
+    return dict(planned_steps=r["max_steps"], warmup=r["warmup"], lr=cfg.lr, min_lr=cfg.min_lr)
+
+
+def _hyperparameters(cfg: TrainConfig) -> dict:
+    return dict(weight_decay=cfg.weight_decay, betas=list(cfg.betas), eps=cfg.eps, grad_clip=cfg.grad_clip)
+
+
+def _saved_settings(ckpt: str, state: dict, out: str) -> dict:
+    """Schedule and optimizer settings the checkpoint was trained with (older checkpoints: from
+    ``train_args.json`` beside it)."""
+    if "schedule" in state:
+        return dict(state["schedule"], **state.get("hyperparameters", {}))
+    saved = dict(planned_steps=state.get("max_steps"))
+    args_path = os.path.join(out, "train_args.json")
+    if os.path.isfile(args_path):
+        with open(args_path) as f:
+            args = json.load(f)
+        saved.update({k: args[k] for k in ("lr", "min_lr", "weight_decay", "eps", "grad_clip") if k in args})
+        saved["betas"] = list(args.get("betas", [])) or None
+        saved["warmup"] = args.get("resolved", {}).get("warmup")
+    return {k: v for k, v in saved.items() if v is not None}
+
+
+def _resumed_schedule(cfg: TrainConfig, r: dict, ckpt: str, state: dict) -> dict:
+    """The schedule a resumed run continues: the checkpoint's own. A larger ``max_steps`` with
+    ``extend_at_min_lr`` keeps it to its planned end and trains the extra steps at ``min_lr``.
+
+    Raises:
+        UsageError: any other change of the schedule or optimizer settings (named with both values).
+    """
+    saved = _saved_settings(ckpt, state, cfg.out)
+    now = dict(_schedule_of(cfg, r), **_hyperparameters(cfg))
+    if cfg.warmup_steps is None:  # derived from the length: the saved run's own
+        now["warmup"] = saved.get("warmup", now["warmup"])
+    changed = [k for k in now if k in saved and saved[k] != now[k]]
+    extended = "planned_steps" in changed and cfg.extend_at_min_lr and now["planned_steps"] > saved["planned_steps"]
+    if extended:
+        changed.remove("planned_steps")
+    if changed:
+        what = ", ".join(f"{_OPTION_OF[k]} {saved[k]} -> {now[k]}" for k in changed)
+        hint = ("; to train longer, pass --extend-at-min-lr (the saved schedule runs to its end, the extra steps "
+                "train at --min-lr)" if changed == ["planned_steps"] and now["planned_steps"] > saved["planned_steps"]
+                else "")
+        raise UsageError(f"{ckpt} was trained with other settings ({what}); a resumed run keeps them{hint} (--resume)")
+    return {k: saved.get(k, now[k]) for k in ("planned_steps", "warmup", "lr", "min_lr")}
+
+
 # -- the loop ----------------------------------------------------------------------------------------
 
 def _resolve(cfg: TrainConfig, dist: _Dist) -> dict:
@@ -395,22 +510,23 @@ def _resolve(cfg: TrainConfig, dist: _Dist) -> dict:
     seq_len = cfg.seq_len or SIZE_DEFAULTS[size][0]
     batch_tokens = cfg.batch_tokens or SIZE_DEFAULTS[size][1]
     if batch_tokens % seq_len:
-        raise ValueError(f"batch_tokens: {batch_tokens} is not a multiple of seq_len {seq_len}")
+        raise UsageError(f"{batch_tokens} tokens are not a whole number of {seq_len}-token sequences "
+                         "(--batch-tokens, --seq-len)")
     global_seqs = batch_tokens // seq_len
     if global_seqs % dist.world:
-        raise ValueError(f"batch_tokens: {global_seqs} sequences per step do not split over {dist.world} ranks")
+        raise UsageError(f"{global_seqs} sequences per step do not split over {dist.world} ranks (--batch-tokens)")
     per_rank = global_seqs // dist.world
     mb = min(cfg.micro_batch_size or per_rank, per_rank)
     if per_rank % mb:
-        raise ValueError(f"micro_batch_size: {mb} does not divide the {per_rank} sequences per rank and step")
+        raise UsageError(f"{mb} does not divide the {per_rank} sequences per rank and step (--micro-batch-size)")
     if cfg.max_steps is None and cfg.max_tokens is None:
-        raise ValueError("max_steps / max_tokens: give one")
+        raise UsageError("give the length of the run (--max-steps or --max-tokens)")
     max_steps = cfg.max_steps if cfg.max_steps is not None else max(1, cfg.max_tokens // batch_tokens)
     if max_steps < 1:
-        raise ValueError(f"max_steps: expected >= 1, got {max_steps}")
+        raise UsageError(f"expected >= 1, got {max_steps} (--max-steps)")
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max_steps // 8
     if cfg.on_nonfinite not in ("stop", "skip"):
-        raise ValueError(f"on_nonfinite: expected 'stop' or 'skip', got {cfg.on_nonfinite!r}")
+        raise UsageError(f"expected 'stop' or 'skip', got {cfg.on_nonfinite!r} (--on-nonfinite)")
     return dict(seq_len=seq_len, batch_tokens=batch_tokens, global_seqs=global_seqs, per_rank=per_rank,
                 micro=mb, accum=per_rank // mb, max_steps=max_steps, warmup=warmup)
 
@@ -423,7 +539,7 @@ def _prepare_tokenizer(cfg: TrainConfig, dist: _Dist, resuming: bool):
     if not (resuming and have) and dist.main:
         def texts():
             budget = cfg.tokenizer_train_chars
-            for doc in read_documents(cfg.data, cfg.text_field, cfg.gutenberg_strip):
+            for doc in read_documents(cfg.data, cfg.text_field, cfg.gutenberg_strip, cfg.accept_invalid_utf8):
                 if budget <= 0:
                     return
                 yield doc[:budget]
@@ -442,9 +558,11 @@ def _load_data(cfg: TrainConfig, r: dict, tok, eos_id: int, dist: _Dist):
     toks = val_toks = None
     for turn in ((True,), (False,)):
         if dist.main == turn[0]:
-            toks = load_token_stream(cfg.data, tok, eos_id, cache, cfg.text_field, cfg.gutenberg_strip)
+            toks = load_token_stream(cfg.data, tok, eos_id, cache, cfg.text_field, cfg.gutenberg_strip,
+                                     cfg.accept_invalid_utf8)
             if cfg.val_data:
-                val_toks = load_token_stream(cfg.val_data, tok, eos_id, cache, cfg.text_field, cfg.gutenberg_strip)
+                val_toks = load_token_stream(cfg.val_data, tok, eos_id, cache, cfg.text_field, cfg.gutenberg_strip,
+                                             cfg.accept_invalid_utf8)
         dist.barrier()
     return split_train_val(toks, r["seq_len"], cfg.val_sequences, val_seed=1234, val_tokens=val_toks)
 
@@ -485,11 +603,185 @@ def _evaluate(model, val, r: dict, dist: _Dist, eos_id: int, varlen: bool, autoc
     return float(tot[0] / tot[1]) if tot[1] > 0 else None
 
 
+def check_train_config(cfg: TrainConfig) -> None:
+    """Every check of ``cfg`` that needs no work (ranges, presets, paths); nothing is written.
+
+    Raises:
+        UsageError: naming the option (and the file and line) at fault.
+    """
+    if not cfg.data:
+        raise UsageError("give at least one file or directory (--data)")
+    _check_ranges(cfg)
+    _check_model_choice(cfg)
+    _check_paths(cfg)
+    check.device(cfg.device)
+
+
+def _check_ranges(cfg: TrainConfig) -> None:
+    check.at_least(cfg.vocab_size, 259, "--vocab-size")
+    check.at_least(cfg.tokenizer_train_chars, 1, "--tokenizer-train-chars")
+    check.at_least(cfg.seq_len, 2, "--seq-len")
+    check.at_least(cfg.batch_tokens, 2, "--batch-tokens")
+    check.at_least(cfg.micro_batch_size, 1, "--micro-batch-size")
+    check.at_least(cfg.max_steps, 1, "--max-steps")
+    check.at_least(cfg.max_tokens, 1, "--max-tokens")
+    check.positive(cfg.lr, "--lr")
+    check.at_least(cfg.min_lr, 0, "--min-lr")
+    if cfg.min_lr > cfg.lr:
+        raise UsageError(f"--min-lr {cfg.min_lr:g} is above the peak --lr {cfg.lr:g} (--min-lr)")
+    check.at_least(cfg.warmup_steps, 0, "--warmup-steps")
+    check.at_least(cfg.weight_decay, 0, "--weight-decay")
+    check.positive(cfg.grad_clip, "--grad-clip")
+    check.at_least(cfg.val_sequences, 0, "--val-sequences")
+    check.at_least(cfg.val_every, 0, "--val-every")
+    check.at_least(cfg.log_every, 1, "--log-every")
+    check.at_least(cfg.save_every, 0, "--save-every")
+    check.at_least(cfg.keep_checkpoints, 1, "--keep-checkpoints")
+    check.at_least(cfg.threads, 1, "--threads")
+
+
+def _check_model_choice(cfg: TrainConfig) -> None:
+    from efla.models import EFLAConfig, get_preset_config  # noqa: PLC0415
+
+    if cfg.config_file:
+        check.existing_file(cfg.config_file, "--config")
+        fields = _read_config_file(cfg.config_file)
+        try:
+            EFLAConfig(**fields)
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"{cfg.config_file}: not a valid EFLAConfig ({e}) (--config)") from None
+        return
+    if not cfg.preset:
+        raise UsageError("give a model (--preset or --config)")
+    try:
+        get_preset_config(cfg.preset)
+    except ValueError as e:
+        raise UsageError(f"{str(e).removeprefix('name: ')} (--preset)") from None
+
+
+def _read_config_file(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            fields = json.load(f)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno}) (--config)") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: not a UTF-8 text file (--config)") from None
+    if not isinstance(fields, dict):
+        raise UsageError(f"{path}: expected a JSON object of EFLAConfig fields (--config)")
+    for key in ("model_type", "architectures", "transformers_version"):
+        fields.pop(key, None)
+    return fields
+
+
+def _check_paths(cfg: TrainConfig) -> None:
+    from efla.data.text import expand_paths  # noqa: PLC0415
+
+    for paths, option in ((cfg.data, "--data"), (cfg.val_data, "--val-data")):
+        try:
+            expand_paths(paths or [])
+        except FileNotFoundError as e:
+            raise UsageError(f"{str(e).removeprefix(option + ' ')} ({option})") from None
+    if cfg.tokenizer not in (None, "", "bpe") and _looks_local(cfg.tokenizer):
+        check.existing_dir(cfg.tokenizer, "--tokenizer")
+    check.existing_dir(cfg.resume_from, "--resume-from")
+    check.output_dir(cfg.out, "--out")
+    if cfg.cache_dir:
+        check.output_dir(cfg.cache_dir, "--cache-dir")
+
+
+def _looks_local(name: str) -> bool:
+    return os.path.exists(name) or name.startswith((".", "/", "~")) or os.sep + os.sep in name
+
+
+def _check_text(cfg: TrainConfig, dist: _Dist) -> None:
+    from efla.data.text import check_text_files  # noqa: PLC0415
+
+    def warn(message: str) -> None:
+        if dist.main:
+            print(f"efla train: warning: {message}", file=sys.stderr)
+
+    check_text_files(cfg.data, cfg.accept_invalid_utf8, warn, option="--data")
+    check_text_files(cfg.val_data or [], cfg.accept_invalid_utf8, warn, option="--val-data")
+
+
+def _choose_start(cfg: TrainConfig) -> str | None:
+    """The checkpoint to resume from (``None``: a fresh start); read-only.
+
+    Raises:
+        CheckpointError: a damaged checkpoint. UsageError: nothing to resume, or a run that would be
+        clobbered.
+    """
+    if cfg.resume_from:
+        verify_checkpoint(cfg.resume_from)
+        return cfg.resume_from
+    if cfg.resume or cfg.resume_or_start:
+        ckpt = find_resume_checkpoint(cfg.out)
+        if ckpt is None and not cfg.resume_or_start:
+            raise UsageError(f"{cfg.out} has no checkpoint to resume from; pass --resume-or-start to start a new "
+                             "run when there is none (--resume)")
+        return ckpt
+    if list_checkpoints(cfg.out) and not cfg.overwrite:
+        raise UsageError(f"{cfg.out} already has checkpoints: pass --resume to continue that run, --overwrite to "
+                         "start again, or another --out (--out)")
+    return None
+
+
+def _clear_for_fresh_start(cfg: TrainConfig) -> None:
+    if cfg.overwrite:
+        shutil.rmtree(os.path.join(cfg.out, "checkpoints"), ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(cfg.out, "log.jsonl"))
+
+
+def _claim_and_choose_start(cfg: TrainConfig, dist: _Dist):
+    """Rank 0 checks ``out``, locks it and picks the checkpoint; every rank gets the outcome.
+
+    Returns ``(lock or None, checkpoint or None)``; on an error the lock is released and a directory
+    created here is removed again, so a refused run leaves nothing behind."""
+    lock, ckpt, error = None, None, None
+    if dist.main:
+        existed = os.path.exists(cfg.out)
+        try:
+            check_out_dir(cfg.out, cfg.overwrite)
+            lock = claim_run_dir(cfg.out)
+            if lock.stale_holder:
+                print(f"efla train: took over the lock of a run that is no longer running "
+                      f"(pid {lock.stale_holder.get('pid')}) in {cfg.out}", file=sys.stderr)
+            ckpt = _choose_start(cfg)
+            if ckpt is None:
+                _clear_for_fresh_start(cfg)
+        except (UsageError, CheckpointError) as e:
+            error = e
+            _undo_claim(cfg.out, lock, existed)
+            lock = None
+    error, ckpt = dist.broadcast((error, ckpt))
+    if error is not None:
+        raise error
+    return lock, ckpt
+
+
+def _undo_claim(out: str, lock, existed: bool) -> None:
+    from .run_dir import LOCK_NAME  # noqa: PLC0415
+
+    if lock is None:
+        return
+    lock.release()
+    if not existed:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(out, LOCK_NAME))
+            os.rmdir(out)
+
+
 def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = None) -> dict:
     """Train (or resume) a language model; returns the run's summary (also ``out/train_summary.json``).
 
     ``on_step_end(step, entry)`` is called on every rank after each update (and after that step's
     checkpoint, if any); an exception raised there ends the run as a crash would.
+
+    Everything that can be checked before work starts is checked first (:func:`check_train_config`,
+    the text files, the output directory, the checkpoint to resume); a refused run writes nothing.
+    The output directory is locked for the whole run (:mod:`efla.experiments.run_dir`).
 
     Returns:
         dict with ``losses`` (every step of the whole run, resumed ones included, read back from the
@@ -497,15 +789,12 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
         ``tokens``, ``resumed_from``, ``out``.
 
     Raises:
-        CheckpointError: resuming from a damaged checkpoint (names the previous good one).
+        UsageError: an option, path or input file is wrong; ``out`` is not an efla run, is locked by
+            another run, or has nothing to resume; a resumed run's schedule would change.
+        CheckpointError: resuming from a damaged or unsafe checkpoint (names the previous good one).
         NonFiniteLossError: a non-finite loss with ``on_nonfinite="stop"`` (the last good checkpoint stays).
     """
-    from efla.data.text import SequenceOrder, count_targets, make_batch, rank_slice  # noqa: PLC0415
-    from efla.data.tokenizer import tokenizer_eos_id  # noqa: PLC0415
-    from efla.models import EFLAForCausalLM  # noqa: PLC0415
-
-    if not cfg.data:
-        raise ValueError("data: give at least one file or directory")
+    check_train_config(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     dev_kind = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -513,45 +802,28 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
     device = torch.device(f"cuda:{dist.local_rank}" if dev_kind == "cuda" else dev_kind)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    precision = cfg.precision if cfg.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     r = _resolve(cfg, dist)
+    _check_text(cfg, dist)
+    lock, ckpt = _claim_and_choose_start(cfg, dist)
+    try:
+        return _train_from(cfg, dist, device, r, ckpt, on_step_end)
+    finally:
+        if lock is not None:
+            lock.release()
 
-    # -- where to start ----------------------------------------------------------------------------
-    ckpt = None
-    if dist.main:
-        os.makedirs(cfg.out, exist_ok=True)
-        err = None
-        try:
-            if cfg.resume_from:
-                verify_checkpoint(cfg.resume_from)
-                ckpt = cfg.resume_from
-            elif cfg.resume:
-                ckpt = find_resume_checkpoint(cfg.out)
-            elif list_checkpoints(cfg.out) and not cfg.overwrite:
-                raise CheckpointError(f"{cfg.out} already has checkpoints: pass --resume to continue that run, "
-                                      "--overwrite to start again, or another --out")
-            elif cfg.overwrite:
-                shutil.rmtree(os.path.join(cfg.out, "checkpoints"), ignore_errors=True)
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(cfg.out, "log.jsonl"))
-        except CheckpointError as e:
-            err = str(e)
-        if err is None and ckpt is None:  # a fresh start: no log lines of an earlier attempt
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(cfg.out, "log.jsonl"))
-        dist.broadcast(err)
-        if err:
-            raise CheckpointError(err)
-        ckpt = dist.broadcast(ckpt)
-    else:
-        err = dist.broadcast(None)
-        if err:
-            raise CheckpointError(err)
-        ckpt = dist.broadcast(None)
+
+def _train_from(cfg: TrainConfig, dist: _Dist, device, r: dict, ckpt: str | None, on_step_end) -> dict:
+    from efla.data.text import SequenceOrder, count_targets, make_batch, rank_slice  # noqa: PLC0415
+    from efla.data.tokenizer import tokenizer_eos_id  # noqa: PLC0415
+    from efla.models import EFLAForCausalLM  # noqa: PLC0415
+
+    precision = cfg.precision if cfg.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     state = None
+    schedule = _schedule_of(cfg, r)
     if ckpt is not None:
         with open(os.path.join(ckpt, "trainer_state.json")) as f:
             state = json.load(f)
+        schedule = _resumed_schedule(cfg, r, ckpt, state)
 
     # -- tokenizer, data, model --------------------------------------------------------------------
     tok = _prepare_tokenizer(cfg, dist, resuming=ckpt is not None)
@@ -603,11 +875,10 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
 
     optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
                                   eps=cfg.eps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_at(s, r["max_steps"], r["warmup"], cfg.lr, cfg.min_lr) / cfg.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: scheduled_lr(s, schedule) / cfg.lr)
     start_step, tokens_seen = 0, 0
     if ckpt is not None:
-        osd = torch.load(os.path.join(ckpt, "optimizer.pt"), map_location="cpu", weights_only=False)
+        osd = load_checkpoint_state(os.path.join(ckpt, "optimizer.pt"))
         if cfg.fsdp:
             from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
                 StateDictOptions,
@@ -617,8 +888,8 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
             set_optimizer_state_dict(wrapped, optimizer, osd, options=StateDictOptions(full_state_dict=True))
         else:
             optimizer.load_state_dict(osd)
-        scheduler.load_state_dict(torch.load(os.path.join(ckpt, "scheduler.pt"), weights_only=False))
-        rng = torch.load(os.path.join(ckpt, "rng.pt"), weights_only=False)
+        scheduler.load_state_dict(load_checkpoint_state(os.path.join(ckpt, "scheduler.pt")))
+        rng = load_checkpoint_state(os.path.join(ckpt, "rng.pt"))
         # the loop draws no random numbers (no dropout; the data order is a function of the position), so
         # a different world size only loses bitwise equality with the original run, not correctness
         _set_rng_state(rng[dist.rank] if len(rng) == dist.world else rng[0])
@@ -632,7 +903,7 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
 
     if dist.main:
         args = dataclasses.asdict(cfg)
-        args["resolved"] = dict(r, world_size=dist.world, precision=precision, device=str(device),
+        args["resolved"] = dict(r, schedule=schedule, world_size=dist.world, precision=precision, device=str(device),
                                 n_params=n_params, vocab_size=len(tok), train_sequences=len(train_data),
                                 train_tokens_available=len(train_data) * r["seq_len"],
                                 val_sequences=len(val_data) if val_data is not None else 0)
@@ -659,7 +930,7 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
             torch.save(rngs, os.path.join(tmp, "rng.pt"))
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                 json.dump(dict(step=step, tokens=step * r["batch_tokens"], max_steps=r["max_steps"],
-                               world_size=dist.world,
+                               world_size=dist.world, schedule=schedule, hyperparameters=_hyperparameters(cfg),
                                data=dict(position=position, seq_len=r["seq_len"], data_seed=cfg.data_seed,
                                          n_sequences=len(train_data), fingerprint=train_data.fingerprint(),
                                          epoch=order.epoch_of(position)),

@@ -25,6 +25,7 @@ from efla.data.text import (
     strip_gutenberg,
 )
 from efla.data.tokenizer import train_bpe_tokenizer
+from efla.errors import UsageError
 from efla.experiments.lm_train import (
     CheckpointError,
     NonFiniteLossError,
@@ -170,7 +171,7 @@ def test_resume_after_kill_reproduces_uninterrupted_run(corpus, tokenizer_dir, t
     assert [e["step"] for e in read_log(str(out))] == list(range(1, 8))
     # a checkpoint being written when the process died: a temp dir, never taken for a checkpoint
     shutil.copytree(out / "checkpoints" / "step-0000004", out / "checkpoints" / ".tmp-step-0000008-999")
-    with pytest.raises(CheckpointError, match="already has checkpoints"):
+    with pytest.raises(UsageError, match="already has checkpoints"):
         train(_cfg(corpus, tokenizer_dir, out))  # without --resume an existing run is not clobbered
 
     res = train(_cfg(corpus, tokenizer_dir, out, resume=True))
