@@ -1,11 +1,14 @@
 """Input checks shared by every public op.
 
 Every failure raises :class:`ValueError` naming the argument, what was expected and what was
-received. Checks never modify their inputs.
+received. Checks never modify their inputs. Structure (types, shapes, dtypes, devices) is
+always checked; values (NaN/Inf, signs, key norms, an overflowing result) on the CPU always
+and on a GPU only with ``EFLA_CHECK_VALUES=1`` (there each scan costs a device sync).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +37,18 @@ def _check_tensor(name: str, x, ndim: int) -> None:
         raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
 
 
+def values_checked(x: torch.Tensor) -> bool:
+    """Whether value checks run for inputs on ``x``'s device (always on the CPU; opt-in on a GPU)."""
+    if not x.is_cuda:
+        return True
+    return os.environ.get("EFLA_CHECK_VALUES", "0") not in ("", "0", "false", "False")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the ops compute in: float64 for float64 inputs, float32 for every other."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _check_finite(name: str, x: torch.Tensor) -> None:
     if not bool(torch.isfinite(x).all()):
         bad = (~torch.isfinite(x)).sum().item()
@@ -51,9 +66,12 @@ def validate(
     cu_seqlens: torch.Tensor | None,
     scale: float | None,
     gated: bool,
-    check_values: bool = True,
+    check_values: bool | None = None,
 ) -> Dims:
-    """Check shapes, dtypes, devices and values of an op's inputs; return the sizes."""
+    """Check shapes, dtypes, devices and values of an op's inputs; return the sizes.
+
+    ``check_values=None`` decides by device (see ``values_checked``).
+    """
     _check_tensor("q", q, 4)
     _check_tensor("k", k, 4)
     _check_tensor("v", v, 4)
@@ -113,15 +131,74 @@ def validate(
         if initial_state.device != q.device:
             raise ValueError(f"initial_state: expected device {q.device} (same as q), got {initial_state.device}")
 
+    if check_values is None:
+        check_values = values_checked(q)
     if check_values:
-        for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
-            _check_finite(name, x)
-        if gated:
-            _check_finite("g", g)
-            if bool((g > 0).any()):
-                raise ValueError(f"g: the log gate must be <= 0 (gate exp(g) in (0, 1]), got max {g.max().item():.4g}")
+        _check_values(q, k, v, beta, g if gated else None, initial_state)
+    return Dims(B=B, T=T, H=H, K=K, V=V, N=N)
+
+
+def _check_values(q, k, v, beta, g, initial_state) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+        _check_finite(name, x)
+    if g is not None:
+        _check_finite("g", g)
+        if bool((g > 0).any()):
+            raise ValueError(f"g: the log gate must be <= 0 (gate exp(g) in (0, 1]), got max {g.max().item():.4g}")
+    if bool((beta < 0).any()):
+        raise ValueError(f"beta: the step size must be >= 0, got min {beta.min().item():.4g}")
+    if initial_state is not None:
+        _check_finite("initial_state", initial_state)
+    _check_key_energy(k)
+
+
+def _check_key_energy(k: torch.Tensor) -> None:
+    """Every op forms ``k k^T`` in the compute dtype, so ``||k||^2`` must be representable there.
+    It is measured in float64, where no float32 key overflows."""
+    cdt = compute_dtype(k.dtype)
+    k64 = k.detach().to(torch.float64)
+    largest = (k64 * k64).sum(-1).max().item()
+    limit = torch.finfo(cdt).max
+    if not largest <= limit:
+        raise ValueError(
+            f"k: a key's squared norm ||k||^2 = {largest:.4g} overflows the compute dtype {cdt} "
+            f"(max {limit:.4g}); scale the keys down"
+        )
+
+
+def validate_coefficient_inputs(beta, k) -> None:
+    """Checks of ``efla_coefficient(beta, k)``: floating tensors, ``beta`` of ``k``'s shape without
+    the last dim, one device; values (by device, see ``values_checked``) finite, ``beta >= 0``."""
+    for name, x in (("beta", beta), ("k", k)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    if k.dim() < 1 or beta.shape != k.shape[:-1]:
+        raise ValueError(
+            f"beta: expected shape {tuple(k.shape[:-1])} (k's shape without the last dim), got {_shape(beta)}"
+        )
+    if k.device != beta.device:
+        raise ValueError(f"k: expected device {beta.device} (same as beta), got {k.device}")
+    if values_checked(beta):
+        _check_finite("beta", beta)
+        _check_finite("k", k)
         if bool((beta < 0).any()):
             raise ValueError(f"beta: the step size must be >= 0, got min {beta.min().item():.4g}")
-        if initial_state is not None:
-            _check_finite("initial_state", initial_state)
-    return Dims(B=B, T=T, H=H, K=K, V=V, N=N)
+
+
+def check_result(o: torch.Tensor, final_state: torch.Tensor | None, q, k, v, beta, initial_state) -> None:
+    """Finite inputs can still overflow the result (huge values, or an Euler step with
+    ``beta ||k||^2 > 2``, which expands the state every step): report it rather than return Inf/NaN."""
+    for name, x in (("o", o), ("final_state", final_state)):
+        if x is None or bool(torch.isfinite(x).all()):
+            continue
+        sizes = ", ".join(
+            f"max |{n}| {t.detach().abs().max().item():.3g}"
+            for n, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("initial_state", initial_state))
+            if t is not None
+        )
+        raise ValueError(
+            f"q/k/v/beta: the inputs are finite but the result ({name}) overflows {x.dtype} ({sizes}); "
+            "rescale the inputs (an Euler step with beta * ||k||^2 > 2 grows the state every step)"
+        )
