@@ -282,3 +282,16 @@ def test_coefficient_gradients_float32_accurate_under_triton_interpreter():
 def test_coefficient_gradients_float32_accurate_on_gpu():
     pytest.importorskip("mpmath")
     _run_coef_grad_script("cuda", interpret=False)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_gpu_overflowing_keys_raise_with_value_checks(rule, mode, monkeypatch):
+    # on a GPU, value checks (one device sync each) are opt-in; with them on, the bf16 kernels
+    # never see a key whose ||k||^2 overflows float32
+    monkeypatch.setenv("EFLA_CHECK_VALUES", "1")
+    q, k, v, beta, g, _ = (x.cuda().to(torch.bfloat16) for x in _inputs(1, 8, 1, 16, 16, 1, rule))
+    with pytest.raises(ValueError, match=r"^k: a key's squared norm"):
+        _call(getattr(ops, f"{mode}_{rule}"), rule, q, k * 1e19, v, beta, g, None, None)
