@@ -72,6 +72,29 @@ def validate(
 
     ``check_values=None`` decides by device (see ``values_checked``).
     """
+    B, T, H, K, V = _check_qkv(q, k, v)
+    _check_per_token("beta", beta, (B, T, H))
+    if gated:
+        if g is None:
+            raise ValueError("g: the gated ops need a log-gate tensor g of shape [B, T, H], got None")
+        _check_per_token("g", g, (B, T, H))
+    for name, x in (("k", k), ("v", v), ("beta", beta)) + ((("g", g),) if gated else ()):
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name}: expected dtype {q.dtype} (same as q), got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (same as q), got {x.device}")
+    _check_scale(scale)
+    N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
+    if initial_state is not None:
+        _check_initial_state(initial_state, (N, H, K, V), q.device)
+    if check_values is None:
+        check_values = values_checked(q)
+    if check_values:
+        _check_values(q, k, v, beta, g if gated else None, initial_state)
+    return Dims(B=B, T=T, H=H, K=K, V=V, N=N)
+
+
+def _check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
     _check_tensor("q", q, 4)
     _check_tensor("k", k, 4)
     _check_tensor("v", v, 4)
@@ -85,57 +108,51 @@ def validate(
         raise ValueError(f"q: expected at least one token (T >= 1), got shape {_shape(q)}")
     if K < 1 or V < 1 or H < 1 or B < 1:
         raise ValueError(f"q/v: empty dimension in q {_shape(q)} or v {_shape(v)}")
-    _check_tensor("beta", beta, 3)
-    if beta.shape != (B, T, H):
-        raise ValueError(f"beta: expected shape ({B}, {T}, {H}) = [B, T, H], got {_shape(beta)}")
-    if gated:
-        if g is None:
-            raise ValueError("g: the gated ops need a log-gate tensor g of shape [B, T, H], got None")
-        _check_tensor("g", g, 3)
-        if g.shape != (B, T, H):
-            raise ValueError(f"g: expected shape ({B}, {T}, {H}) = [B, T, H], got {_shape(g)}")
-    for name, x in (("k", k), ("v", v), ("beta", beta)) + ((("g", g),) if gated else ()):
-        if x.dtype != q.dtype:
-            raise ValueError(f"{name}: expected dtype {q.dtype} (same as q), got {x.dtype}")
-        if x.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device} (same as q), got {x.device}")
-    if scale is not None:
-        if not isinstance(scale, (int, float)) or not (scale == scale) or scale in (float("inf"), float("-inf")):
-            raise ValueError(f"scale: expected a finite float or None, got {scale!r}")
+    return B, T, H, K, V
 
-    N = B
-    if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor):
-            raise ValueError(f"cu_seqlens: expected an integer torch.Tensor, got {type(cu_seqlens).__name__}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens: expected a 1-D tensor of length N+1 >= 2, got shape {_shape(cu_seqlens)}")
-        if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
-            raise ValueError(f"cu_seqlens: expected an integer dtype, got {cu_seqlens.dtype}")
-        if B != 1:
-            raise ValueError(f"cu_seqlens: varlen input needs batch size B == 1 (sequences packed along T), got B = {B}")
-        cs = cu_seqlens.detach().to("cpu", torch.int64)
-        if int(cs[0]) != 0 or int(cs[-1]) != T:
-            raise ValueError(
-                f"cu_seqlens: expected to start at 0 and end at T = {T}, got first {int(cs[0])}, last {int(cs[-1])}"
-            )
-        if bool((cs[1:] < cs[:-1]).any()):
-            raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {cs.tolist()}")
-        N = cs.numel() - 1
 
-    if initial_state is not None:
-        _check_tensor("initial_state", initial_state, 4)
-        if initial_state.shape != (N, H, K, V):
-            raise ValueError(
-                f"initial_state: expected shape ({N}, {H}, {K}, {V}) = [N, H, K, V], got {_shape(initial_state)}"
-            )
-        if initial_state.device != q.device:
-            raise ValueError(f"initial_state: expected device {q.device} (same as q), got {initial_state.device}")
+def _check_per_token(name: str, x, shape: tuple[int, int, int]) -> None:
+    _check_tensor(name, x, 3)
+    if x.shape != shape:
+        raise ValueError(f"{name}: expected shape {shape} = [B, T, H], got {_shape(x)}")
 
-    if check_values is None:
-        check_values = values_checked(q)
-    if check_values:
-        _check_values(q, k, v, beta, g if gated else None, initial_state)
-    return Dims(B=B, T=T, H=H, K=K, V=V, N=N)
+
+def _check_scale(scale) -> None:
+    if scale is None:
+        return
+    if not isinstance(scale, (int, float)) or not (scale == scale) or scale in (float("inf"), float("-inf")):
+        raise ValueError(f"scale: expected a finite float or None, got {scale!r}")
+
+
+def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
+    """Check varlen offsets into ``T`` packed tokens (``B == 1``); return the number of sequences."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens: expected an integer torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: expected a 1-D tensor of length N+1 >= 2, got shape {_shape(cu_seqlens)}")
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens: expected an integer dtype, got {cu_seqlens.dtype}")
+    if B != 1:
+        raise ValueError(f"cu_seqlens: varlen input needs batch size B == 1 (sequences packed along T), got B = {B}")
+    cs = cu_seqlens.detach().to("cpu", torch.int64)
+    if int(cs[0]) != 0 or int(cs[-1]) != T:
+        raise ValueError(
+            f"cu_seqlens: expected to start at 0 and end at T = {T}, got first {int(cs[0])}, last {int(cs[-1])}"
+        )
+    if bool((cs[1:] < cs[:-1]).any()):
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {cs.tolist()}")
+    return cs.numel() - 1
+
+
+def _check_initial_state(initial_state, shape: tuple[int, int, int, int], device: torch.device) -> None:
+    _check_tensor("initial_state", initial_state, 4)
+    if initial_state.shape != shape:
+        N, H, K, V = shape
+        raise ValueError(
+            f"initial_state: expected shape ({N}, {H}, {K}, {V}) = [N, H, K, V], got {_shape(initial_state)}"
+        )
+    if initial_state.device != device:
+        raise ValueError(f"initial_state: expected device {device} (same as q), got {initial_state.device}")
 
 
 def _check_values(q, k, v, beta, g, initial_state) -> None:
