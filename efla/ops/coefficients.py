@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .validate import validate_coefficient_inputs
+from .validate import compute_dtype, validate_coefficient_inputs
 
 LAMBDA_MIN = 1e-12  # clamp for ||k||^2 (paper App. A)
 
@@ -168,7 +168,7 @@ def coefficients(rule: str, k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor
     ``gamma`` is ``None`` for the ungated rules. The exact rules' coefficients are evaluated
     in float64 (see ``COEF_DTYPE``) and rounded to the compute dtype.
     """
-    cdt = torch.float64 if k.dtype == torch.float64 else torch.float32
+    cdt = compute_dtype(k.dtype)
     if rule == "delta_rule":
         b = beta.to(cdt)
         return None, b, b
@@ -178,12 +178,12 @@ def coefficients(rule: str, k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor
     lam = key_energy(k)  # lambda_t = ||k_t||^2
     b = beta.to(COEF_DTYPE)
     if rule == "efla":
-        alpha = _ExactErase.apply(b, lam).to(cdt)  # eq. 15: (1 - e^{-beta lambda}) / lambda
+        alpha = exact_erase(b, lam).to(cdt)  # eq. 15: (1 - e^{-beta lambda}) / lambda
         return None, alpha, alpha
     if rule == "gated_efla":
         g64 = g.to(COEF_DTYPE)
         gamma = torch.expm1(g64)  # -delta = -(1 - a), a = exp(g)
-        erase = _ExactErase.apply(torch.exp(g64) * b, lam)  # (1 - e^{-rho lambda}) / lambda, rho = a beta
+        erase = exact_erase(torch.exp(g64) * b, lam)  # (1 - e^{-rho lambda}) / lambda, rho = a beta
         write = _GatedWrite.apply(b, g64, lam)  # beta (1 - e^{-eta}) / eta
         return gamma.to(cdt), erase.to(cdt), write.to(cdt)
     raise ValueError(f"rule: expected one of efla, gated_efla, delta_rule, gated_delta_rule, got {rule!r}")
