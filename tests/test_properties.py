@@ -4,12 +4,16 @@ Hypothesis throws tiny random shapes, dtypes, NaN/Inf, negative, tiny and huge v
 types and malformed ``cu_seqlens`` at ``efla.ops`` and ``efla.layers``. Any other exception, or a
 non-finite result, fails. Runs derandomized and without an example database, so CI sees the same
 cases every time; shapes are tiny so thousands of cases fit in well under a minute on 2 cores.
+On a GPU the ops are also run (fixed head dims) with value checks on, which is opt-in there.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+from unittest import mock
 
+import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -21,7 +25,6 @@ PROFILE = dict(deadline=None, derandomize=True, database=None, suppress_health_c
 
 RULES = ("efla", "gated_efla", "delta_rule", "gated_delta_rule")
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 # magnitudes from zero through subnormal to the edge of float32 (and beyond, for float64)
 SCALES = (0.0, 1e-40, 1e-20, 1e-3, 1.0, 3.0, 1e3, 1e10, 1e19, 1e30, 3e38, 1e200)
 TAME_SCALES = (0.0, 1e-20, 1e-3, 1.0, 3.0, 1e3)
@@ -75,15 +78,17 @@ def offsets(draw, T, hostile=True):
 
 
 @st.composite
-def op_calls(draw):
+def op_calls(draw, device="cpu", head_dims=None):
+    """``(rule, mode, inputs, keywords)``; ``head_dims=(K, V)`` fixes the head dims (on a GPU each
+    new pair compiles kernels)."""
     # half the calls are tame (well-formed, moderate values), so that the "returns finite results"
     # side of the property is exercised as often as the ValueError side
     hostile = draw(st.booleans())
     rule, mode = draw(st.sampled_from(RULES)), draw(st.sampled_from(("chunk", "recurrent")))
-    dtype, device = draw(st.sampled_from(DTYPES)), draw(st.sampled_from(DEVICES))
+    dtype = draw(st.sampled_from(DTYPES))
     B, T, H = draw(st.integers(1, 2)), draw(st.integers(1, 5)), draw(st.integers(1, 2))
-    K, V = draw(st.integers(1, 4)), draw(st.integers(1, 3))
-    if hostile and draw(st.integers(0, 9)) == 0:  # occasionally a zero-sized dim
+    K, V = head_dims or (draw(st.integers(1, 4)), draw(st.integers(1, 3)))
+    if hostile and head_dims is None and draw(st.integers(0, 9)) == 0:  # occasionally a zero-sized dim
         K = draw(st.integers(0, 5))
     x = {
         "q": draw(tensors((B, T, H, K), dtype, device, hostile=hostile)),
@@ -113,9 +118,11 @@ def _call_op(rule, mode, x, kw):
 
 
 def _finite_or_value_error(call):
-    """Run ``call``; return its result when it succeeded, ``None`` when it raised ValueError."""
+    """Run ``call`` with value checks on (on a GPU they are opt-in: each costs a sync); return its
+    result when it succeeded, ``None`` when it raised ValueError."""
     try:
-        out = call()
+        with mock.patch.dict(os.environ, {"EFLA_CHECK_VALUES": "1"}):
+            out = call()
     except ValueError as e:
         assert str(e), "ValueError without a message"
         event("ValueError: " + str(e).split(":")[0])  # per argument, in --hypothesis-show-statistics
@@ -124,9 +131,7 @@ def _finite_or_value_error(call):
     return out
 
 
-@settings(max_examples=2500, **PROFILE)
-@given(op_calls())
-def test_ops_return_finite_results_or_raise_value_error(case):
+def _check_op_call(case):
     rule, mode, x, kw = case
     out = _finite_or_value_error(lambda: _call_op(rule, mode, x, kw))
     if out is None:
@@ -139,9 +144,23 @@ def test_ops_return_finite_results_or_raise_value_error(case):
         assert torch.isfinite(S).all(), f"{mode}_{rule}: non-finite final state"
 
 
+@settings(max_examples=2500, **PROFILE)
+@given(op_calls())
+def test_ops_return_finite_results_or_raise_value_error(case):
+    _check_op_call(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@settings(max_examples=300, **PROFILE)
+@given(op_calls(device="cuda", head_dims=(16, 16)))
+def test_ops_on_gpu_return_finite_results_or_raise_value_error(case):
+    _check_op_call(case)
+
+
 @st.composite
-def coefficient_calls(draw):
-    dtype, device = draw(st.sampled_from(DTYPES)), draw(st.sampled_from(DEVICES))
+def coefficient_calls(draw, device="cpu"):
+    dtype = draw(st.sampled_from(DTYPES))
     lead = tuple(draw(st.lists(st.integers(1, 3), max_size=3)))
     K = draw(st.integers(1, 4))
     beta = draw(tensors(lead, dtype, device, sign=1))

@@ -49,8 +49,7 @@ def _expm1(x):
 # lambda), whose condition number is beta * lambda (up to 87 where the value is a normal float32):
 # lambda and beta * lambda formed in float32 alone would cost that factor times 6e-8, so the row
 # scalars are float64 (O(K) flops per row against O(K) loads: free on data-centre GPUs). Every
-# formula below avoids cancelling terms; SMALL64 is where a closed form hands over to its series.
-SMALL64 = tl.constexpr(1e-3)
+# formula below avoids cancelling terms; below x = 1e-3 a closed form hands over to its series.
 
 
 @triton.jit
@@ -67,7 +66,7 @@ def _expm1_64(x):
 @triton.jit
 def _phi64(x):
     """(1 - exp(-x)) / x for x >= 0."""
-    small = x < SMALL64
+    small = x < 1e-3
     xs = tl.where(small, 1.0, x)
     return tl.where(small, 1.0 - x * (0.5 - x * (1.0 / 6.0)), -_expm1_64(-xs) / xs)
 
@@ -75,7 +74,7 @@ def _phi64(x):
 @triton.jit
 def _q64(x):
     """q = phi' / phi = 1 / expm1(x) - 1 / x for x >= 0 (in [-1/2, 0))."""
-    small = x < SMALL64
+    small = x < 1e-3
     xs = tl.where(small, 1.0, x)
     return tl.where(small, -0.5 + x * (1.0 / 12.0 - x * x * (1.0 / 720.0)), 1.0 / _expm1_64(xs) - 1.0 / xs)
 
@@ -83,7 +82,7 @@ def _q64(x):
 @triton.jit
 def _dq64(x):
     """q'(x) = 1 / x^2 - exp(x) / expm1(x)^2 for x >= 0 (in (0, 1/12])."""
-    small = x < SMALL64
+    small = x < 1e-3
     xs = tl.where(small, 1.0, x)
     em = _expm1_64(xs)
     closed = 1.0 / (xs * xs) - 1.0 / (em * -_expm1_64(-xs))
