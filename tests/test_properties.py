@@ -32,12 +32,13 @@ SPECIALS = (float("nan"), float("inf"), float("-inf"))
 
 
 @st.composite
-def tensors(draw, shape, dtype, device, sign=0, hostile=True):
+def tensors(draw, shape, dtype, device, sign=0, hostile=True, scales=SCALES):
     """A tensor of ``shape``: a seeded normal sample times a drawn magnitude (cast to ``dtype``;
     magnitudes beyond its range become Inf). ``sign`` > 0 makes it non-negative and < 0
-    non-positive. ``hostile``: any magnitude, sometimes the wrong sign, sometimes a planted NaN/Inf."""
+    non-positive. ``hostile``: any of ``scales``, sometimes the wrong sign, sometimes a planted
+    NaN/Inf."""
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    x = torch.randn(shape, generator=gen, dtype=torch.float64) * draw(st.sampled_from(SCALES if hostile else TAME_SCALES))
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * draw(st.sampled_from(scales if hostile else TAME_SCALES))
     if sign and (not hostile or draw(st.integers(0, 9)) > 0):
         x = x.abs() * sign
     if hostile and x.numel() and draw(st.integers(0, 19)) == 0:
@@ -184,22 +185,25 @@ HIDDEN = 8
 
 
 @functools.cache
-def _layer(kind: str, update_rule: str, mode: str):
+def _layer(kind: str, update_rule: str, mode: str, dtype: torch.dtype):
     torch.manual_seed(0)
     if kind == "EFLA":
         layer = EFLA(hidden_size=HIDDEN, num_heads=2, mode=mode, update_rule=update_rule, use_gate=True)
     else:
         layer = GatedEFLA(hidden_size=HIDDEN, head_dim=4, num_heads=2, expand_v=1, mode=mode, update_rule=update_rule)
-    return layer.eval()
+    return layer.to(dtype).eval()
 
 
 @st.composite
 def layer_calls(draw):
+    dtype = draw(st.sampled_from(DTYPES))
     layer = _layer(draw(st.sampled_from(("EFLA", "GatedEFLA"))), draw(st.sampled_from(("exact", "euler"))),
-                   draw(st.sampled_from(("chunk", "recurrent"))))
+                   draw(st.sampled_from(("chunk", "recurrent"))), dtype)
     B, T = draw(st.integers(1, 2)), draw(st.integers(1, 5))
     D = HIDDEN if draw(st.integers(0, 9)) else draw(st.integers(0, 9))
-    hidden = _malformed(draw, draw(tensors((B, T, D), torch.float32, "cpu")))
+    # float64 layers get no hidden states beyond the float32 range: see the xfail test below
+    scales = SCALES if dtype != torch.float64 else tuple(m for m in SCALES if m <= 1e30)
+    hidden = _malformed(draw, draw(tensors((B, T, D), dtype, "cpu", scales=scales)))
     mask = None
     if draw(st.booleans()):
         mask = torch.tensor(draw(st.lists(st.integers(0, 2 if draw(st.integers(0, 9)) == 0 else 1),
@@ -217,3 +221,26 @@ def test_layers_return_finite_results_or_raise_value_error(case):
         assert out[0].shape == hidden.shape
         assert torch.isfinite(out[0]).all(), f"{type(layer).__name__}: non-finite output"
 
+
+
+@pytest.mark.xfail(strict=True, reason="RMSNormGated (efla/layers/modules.py) forms the gate in float32, "
+                   "so a float64 layer's gate overflows to Inf and 0 * Inf gives NaN")
+def test_float64_layer_with_hidden_states_beyond_float32_range():
+    hidden = torch.full((1, 2, HIDDEN), 1e200, dtype=torch.float64)
+    with torch.no_grad():
+        out = _finite_or_value_error(lambda: _layer("EFLA", "exact", "chunk", torch.float64)(hidden))
+    assert out is None or torch.isfinite(out[0]).all()
+
+
+def test_hidden_states_checks_name_the_argument():
+    from efla.layers._common import check_hidden_states
+
+    x = torch.zeros(2, 3, HIDDEN, dtype=torch.float64)
+    assert check_hidden_states(x, HIDDEN, expected_dtype=torch.float64) == (2, 3)
+    with pytest.raises(ValueError, match=r"^hidden_states: expected dtype torch.float32 \(the layer's parameters\)"):
+        check_hidden_states(x, HIDDEN, expected_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"^hidden_states: expected a floating-point tensor"):
+        check_hidden_states(x.long(), HIDDEN)
+    x[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"^hidden_states: contains 1 non-finite"):
+        check_hidden_states(x, HIDDEN)

@@ -18,7 +18,10 @@ def check_update_rule(update_rule: str) -> str:
     return update_rule
 
 
-def check_hidden_states(hidden_states: torch.Tensor, hidden_size: int) -> tuple[int, int]:
+def check_hidden_states(hidden_states: torch.Tensor, hidden_size: int,
+                        expected_dtype: torch.dtype | None = None) -> tuple[int, int]:
+    """``(B, T)`` of ``hidden_states [B, T, hidden_size]``; ``expected_dtype`` is the layer's own
+    (its projections fail on another with an unrelated error)."""
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
         shape = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
         raise ValueError(f"hidden_states: expected a tensor [B, T, {hidden_size}], got {shape}")
@@ -29,6 +32,10 @@ def check_hidden_states(hidden_states: torch.Tensor, hidden_size: int) -> tuple[
         raise ValueError(f"hidden_states: expected at least one token, got shape {(B, T, D)}")
     if not hidden_states.is_floating_point():
         raise ValueError(f"hidden_states: expected a floating-point tensor, got dtype {hidden_states.dtype}")
+    if expected_dtype is not None and hidden_states.dtype != expected_dtype:
+        raise ValueError(
+            f"hidden_states: expected dtype {expected_dtype} (the layer's parameters), got {hidden_states.dtype}"
+        )
     # checked here, not only by the op: a NaN or Inf would otherwise surface as a message about q or k
     if values_checked(hidden_states) and not bool(torch.isfinite(hidden_states).all()):
         bad = (~torch.isfinite(hidden_states)).sum().item()
