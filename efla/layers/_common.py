@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from efla.ops import efla_coefficient
+from efla.ops.validate import check_cu_seqlens, values_checked
 
 UPDATE_RULES = ("exact", "euler")
 
@@ -17,7 +18,10 @@ def check_update_rule(update_rule: str) -> str:
     return update_rule
 
 
-def check_hidden_states(hidden_states: torch.Tensor, hidden_size: int) -> tuple[int, int]:
+def check_hidden_states(hidden_states: torch.Tensor, hidden_size: int,
+                        expected_dtype: torch.dtype | None = None) -> tuple[int, int]:
+    """``(B, T)`` of ``hidden_states [B, T, hidden_size]``; ``expected_dtype`` is the layer's own
+    (its projections fail on another with an unrelated error)."""
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
         shape = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
         raise ValueError(f"hidden_states: expected a tensor [B, T, {hidden_size}], got {shape}")
@@ -26,12 +30,27 @@ def check_hidden_states(hidden_states: torch.Tensor, hidden_size: int) -> tuple[
         raise ValueError(f"hidden_states: expected last dim hidden_size = {hidden_size}, got shape {(B, T, D)}")
     if T < 1:
         raise ValueError(f"hidden_states: expected at least one token, got shape {(B, T, D)}")
+    if not hidden_states.is_floating_point():
+        raise ValueError(f"hidden_states: expected a floating-point tensor, got dtype {hidden_states.dtype}")
+    if expected_dtype is not None and hidden_states.dtype != expected_dtype:
+        raise ValueError(
+            f"hidden_states: expected dtype {expected_dtype} (the layer's parameters), got {hidden_states.dtype}"
+        )
+    # checked here, not only by the op: a NaN or Inf would otherwise surface as a message about q or k
+    if values_checked(hidden_states) and not bool(torch.isfinite(hidden_states).all()):
+        bad = (~torch.isfinite(hidden_states)).sum().item()
+        raise ValueError(f"hidden_states: contains {bad} non-finite value(s) (NaN or Inf)")
     return B, T
 
 
 def padding_mask(attention_mask: torch.Tensor | None, B: int, T: int, cu_seqlens) -> torch.Tensor | None:
     """The last ``T`` columns of a 0/1 padding mask ``[B, L >= T]`` as ``[B, T, 1]`` (or ``None``
-    when absent or all ones). Padded positions become identity steps of the recurrence."""
+    when absent or all ones). Padded positions become identity steps of the recurrence.
+
+    Also checks ``cu_seqlens``: the layers call this before the short convolutions, which index
+    with ``cu_seqlens`` and would fail on malformed offsets with an unrelated error."""
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, B, T)
     if attention_mask is None:
         return None
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:

@@ -65,6 +65,12 @@ _DOC = """{title}
         ``(o, final_state)``: ``o`` is ``[B, T, H, V]`` in the input dtype; ``final_state``
         is ``None`` unless ``output_final_state``.
 
+    Raises:
+        ValueError: an input that is not a tensor or has the wrong shape, dtype or device, or
+            malformed ``cu_seqlens``; and on the CPU (on a GPU with ``EFLA_CHECK_VALUES=1``)
+            NaN/Inf, ``beta < 0``, ``g > 0``, a key whose ``||k||^2`` overflows the compute
+            dtype, or finite inputs whose result overflows it.
+
     Example:
         >>> import torch
         >>> from efla.ops import {name}

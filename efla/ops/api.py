@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .chunk import chunk_generic
 from .coefficients import coefficients
 from .normalize import l2_normalize
 from .recurrent import recurrent_generic
-from .validate import validate
+from .validate import check_result, compute_dtype, validate, values_checked
 
 _cuda_backend = None  # False once the import failed; the module once it succeeded
 
@@ -28,14 +26,6 @@ def _cuda():
     return _cuda_backend or None
 
 
-def _check_values(q: torch.Tensor) -> bool:
-    # Scanning every input for NaN/Inf costs a device sync and a full read on a GPU, so there it
-    # is opt-in (EFLA_CHECK_VALUES=1); on CPU it is always on.
-    if not q.is_cuda:
-        return True
-    return os.environ.get("EFLA_CHECK_VALUES", "0") not in ("", "0", "false", "False")
-
-
 def _to_padded(x: torch.Tensor, cu: list[int]) -> torch.Tensor:
     """[1, T, ...] packed -> [N, Tmax, ...] zero-padded on the right."""
     parts = [x[0, cu[i] : cu[i + 1]] for i in range(len(cu) - 1)]
@@ -49,30 +39,41 @@ def _from_padded(x: torch.Tensor, cu: list[int]) -> torch.Tensor:
 def run(rule, mode, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, q_l2norm=False,
         k_l2norm=False):
     gated = rule in ("gated_efla", "gated_delta_rule")
-    dims = validate(
-        q, k, v, beta, g, initial_state=initial_state, cu_seqlens=cu_seqlens, scale=scale, gated=gated,
-        check_values=_check_values(q),
-    )
-    B, T, H, K, V, N = dims.B, dims.T, dims.H, dims.K, dims.V, dims.N
-    scale = float(K ** -0.5) if scale is None else float(scale)
+    g = g if gated else None
+    dims = validate(q, k, v, beta, g, initial_state=initial_state, cu_seqlens=cu_seqlens, scale=scale, gated=gated)
+    scale = float(dims.K ** -0.5) if scale is None else float(scale)
+    norms = (q_l2norm, k_l2norm)
+    o, final = _compute(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms)
+    if values_checked(q):
+        check_result(o, final, q, k, v, beta, initial_state)
+    return o, final
 
+
+def _compute(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms):
+    q_l2norm, k_l2norm = norms
     if q.is_cuda:
         backend = _cuda()
         if backend is not None:
-            out = backend.dispatch(
-                rule, mode, q, k, v, g if gated else None, beta, scale, initial_state, output_final_state, cu_seqlens,
-                q_l2norm=q_l2norm, k_l2norm=k_l2norm,
-            )
+            out = backend.dispatch(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                   q_l2norm=q_l2norm, k_l2norm=k_l2norm)
             if out is not None:
                 return out
+    return _compute_torch(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims,
+                          norms)
 
-    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+
+def _compute_torch(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms):
+    """The PyTorch engines (any device): q/k normalisation, coefficients, varlen padding, then the
+    chunk or scan form."""
+    H, K, V = dims.H, dims.K, dims.V
+    cdt = compute_dtype(q.dtype)
+    q_l2norm, k_l2norm = norms
     qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
     if q_l2norm:
         qc = l2_normalize(qc)
     if k_l2norm:
         kc = l2_normalize(kc)
-    gamma, a, w = coefficients(rule, kc, beta, g if gated else None)
+    gamma, a, w = coefficients(rule, kc, beta, g)
     qc = qc * scale
 
     cu = None
@@ -88,21 +89,30 @@ def run(rule, mode, q, k, v, g, beta, *, scale, initial_state, output_final_stat
     else:
         h0 = initial_state.to(cdt).reshape(Bp * H, K, V)
 
-    if mode == "chunk":
-        def bm(x):  # [B, T, H, ...] -> [B*H, T, ...]
-            return x.transpose(1, 2).reshape(Bp * H, Tp, *x.shape[3:])
-
-        o, S = chunk_generic(bm(qc), bm(kc), bm(vc), None if gamma is None else bm(gamma), bm(a), bm(w), h0)
-        o = o.reshape(Bp, H, Tp, V).transpose(1, 2)
-    else:
-        def tm(x):  # [B, T, H, ...] -> [T, B*H, ...]
-            return x.transpose(0, 1).reshape(Tp, Bp * H, *x.shape[3:])
-
-        o, S = recurrent_generic(tm(qc), tm(kc), tm(vc), None if gamma is None else tm(gamma), tm(a), tm(w), h0)
-        o = o.reshape(Tp, Bp, H, V).transpose(0, 1)
+    o, S = _engine(mode, qc, kc, vc, gamma, a, w, h0)
 
     if cu is not None:
         o = _from_padded(o, cu)
     o = o.to(q.dtype).contiguous()
     final = S.reshape(Bp, H, K, V) if output_final_state else None
     return o, final
+
+
+def _engine(mode, q, k, v, gamma, a, w, h0):
+    """Run the chunk or scan form on ``[B, T, H, ...]`` inputs; returns ``o [B, T, H, V]`` and
+    the final state ``[B * H, K, V]``."""
+    B, T, H, V = v.shape
+    if mode == "chunk":
+        def batch_major(x):  # [B, T, H, ...] -> [B*H, T, ...]
+            return x.transpose(1, 2).reshape(B * H, T, *x.shape[3:])
+
+        args = (batch_major(x) if x is not None else None for x in (q, k, v, gamma, a, w))
+        o, S = chunk_generic(*args, h0)
+        return o.reshape(B, H, T, V).transpose(1, 2), S
+
+    def time_major(x):  # [B, T, H, ...] -> [T, B*H, ...]
+        return x.transpose(0, 1).reshape(T, B * H, *x.shape[3:])
+
+    args = (time_major(x) if x is not None else None for x in (q, k, v, gamma, a, w))
+    o, S = recurrent_generic(*args, h0)
+    return o.reshape(T, B, H, V).transpose(0, 1), S

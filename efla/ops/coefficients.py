@@ -19,54 +19,118 @@ with ``l = lambda = ||k||^2`` (clamped at 1e-12), ``alpha = (1 - exp(-beta l)) /
 ``delta = 1 - exp(g)``, ``rho = exp(g) beta`` and ``eta = delta + rho l``.
 
 All exact coefficients are written through ``phi(x) = (1 - exp(-x)) / x`` (``phi(0) = 1``),
-evaluated with ``expm1`` and with a series near 0 so that values *and* gradients stay accurate
-for any ``x >= 0`` (``alpha = beta * phi(beta * l)``).
+evaluated in float64 with ``expm1`` and with a series near 0 (``alpha = beta * phi(beta * l)``).
+Their gradients are written in closed forms without cancelling terms (``d alpha / d beta =
+exp(-beta l)``; see ``_ExactErase`` and ``_GatedWrite``), so values *and* gradients stay
+accurate for any ``x >= 0``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .validate import compute_dtype, validate_coefficient_inputs
+
 LAMBDA_MIN = 1e-12  # clamp for ||k||^2 (paper App. A)
 
+# The coefficients and their gradients are evaluated in float64 whatever the input dtype: the
+# gradient d alpha / d beta = exp(-beta lambda) has condition number beta * lambda, so forming
+# lambda and beta * lambda in float32 alone would cost up to 87 * 6e-8 ~ 5e-6 relative error
+# before any formula is applied. The cost is O(B T H K) against the ops' O(B T H K V).
+COEF_DTYPE = torch.float64
 
-def _phi_and_grad(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """phi(x) = -expm1(-x)/x and phi'(x), accurate for all x >= 0 in float32 and float64."""
-    # below `small`, the closed form loses digits to cancellation; the Taylor series is exact
-    # to rounding there (truncation error ~ x^5/720 for phi, x^5/840 for phi').
-    small = 1e-3 if x.dtype == torch.float64 else 1e-1
-    tiny = x.abs() < small
-    xs = torch.where(tiny, torch.ones_like(x), x)  # safe denominator
-    em = torch.expm1(-xs)  # exp(-x) - 1
-    phi_big = -em / xs
-    dphi_big = ((em + 1.0) - phi_big) / xs  # (exp(-x) - phi) / x
+# below this x the closed forms of phi and phi' lose digits to cancellation (float64); the
+# Taylor series is exact to rounding there (truncation ~ x^5/720 for phi, x^5/840 for phi').
+_SERIES_BELOW = 1e-3
+
+
+def _phi_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(phi(x), phi'(x), exp(-x))`` for ``x >= 0`` with ``phi(x) = (1 - exp(-x)) / x``."""
+    small = x < _SERIES_BELOW
+    xs = torch.where(small, torch.ones_like(x), x)  # safe denominator
+    decay = torch.exp(-x)
+    phi_closed = -torch.expm1(-xs) / xs
+    dphi_closed = (torch.exp(-xs) - phi_closed) / xs
     x2 = x * x
-    phi_small = 1.0 - x / 2 + x2 / 6 - x2 * x / 24 + x2 * x2 / 120
-    dphi_small = -0.5 + x / 3 - x2 / 8 + x2 * x / 30 - x2 * x2 / 144
-    return torch.where(tiny, phi_small, phi_big), torch.where(tiny, dphi_small, dphi_big)
+    phi_series = 1.0 - x / 2 + x2 / 6 - x2 * x / 24 + x2 * x2 / 120
+    dphi_series = -0.5 + x / 3 - x2 / 8 + x2 * x / 30 - x2 * x2 / 144
+    return torch.where(small, phi_series, phi_closed), torch.where(small, dphi_series, dphi_closed), decay
 
 
 class _Phi(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        phi, dphi = _phi_and_grad(x)
-        ctx.save_for_backward(dphi)
-        return phi
+        value, slope, _ = _phi_parts(x)
+        ctx.save_for_backward(slope)
+        return value
 
     @staticmethod
     def backward(ctx, grad):
-        (dphi,) = ctx.saved_tensors
-        return grad * dphi
+        (slope,) = ctx.saved_tensors
+        return grad * slope
 
 
 def phi(x: torch.Tensor) -> torch.Tensor:
-    """``(1 - exp(-x)) / x`` with ``phi(0) = 1``, stable value and gradient (x >= 0)."""
-    return _Phi.apply(x)
+    """``(1 - exp(-x)) / x`` with ``phi(0) = 1``, stable value and gradient (x >= 0), evaluated
+    in float64 and returned in ``x``'s dtype."""
+    return _Phi.apply(x.to(COEF_DTYPE)).to(x.dtype)
+
+
+class _ExactErase(torch.autograd.Function):
+    """``c(b, lam) = (1 - exp(-b lam)) / lam`` with its gradients in closed form:
+    ``dc/db = exp(-b lam)`` (not ``phi + x phi'``, whose two terms cancel for large ``x``) and
+    ``dc/dlam = b^2 phi'(b lam)``."""
+
+    @staticmethod
+    def forward(ctx, b, lam):
+        x = b * lam
+        value, slope, decay = _phi_parts(x)
+        # -expm1(-x) / lam stays right where x = b * lam overflows (b * phi(x) would give 0)
+        erase = torch.where(x < 1.0, b * value, -torch.expm1(-x) / lam)
+        ctx.save_for_backward(b, slope, decay)
+        return erase
+
+    @staticmethod
+    def backward(ctx, grad):
+        b, slope, decay = ctx.saved_tensors
+        return grad * decay, grad * (b * b * slope)
+
+
+class _GatedWrite(torch.autograd.Function):
+    """Gated EFLA's write ``w(b, g, lam) = b phi(eta)``, ``eta = delta + e^g b lam``,
+    ``delta = -expm1(g)``. Gradients in forms without cancellation (``phi' <= 0``, ``delta >= 0``):
+    ``dw/db = exp(-eta) - delta phi'(eta)`` (both terms >= 0; the chain rule's
+    ``phi(eta) + x1 phi'(eta)`` cancels), ``dw/dg = b phi'(eta) e^g (b lam - 1)`` and
+    ``dw/dlam = b^2 e^g phi'(eta)``."""
+
+    @staticmethod
+    def forward(ctx, b, g, lam):
+        gate = torch.exp(g)
+        delta = -torch.expm1(g)
+        eta = delta + gate * b * lam
+        value, slope, decay = _phi_parts(eta)
+        ctx.save_for_backward(b, lam, gate, delta, slope, decay)
+        return b * value
+
+    @staticmethod
+    def backward(ctx, grad):
+        b, lam, gate, delta, slope, decay = ctx.saved_tensors
+        d_b = decay - delta * slope
+        d_g = b * slope * gate * (b * lam - 1.0)
+        d_lam = b * b * gate * slope
+        return grad * d_b, grad * d_g, grad * d_lam
 
 
 def key_energy(k: torch.Tensor) -> torch.Tensor:
-    """``lambda = ||k||^2`` over the last dim, clamped at ``LAMBDA_MIN``; shape ``k.shape[:-1]``."""
-    return (k * k).sum(-1).clamp_min(LAMBDA_MIN)
+    """``lambda = ||k||^2`` over the last dim in float64 (no overflow for any float32 key),
+    clamped at ``LAMBDA_MIN``; shape ``k.shape[:-1]``."""
+    k64 = k.to(COEF_DTYPE)
+    return (k64 * k64).sum(-1).clamp_min(LAMBDA_MIN)
+
+
+def exact_erase(beta: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """``(1 - exp(-beta lam)) / lam`` in float64 with closed-form gradients (``beta, lam >= 0``)."""
+    return _ExactErase.apply(beta.to(COEF_DTYPE), lam)
 
 
 def efla_coefficient(beta: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -78,8 +142,13 @@ def efla_coefficient(beta: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
     Returns:
         ``alpha`` with ``beta``'s shape and dtype. ``alpha -> beta`` as ``lambda -> 0`` and
-        ``alpha -> 1/lambda`` for stiff keys; finite for ``lambda`` up to 1e12 and ``beta``
-        up to 1e4 in float32. Computed in float32 (float64 for float64 inputs).
+        ``alpha -> 1/lambda`` for stiff keys. Value and gradients are evaluated in float64
+        (``d alpha / d beta = exp(-beta lambda)`` in closed form), so float32 results are
+        correctly rounded up to a few ulps for any finite key.
+
+    Raises:
+        ValueError: non-tensor or non-floating inputs, mismatched shapes or devices, and (on
+            the CPU, or with ``EFLA_CHECK_VALUES=1``) NaN/Inf values or a negative ``beta``.
 
     Example:
         >>> import torch
@@ -88,39 +157,33 @@ def efla_coefficient(beta: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         >>> efla_coefficient(torch.full((1, 3, 2), 0.5), k).shape
         torch.Size([1, 3, 2])
     """
-    if not isinstance(beta, torch.Tensor) or not isinstance(k, torch.Tensor):
-        raise ValueError("beta, k: expected torch.Tensors")
-    if k.dim() < 1 or beta.shape != k.shape[:-1]:
-        raise ValueError(f"beta: expected shape {tuple(k.shape[:-1])} (k's shape without the last dim), got {tuple(beta.shape)}")
-    cdt = torch.float64 if beta.dtype == torch.float64 else torch.float32
-    b = beta.to(cdt)
-    lam = key_energy(k.to(cdt))
-    return (b * phi(b * lam)).to(beta.dtype)
+    validate_coefficient_inputs(beta, k)
+    return exact_erase(beta, key_energy(k)).to(beta.dtype)
 
 
 def coefficients(rule: str, k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None):
     """Return ``(gamma, a, w)`` of the generic recurrence for ``rule``, in the compute dtype.
 
     ``rule`` is one of ``"efla"``, ``"gated_efla"``, ``"delta_rule"``, ``"gated_delta_rule"``.
-    ``gamma`` is ``None`` for the ungated rules.
+    ``gamma`` is ``None`` for the ungated rules. The exact rules' coefficients are evaluated
+    in float64 (see ``COEF_DTYPE``) and rounded to the compute dtype.
     """
-    cdt = torch.float64 if k.dtype == torch.float64 else torch.float32
-    b = beta.to(cdt)
+    cdt = compute_dtype(k.dtype)
     if rule == "delta_rule":
+        b = beta.to(cdt)
         return None, b, b
     if rule == "gated_delta_rule":
+        b = beta.to(cdt)
         return g.to(cdt), b, b
-    lam = key_energy(k.to(cdt))  # lambda_t = ||k_t||^2
+    lam = key_energy(k)  # lambda_t = ||k_t||^2
+    b = beta.to(COEF_DTYPE)
     if rule == "efla":
-        alpha = b * phi(b * lam)  # eq. 15: (1 - e^{-beta lambda}) / lambda
+        alpha = exact_erase(b, lam).to(cdt)  # eq. 15: (1 - e^{-beta lambda}) / lambda
         return None, alpha, alpha
     if rule == "gated_efla":
-        gg = g.to(cdt)
-        gate = torch.exp(gg)  # a_t = exp(g_t)
-        gamma = torch.expm1(gg)  # -delta = -(1 - a)
-        rho = gate * b  # rho = a * beta
-        erase = rho * phi(rho * lam)  # (1 - e^{-rho lambda}) / lambda
-        eta = rho * lam - gamma  # eta = delta + rho lambda
-        write = b * phi(eta)  # beta (1 - e^{-eta}) / eta
-        return gamma, erase, write
+        g64 = g.to(COEF_DTYPE)
+        gamma = torch.expm1(g64)  # -delta = -(1 - a), a = exp(g)
+        erase = exact_erase(torch.exp(g64) * b, lam)  # (1 - e^{-rho lambda}) / lambda, rho = a beta
+        write = _GatedWrite.apply(b, g64, lam)  # beta (1 - e^{-eta}) / eta
+        return gamma.to(cdt), erase.to(cdt), write.to(cdt)
     raise ValueError(f"rule: expected one of efla, gated_efla, delta_rule, gated_delta_rule, got {rule!r}")

@@ -1,11 +1,14 @@
 """Input checks shared by every public op.
 
 Every failure raises :class:`ValueError` naming the argument, what was expected and what was
-received. Checks never modify their inputs.
+received. Checks never modify their inputs. Structure (types, shapes, dtypes, devices) is
+always checked; values (NaN/Inf, signs, key norms, an overflowing result) on the CPU always
+and on a GPU only with ``EFLA_CHECK_VALUES=1`` (there each scan costs a device sync).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +37,18 @@ def _check_tensor(name: str, x, ndim: int) -> None:
         raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
 
 
+def values_checked(x: torch.Tensor) -> bool:
+    """Whether value checks run for inputs on ``x``'s device (always on the CPU; opt-in on a GPU)."""
+    if not x.is_cuda:
+        return True
+    return os.environ.get("EFLA_CHECK_VALUES", "0") not in ("", "0", "false", "False")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the ops compute in: float64 for float64 inputs, float32 for every other."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _check_finite(name: str, x: torch.Tensor) -> None:
     if not bool(torch.isfinite(x).all()):
         bad = (~torch.isfinite(x)).sum().item()
@@ -51,9 +66,37 @@ def validate(
     cu_seqlens: torch.Tensor | None,
     scale: float | None,
     gated: bool,
-    check_values: bool = True,
+    check_values: bool | None = None,
 ) -> Dims:
-    """Check shapes, dtypes, devices and values of an op's inputs; return the sizes."""
+    """Check shapes, dtypes, devices and values of an op's inputs; return the sizes.
+
+    ``check_values=None`` decides by device (see ``values_checked``).
+    """
+    B, T, H, K, V = _check_qkv(q, k, v)
+    _check_per_token("beta", beta, (B, T, H))
+    if gated:
+        if g is None:
+            raise ValueError("g: the gated ops need a log-gate tensor g of shape [B, T, H], got None")
+        _check_per_token("g", g, (B, T, H))
+    for name, x in (("k", k), ("v", v), ("beta", beta)) + ((("g", g),) if gated else ()):
+        gate_in_float32 = name == "g" and x.dtype == torch.float32  # fla's layers keep gates in float32
+        if x.dtype != q.dtype and not gate_in_float32:
+            expected = f"{q.dtype} (same as q) or torch.float32" if name == "g" else f"{q.dtype} (same as q)"
+            raise ValueError(f"{name}: expected dtype {expected}, got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (same as q), got {x.device}")
+    _check_scale(scale)
+    N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
+    if initial_state is not None:
+        _check_initial_state(initial_state, (N, H, K, V), q.device)
+    if check_values is None:
+        check_values = values_checked(q)
+    if check_values:
+        _check_values(q, k, v, beta, g if gated else None, initial_state)
+    return Dims(B=B, T=T, H=H, K=K, V=V, N=N)
+
+
+def _check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
     _check_tensor("q", q, 4)
     _check_tensor("k", k, 4)
     _check_tensor("v", v, 4)
@@ -67,63 +110,114 @@ def validate(
         raise ValueError(f"q: expected at least one token (T >= 1), got shape {_shape(q)}")
     if K < 1 or V < 1 or H < 1 or B < 1:
         raise ValueError(f"q/v: empty dimension in q {_shape(q)} or v {_shape(v)}")
-    _check_tensor("beta", beta, 3)
-    if beta.shape != (B, T, H):
-        raise ValueError(f"beta: expected shape ({B}, {T}, {H}) = [B, T, H], got {_shape(beta)}")
-    if gated:
-        if g is None:
-            raise ValueError("g: the gated ops need a log-gate tensor g of shape [B, T, H], got None")
-        _check_tensor("g", g, 3)
-        if g.shape != (B, T, H):
-            raise ValueError(f"g: expected shape ({B}, {T}, {H}) = [B, T, H], got {_shape(g)}")
-    for name, x in (("k", k), ("v", v), ("beta", beta)) + ((("g", g),) if gated else ()):
-        gate_in_float32 = name == "g" and x.dtype == torch.float32  # fla's layers keep gates in float32
-        if x.dtype != q.dtype and not gate_in_float32:
-            expected = f"{q.dtype} (same as q) or torch.float32" if name == "g" else f"{q.dtype} (same as q)"
-            raise ValueError(f"{name}: expected dtype {expected}, got {x.dtype}")
-        if x.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device} (same as q), got {x.device}")
-    if scale is not None:
-        if not isinstance(scale, (int, float)) or not (scale == scale) or scale in (float("inf"), float("-inf")):
-            raise ValueError(f"scale: expected a finite float or None, got {scale!r}")
+    return B, T, H, K, V
 
-    N = B
-    if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor):
-            raise ValueError(f"cu_seqlens: expected an integer torch.Tensor, got {type(cu_seqlens).__name__}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens: expected a 1-D tensor of length N+1 >= 2, got shape {_shape(cu_seqlens)}")
-        if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
-            raise ValueError(f"cu_seqlens: expected an integer dtype, got {cu_seqlens.dtype}")
-        if B != 1:
-            raise ValueError(f"cu_seqlens: varlen input needs batch size B == 1 (sequences packed along T), got B = {B}")
-        cs = cu_seqlens.detach().to("cpu", torch.int64)
-        if int(cs[0]) != 0 or int(cs[-1]) != T:
-            raise ValueError(
-                f"cu_seqlens: expected to start at 0 and end at T = {T}, got first {int(cs[0])}, last {int(cs[-1])}"
-            )
-        if bool((cs[1:] < cs[:-1]).any()):
-            raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {cs.tolist()}")
-        N = cs.numel() - 1
 
+def _check_per_token(name: str, x, shape: tuple[int, int, int]) -> None:
+    _check_tensor(name, x, 3)
+    if x.shape != shape:
+        raise ValueError(f"{name}: expected shape {shape} = [B, T, H], got {_shape(x)}")
+
+
+def _check_scale(scale) -> None:
+    if scale is None:
+        return
+    if not isinstance(scale, (int, float)) or not (scale == scale) or scale in (float("inf"), float("-inf")):
+        raise ValueError(f"scale: expected a finite float or None, got {scale!r}")
+
+
+def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
+    """Check varlen offsets into ``T`` packed tokens (``B == 1``); return the number of sequences."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens: expected an integer torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: expected a 1-D tensor of length N+1 >= 2, got shape {_shape(cu_seqlens)}")
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens: expected an integer dtype, got {cu_seqlens.dtype}")
+    if B != 1:
+        raise ValueError(f"cu_seqlens: varlen input needs batch size B == 1 (sequences packed along T), got B = {B}")
+    cs = cu_seqlens.detach().to("cpu", torch.int64)
+    if int(cs[0]) != 0 or int(cs[-1]) != T:
+        raise ValueError(
+            f"cu_seqlens: expected to start at 0 and end at T = {T}, got first {int(cs[0])}, last {int(cs[-1])}"
+        )
+    if bool((cs[1:] < cs[:-1]).any()):
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {cs.tolist()}")
+    return cs.numel() - 1
+
+
+def _check_initial_state(initial_state, shape: tuple[int, int, int, int], device: torch.device) -> None:
+    _check_tensor("initial_state", initial_state, 4)
+    if initial_state.shape != shape:
+        N, H, K, V = shape
+        raise ValueError(
+            f"initial_state: expected shape ({N}, {H}, {K}, {V}) = [N, H, K, V], got {_shape(initial_state)}"
+        )
+    if initial_state.device != device:
+        raise ValueError(f"initial_state: expected device {device} (same as q), got {initial_state.device}")
+
+
+def _check_values(q, k, v, beta, g, initial_state) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+        _check_finite(name, x)
+    if g is not None:
+        _check_finite("g", g)
+        if bool((g > 0).any()):
+            raise ValueError(f"g: the log gate must be <= 0 (gate exp(g) in (0, 1]), got max {g.max().item():.4g}")
+    if bool((beta < 0).any()):
+        raise ValueError(f"beta: the step size must be >= 0, got min {beta.min().item():.4g}")
     if initial_state is not None:
-        _check_tensor("initial_state", initial_state, 4)
-        if initial_state.shape != (N, H, K, V):
-            raise ValueError(
-                f"initial_state: expected shape ({N}, {H}, {K}, {V}) = [N, H, K, V], got {_shape(initial_state)}"
-            )
-        if initial_state.device != q.device:
-            raise ValueError(f"initial_state: expected device {q.device} (same as q), got {initial_state.device}")
+        _check_finite("initial_state", initial_state)
+    _check_key_energy(k)
 
-    if check_values:
-        for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
-            _check_finite(name, x)
-        if gated:
-            _check_finite("g", g)
-            if bool((g > 0).any()):
-                raise ValueError(f"g: the log gate must be <= 0 (gate exp(g) in (0, 1]), got max {g.max().item():.4g}")
+
+def _check_key_energy(k: torch.Tensor) -> None:
+    """Every op forms ``k k^T`` in the compute dtype, so ``||k||^2`` must be representable there."""
+    cdt = compute_dtype(k.dtype)
+    kc = k.detach().to(cdt)
+    if bool(torch.isfinite((kc * kc).sum(-1)).all()):
+        return
+    k64 = k.detach().to(torch.float64)  # measured where no float32 key overflows, for the message
+    largest = (k64 * k64).sum(-1).max().item()
+    raise ValueError(
+        f"k: a key's squared norm ||k||^2 = {largest:.4g} overflows the compute dtype {cdt} "
+        f"(max {torch.finfo(cdt).max:.4g}); scale the keys down"
+    )
+
+
+def validate_coefficient_inputs(beta, k) -> None:
+    """Checks of ``efla_coefficient(beta, k)``: floating tensors, ``beta`` of ``k``'s shape without
+    the last dim, one device; values (by device, see ``values_checked``) finite, ``beta >= 0``."""
+    for name, x in (("beta", beta), ("k", k)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    if k.dim() < 1 or beta.shape != k.shape[:-1]:
+        raise ValueError(
+            f"beta: expected shape {tuple(k.shape[:-1])} (k's shape without the last dim), got {_shape(beta)}"
+        )
+    if k.device != beta.device:
+        raise ValueError(f"k: expected device {beta.device} (same as beta), got {k.device}")
+    if values_checked(beta):
+        _check_finite("beta", beta)
+        _check_finite("k", k)
         if bool((beta < 0).any()):
             raise ValueError(f"beta: the step size must be >= 0, got min {beta.min().item():.4g}")
-        if initial_state is not None:
-            _check_finite("initial_state", initial_state)
-    return Dims(B=B, T=T, H=H, K=K, V=V, N=N)
+
+
+def check_result(o: torch.Tensor, final_state: torch.Tensor | None, q, k, v, beta, initial_state) -> None:
+    """Finite inputs can still overflow the result (huge values, or an Euler step with
+    ``beta ||k||^2 > 2``, which expands the state every step): report it rather than return Inf/NaN."""
+    for name, x in (("o", o), ("final_state", final_state)):
+        if x is None or bool(torch.isfinite(x).all()):
+            continue
+        sizes = ", ".join(
+            f"max |{n}| {t.detach().abs().max().item():.3g}"
+            for n, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("initial_state", initial_state))
+            if t is not None
+        )
+        raise ValueError(
+            f"q/k/v/beta: the inputs are finite but the result ({name}) overflows {x.dtype} ({sizes}); "
+            "rescale the inputs (an Euler step with beta * ||k||^2 > 2 grows the state every step)"
+        )

@@ -10,6 +10,9 @@ import torch
 import efla.ops as ops
 from efla.ops import efla_coefficient
 from efla.ops.coefficients import coefficients, phi
+from tests.ops import mp_reference as mp
+
+TINY32 = torch.finfo(torch.float32).tiny  # smallest normal float32
 
 
 def test_alpha_closed_form_float64():
@@ -57,6 +60,62 @@ def test_alpha_gradient_matches_finite_differences():
     k = (torch.randn(20, 6, generator=gen, dtype=torch.float64) * torch.logspace(-3, 1, 20, dtype=torch.float64)[:, None]).requires_grad_(True)
     beta = (torch.rand(20, generator=gen, dtype=torch.float64) + 0.1).requires_grad_(True)
     assert torch.autograd.gradcheck(efla_coefficient, (beta, k))
+
+
+def _stiffness_grid(n: int) -> torch.Tensor:
+    """x = beta * lambda from 0 to 1e4 (float64), log-spaced."""
+    return torch.cat([torch.zeros(1, dtype=torch.float64), torch.logspace(-6, 4, n, dtype=torch.float64)])
+
+
+def _max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest relative error where the true value is a normal float32."""
+    got, want = got.double(), want.double()
+    normal = want.abs() >= TINY32
+    return ((got - want).abs() / want.abs())[normal].max().item()
+
+
+def _one_hot_keys(n: int, k0: float) -> torch.Tensor:
+    """float32 keys (k0, 0, 0, 0): lambda = k0^2 exactly, so beta * lambda carries no rounding."""
+    k = torch.zeros(n, 4)
+    k[:, 0] = k0
+    return k
+
+
+@pytest.mark.parametrize("k0", [2.0**-3, 1.0, 2.0**4])
+def test_alpha_gradients_keep_float32_accuracy_at_any_stiffness(k0):
+    # d alpha / d beta = exp(-beta lambda) in closed form; once formed as phi + x phi' it lost 81%
+    # at beta * lambda = 20 and was 0 at 32.
+    lam = k0 * k0
+    x = _stiffness_grid(300)
+    beta = (x / lam).float().requires_grad_(True)
+    k = _one_hot_keys(len(x), k0).requires_grad_(True)
+    d_beta, d_k = torch.autograd.grad(efla_coefficient(beta, k).sum(), (beta, k))
+    want_beta = torch.exp(-beta.detach().double() * lam)
+    assert _max_rel(d_beta, want_beta) < 1e-6
+    # where the true value is below the normal range the result must not be garbage either
+    assert (d_beta[want_beta < TINY32].abs() <= 2 * TINY32).all()
+    want_k = torch.tensor([2 * k0 * mp.gradient(mp.erase, b, 0.0, lam)[2] for b in beta.tolist()])
+    assert _max_rel(d_k[:, 0], want_k) < 1e-6
+    assert (d_k[:, 1:] == 0).all()
+
+
+@pytest.mark.parametrize("g", [0.0, -1e-6, -0.01, -1.0, -5.0])
+def test_gated_coefficient_gradients_keep_float32_accuracy(g):
+    # the chain rule through w = beta phi(eta) gives phi(eta) + x1 phi'(eta), two cancelling terms
+    k0 = 2.0
+    lam = k0 * k0
+    x = _stiffness_grid(50)
+    beta = (x / (math.exp(g) * lam)).float().requires_grad_(True)
+    gate = torch.full_like(beta, g).requires_grad_(True)
+    k = _one_hot_keys(len(x), k0).requires_grad_(True)
+    _, erase, write = coefficients("gated_efla", k, beta, gate)
+    assert erase.dtype == write.dtype == torch.float32
+    for name, y, f in (("erase", erase, mp.erase), ("write", write, mp.write)):
+        got = torch.autograd.grad(y.sum(), (beta, gate, k), retain_graph=True)
+        want = torch.tensor([mp.gradient(f, b, g, lam) for b in beta.tolist()], dtype=torch.float64)
+        assert _max_rel(got[0], want[:, 0]) < 1e-6, (name, "beta")
+        assert _max_rel(got[1], want[:, 1]) < 1e-6, (name, "g")
+        assert _max_rel(got[2][:, 0], 2 * k0 * want[:, 2]) < 1e-6, (name, "k")
 
 
 def test_gated_coefficients_reduce_to_efla_at_gate_one():

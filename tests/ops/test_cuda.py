@@ -202,3 +202,96 @@ def test_kernels_under_triton_interpreter():
     r = subprocess.run([sys.executable, "-c", _SCRIPT.format(repo=REPO)], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+# ----------------------------------------------------------------------------- coefficient gradients
+# The backward of the coefficient kernel against mpmath over beta * ||k||^2 in [0, 1e4]: plain
+# d alpha/d beta and d alpha/d k, gated d/d(beta, g, k) of the erase c and of r = w / c (the factor
+# folded into the values). Keys are one-hot so lambda carries no rounding. Run under the Triton
+# interpreter on the CPU, and on the GPU with the compiled kernel.
+_COEF_GRAD_SCRIPT = textwrap.dedent(
+    """
+    import math, sys, torch
+    sys.path.insert(0, {repo!r})
+    from efla.ops.cuda import chunk as C
+    from tests.ops import mp_reference as mp
+    dev = {device!r}
+    TINY = torch.finfo(torch.float32).tiny
+    x = torch.cat([torch.zeros(1, dtype=torch.float64), torch.logspace(-6, 4, 60, dtype=torch.float64)])
+    n, k0 = len(x), 2.0
+    lam = k0 * k0
+
+    def rel(got, want):
+        # largest relative error where the true value is a normal float32; inf where a true
+        # zero (r is constant in beta and k at g = 0) comes back as more than TINY
+        got, want = got.double().cpu(), torch.tensor(want, dtype=torch.float64)
+        if (got[want == 0].abs() > TINY).any():
+            return math.inf
+        normal = want.abs() >= TINY
+        return ((got - want).abs() / want.abs())[normal].max().item() if normal.any() else 0.0
+
+    def keys():
+        k = torch.zeros(n, 1, 1, 4, device=dev)
+        k[:, 0, 0, 0] = k0
+        return k
+
+    worst = 0.0
+    beta = (x / lam).float()
+    dk = torch.zeros(n, 1, 1, 4, device=dev)
+    db = C.coef_bwd(keys(), beta.to(dev)[:, None, None].contiguous(), torch.ones(n, 1, 1, device=dev), dk)
+    want = [mp.gradient(mp.erase, b, 0.0, lam) for b in beta.tolist()]
+    worst = max(worst, rel(db.flatten(), [w[0] for w in want]), rel(dk[:, 0, 0, 0] / (2 * k0), [w[2] for w in want]))
+    for g in (0.0, -1e-6, -0.01, -1.0, -5.0):
+        beta = (x / (math.exp(g) * lam)).float().to(dev)[:, None, None].contiguous()
+        gate = torch.full((n, 1, 1), g, device=dev)
+        v = torch.zeros(n, 1, 1, 4, device=dev)
+        v[..., 0] = 1.0
+        for f in (mp.erase, mp.ratio):
+            want = [mp.gradient(f, b, g, lam) for b in beta.flatten().tolist()]
+            d_erase = torch.ones(n, 1, 1, device=dev) if f is mp.erase else torch.zeros(n, 1, 1, device=dev)
+            d_vout = torch.zeros_like(v)
+            if f is mp.ratio:
+                d_vout[..., 0] = 1.0  # d loss / d r = sum(d_vout * v) = 1
+            dk = torch.zeros(n, 1, 1, 4, device=dev)
+            db, dg, _ = C.coef_bwd(keys(), beta, d_erase, dk, g=gate, v=v, dgl=torch.zeros(n, 1, 1, device=dev),
+                                   dvin=d_vout)
+            for got, col in ((db.flatten(), 0), (dg.flatten(), 1), (dk[:, 0, 0, 0] / (2 * k0), 2)):
+                worst = max(worst, rel(got, [w[col] for w in want]))
+    print("WORST", worst)
+    assert worst < 1e-6, worst
+    print("OK")
+    """
+)
+
+
+def _run_coef_grad_script(device: str, interpret: bool):
+    env = dict(os.environ, TRITON_INTERPRET="1") if interpret else dict(os.environ)
+    r = subprocess.run([sys.executable, "-c", _COEF_GRAD_SCRIPT.format(repo=REPO, device=device)], env=env,
+                       capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.skipif(not _OK, reason=_WHY)
+def test_coefficient_gradients_float32_accurate_under_triton_interpreter():
+    pytest.importorskip("mpmath")
+    _run_coef_grad_script("cpu", interpret=True)
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_coefficient_gradients_float32_accurate_on_gpu():
+    pytest.importorskip("mpmath")
+    _run_coef_grad_script("cuda", interpret=False)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_gpu_overflowing_keys_raise_with_value_checks(rule, mode, monkeypatch):
+    # on a GPU, value checks (one device sync each) are opt-in; with them on, the bf16 kernels
+    # never see a key whose ||k||^2 overflows float32
+    monkeypatch.setenv("EFLA_CHECK_VALUES", "1")
+    q, k, v, beta, g, _ = (x.cuda().to(torch.bfloat16) for x in _inputs(1, 8, 1, 16, 16, 1, rule))
+    with pytest.raises(ValueError, match=r"^k: a key's squared norm"):
+        _call(getattr(ops, f"{mode}_{rule}"), rule, q, k * 1e19, v, beta, g, None, None)

@@ -137,7 +137,8 @@ def test_zero_keys_are_identity_steps(mode, rule):
 def test_stiff_inputs_stay_finite_and_exact(mode, rule):
     q, k, v, beta, g, h0 = make_inputs(rule, T=40, seed=7)
     k = k / k.norm(dim=-1, keepdim=True) * (1e7 ** 0.5)  # lambda = 1e7
-    beta = 1e3 * (0.5 + torch.rand_like(beta))  # beta ~ 1e3, beta*lambda ~ 1e10
+    gen = torch.Generator().manual_seed(8)  # the references' own error varies with beta: keep it fixed
+    beta = 1e3 * (0.5 + torch.rand(beta.shape, generator=gen, dtype=beta.dtype))  # beta*lambda ~ 1e10
     for x in (q, k, v, beta, h0):
         x.requires_grad_(True)
     o, S = call(mode, rule, q, k, v, beta, g, initial_state=h0, output_final_state=True)

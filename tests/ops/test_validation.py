@@ -86,3 +86,113 @@ def test_gated_needs_g_and_scale_is_checked():
         run(x, scale=float("nan"))
     with pytest.raises(ValueError, match=r"^beta:"):
         ops.efla_coefficient(x["beta"][:, :3], x["k"])
+
+
+OPS = [(mode, rule) for mode in ("chunk", "recurrent") for rule in ("efla", "gated_efla", "delta_rule", "gated_delta_rule")]
+
+
+def call_op(mode, rule, x, **kw):
+    fn = getattr(ops, f"{mode}_{rule}")
+    if rule.startswith("gated"):
+        return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+    return fn(x["q"], x["k"], x["v"], x["beta"], **kw)
+
+
+@pytest.mark.parametrize("mode,rule", OPS)
+@pytest.mark.parametrize("name", ["q", "k", "v", "beta", "g"])
+@pytest.mark.parametrize("kind", ["numpy", "list"])
+def test_non_tensor_inputs_raise_value_error(mode, rule, name, kind):
+    if name == "g" and not rule.startswith("gated"):
+        return
+    x = good()
+    x[name] = x[name].numpy() if kind == "numpy" else x[name].tolist()
+    with pytest.raises(ValueError, match=rf"^{name}: expected a torch.Tensor"):
+        call_op(mode, rule, x)
+
+
+@pytest.mark.parametrize("mode,rule", OPS)
+def test_non_tensor_state_and_offsets_raise_value_error(mode, rule):
+    x = good()
+    with pytest.raises(ValueError, match=r"^initial_state: expected a torch.Tensor"):
+        call_op(mode, rule, x, initial_state=torch.zeros(2, 3, 4, 5).numpy())
+    x = good(B=1)
+    with pytest.raises(ValueError, match=r"^cu_seqlens: expected an integer torch.Tensor"):
+        call_op(mode, rule, x, cu_seqlens=[0, 4, 10])
+
+
+def test_efla_coefficient_rejects_non_tensors_and_bad_values():
+    x = good()
+    with pytest.raises(ValueError, match=r"^beta: expected a torch.Tensor"):
+        ops.efla_coefficient(x["beta"].numpy(), x["k"])
+    with pytest.raises(ValueError, match=r"^k: expected a torch.Tensor"):
+        ops.efla_coefficient(x["beta"], x["k"].numpy())
+    with pytest.raises(ValueError, match=r"^k: expected a floating-point tensor"):
+        ops.efla_coefficient(x["beta"], x["k"].long())
+    bad = x["beta"].clone()
+    bad[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"^beta: contains 1 non-finite"):
+        ops.efla_coefficient(bad, x["k"])
+    with pytest.raises(ValueError, match=r"^beta: the step size must be >= 0"):
+        ops.efla_coefficient(-x["beta"] - 1.0, x["k"])
+    k = x["k"].clone()
+    k[0, 0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"^k: contains 1 non-finite"):
+        ops.efla_coefficient(x["beta"], k)
+
+
+def test_efla_coefficient_is_finite_for_any_finite_float32_key():
+    # ||k||^2 is formed in float64: float32 keys near the float32 maximum still give alpha = 1/lambda
+    k = torch.full((3, 4), 3e38)
+    k[1] = 1e19
+    k[2] = 0.0
+    beta = torch.tensor([0.5, 2.0, 0.7])
+    alpha = ops.efla_coefficient(beta, k)
+    assert torch.isfinite(alpha).all()
+    assert alpha[1].item() == pytest.approx(1 / 4e38, rel=1e-5, abs=0)  # subnormal in float32
+    assert alpha[0].item() == 0.0  # 1 / 3.6e77 underflows float32
+    assert alpha[2].item() == pytest.approx(0.7, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode,rule", OPS)
+@pytest.mark.parametrize("dtype,factor", [(torch.float32, 1e19), (torch.bfloat16, 1e19), (torch.float64, 1e155)])
+def test_keys_whose_squared_norm_overflows_raise_value_error(mode, rule, dtype, factor):
+    # chunk mode forms k k^T and returned all-NaN; the scan's alpha = 0 silently skipped the step
+    x = {n: t.to(dtype) for n, t in good(T=6).items()}
+    x["k"] = x["k"] * factor
+    with pytest.raises(ValueError, match=r"^k: a key's squared norm \|\|k\|\|\^2 = .* overflows the compute dtype"):
+        call_op(mode, rule, x)
+
+
+@pytest.mark.parametrize("rule", ["efla", "gated_efla"])
+def test_keys_just_below_the_overflow_are_exact_in_both_modes(rule):
+    # ||k||^2 ~ 1e37 still fits float32: the step is the projection I - k k^T / ||k||^2, and chunk,
+    # scan and a float64 run agree
+    x = good(T=12)
+    k = x["k"] / x["k"].norm(dim=-1, keepdim=True) * 3e18
+    x["k"] = k
+    o_chunk, S_chunk = call_op("chunk", rule, x, output_final_state=True)
+    o_scan, S_scan = call_op("recurrent", rule, x, output_final_state=True)
+    o64, S64 = call_op("recurrent", rule, {n: t.double() for n, t in x.items()}, output_final_state=True)
+    for o, S in ((o_chunk, S_chunk), (o_scan, S_scan)):
+        assert torch.isfinite(o).all() and torch.isfinite(S).all()
+        assert ((o.double() - o64).abs().max() / o64.abs().max()).item() < 1e-4
+        assert ((S.double() - S64).abs().max() / S64.abs().max()).item() < 1e-4
+
+
+@pytest.mark.parametrize("mode,rule", OPS)
+def test_finite_inputs_whose_result_overflows_raise_value_error(mode, rule):
+    x = good()
+    x["v"] = torch.full_like(x["v"], 3e38)  # finite, but the true output (~1e40) is not
+    with pytest.raises(ValueError, match=r"^q/k/v/beta: the inputs are finite but the result \(o\) overflows"):
+        call_op(mode, rule, x, scale=100.0)
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_diverging_euler_step_raises_value_error(mode):
+    # beta ||k||^2 = 100: the Euler transition's eigenvalue along k is -99, so the state grows
+    # ~99x per step and overflows float32 within 20 steps
+    x = good(T=40)
+    x["k"] = x["k"] / x["k"].norm(dim=-1, keepdim=True) * 10.0
+    x["beta"] = torch.ones_like(x["beta"])
+    with pytest.raises(ValueError, match=r"^q/k/v/beta: the inputs are finite but the result"):
+        call_op(mode, "delta_rule", x)

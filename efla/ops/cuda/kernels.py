@@ -39,21 +39,67 @@ def _phi(x):
 
 
 @triton.jit
-def _dphi(x):
-    """phi'(x) = (exp(-x) - phi(x)) / x; series for |x| < 0.1."""
-    small = tl.abs(x) < 0.1
-    xs = tl.where(small, 1.0, x)
-    e = tl.exp(-xs)
-    big = (e - (1.0 - e) / xs) / xs
-    ser = -0.5 + x * (1.0 / 3.0 - x * (0.125 - x * (1.0 / 30.0 - x * (1.0 / 144.0))))
-    return tl.where(small, ser, big)
-
-
-@triton.jit
 def _expm1(x):
     small = tl.abs(x) < 0.1
     ser = x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0)))))
     return tl.where(small, ser, tl.exp(x) - 1.0)
+
+
+# float64 helpers of the coefficient backward. Its gradients feed d alpha / d beta = exp(-beta
+# lambda), whose condition number is beta * lambda (up to 87 where the value is a normal float32):
+# lambda and beta * lambda formed in float32 alone would cost that factor times 6e-8, so the row
+# scalars are float64 (O(K) flops per row against O(K) loads: free on data-centre GPUs). Every
+# formula below avoids cancelling terms; below x = 1e-3 a closed form hands over to its series.
+
+
+@triton.jit
+def _expm1_64(x):
+    """exp(x) - 1 to a few ulps for any x (Kahan: (u - 1) x / log u corrects exp's rounding)."""
+    u = tl.exp(x)
+    um1 = u - 1.0
+    same = um1 == 0.0
+    log_u = tl.where(same, 1.0, tl.log(tl.where(same, 2.0, u)))
+    kahan = tl.where(same, x, um1 * x / log_u)
+    return tl.where(tl.abs(x) > 1.0, um1, kahan)  # beyond 1, u - 1 does not cancel
+
+
+@triton.jit
+def _phi64(x):
+    """(1 - exp(-x)) / x for x >= 0."""
+    small = x < 1e-3
+    xs = tl.where(small, 1.0, x)
+    return tl.where(small, 1.0 - x * (0.5 - x * (1.0 / 6.0)), -_expm1_64(-xs) / xs)
+
+
+@triton.jit
+def _q64(x):
+    """q = phi' / phi = 1 / expm1(x) - 1 / x for x >= 0 (in [-1/2, 0))."""
+    small = x < 1e-3
+    xs = tl.where(small, 1.0, x)
+    return tl.where(small, -0.5 + x * (1.0 / 12.0 - x * x * (1.0 / 720.0)), 1.0 / _expm1_64(xs) - 1.0 / xs)
+
+
+@triton.jit
+def _dq64(x):
+    """q'(x) = 1 / x^2 - exp(x) / expm1(x)^2 for x >= 0 (in (0, 1/12])."""
+    small = x < 1e-3
+    xs = tl.where(small, 1.0, x)
+    em = _expm1_64(xs)
+    closed = 1.0 / (xs * xs) - 1.0 / (em * -_expm1_64(-xs))
+    return tl.where(small, 1.0 / 12.0 - x * x * (1.0 / 240.0), closed)
+
+
+@triton.jit
+def _q_step64(x1, delta):
+    """q(x1 + delta) - q(x1) for x1, delta >= 0 without cancellation: the midpoint rule for tiny
+    delta (relative error ~ delta^2 / 24), the exact two-term form for x1 >= 1 (its terms differ
+    by a factor >= 1.08), plain subtraction otherwise (there delta > 1e-4 and |q| <= 1/2)."""
+    eta = x1 + delta
+    midpoint = delta * _dq64(x1 + 0.5 * delta)
+    x1s = tl.where(x1 > 0.0, x1, 1.0)
+    two_term = delta / (eta * x1s) - _expm1_64(delta) / (_expm1_64(eta) * -_expm1_64(-x1s))
+    plain = _q64(eta) - _q64(x1)
+    return tl.where(delta <= 1e-4, midpoint, tl.where(x1 >= 1.0, two_term, plain))
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,52 +157,49 @@ def coef_bwd_kernel(
     o_k = tl.arange(0, BK)
     m_k = m_r[:, None] & (o_k < K)[None, :]
     b_k = tl.load(k + i_r[:, None] * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
-    lam = tl.sum(b_k * b_k, 1)
-    b_beta = tl.load(beta + i_r, mask=m_r, other=0.0).to(tl.float32)
-    b_de = tl.load(derase + i_r, mask=m_r, other=0.0).to(tl.float32)
+    b_k64 = b_k.to(tl.float64)
+    lam = tl.sum(b_k64 * b_k64, 1)
+    b_beta = tl.load(beta + i_r, mask=m_r, other=0.0).to(tl.float64)
+    b_de = tl.load(derase + i_r, mask=m_r, other=0.0).to(tl.float64)
     if GATED:
-        b_g = tl.load(g + i_r, mask=m_r, other=0.0).to(tl.float32)
+        # erase c = (1 - e^-x1) / lam (x1 = rho lam, rho = a_c beta); value v' = v r with
+        # r = w / c = phi(eta) / (a_c phi(x1)), eta = x1 + delta, delta = -expm1(g). The gradients of
+        # log r are differences q(eta) - q(x1) of q = phi'/phi, taken by _q_step64 (no cancellation).
+        b_g = tl.load(g + i_r, mask=m_r, other=0.0).to(tl.float64)
         s_g = tl.where(b_g > G_MIN, 1.0, 0.0)  # d a_c / dg = s_g * a_c
         a = tl.exp(b_g)
         a_c = tl.exp(tl.maximum(b_g, G_MIN))
+        delta = -_expm1_64(b_g)
         rho = a_c * b_beta
         x1 = rho * lam
-        p1 = _phi(x1)
-        d1 = _dphi(x1)
-        b_gl = _expm1(b_g)
-        eta = x1 - b_gl
-        pe = _phi(eta)
-        de = _dphi(eta)
-        r = pe / (a_c * p1)
-        # value rescaling v' = v * r
+        p1 = _phi64(x1)
+        r = _phi64(x1 + delta) / (a_c * p1)
         o_v = tl.arange(0, BV)
         m_v = m_r[:, None] & (o_v < V)[None, :]
         b_v = tl.load(v + i_r[:, None] * V + o_v[None, :], mask=m_v, other=0.0).to(tl.float32)
         b_dvi = tl.load(dvin + i_r[:, None] * V + o_v[None, :], mask=m_v, other=0.0).to(tl.float32)
-        b_dr = tl.sum(b_dvi * b_v, 1)
-        tl.store(dv + i_r[:, None] * V + o_v[None, :], (b_dvi * r[:, None]).to(dv.dtype.element_ty), mask=m_v)
-        # erase c = (1 - exp(-x1)) / lam: dc/dbeta = a_c e^-x1, dc/dlam = rho^2 phi'(x1),
-        # dc/dg = s_g rho e^-x1
+        b_dr = tl.sum(b_dvi.to(tl.float64) * b_v.to(tl.float64), 1)
+        tl.store(dv + i_r[:, None] * V + o_v[None, :], (b_dvi * r.to(tl.float32)[:, None]).to(dv.dtype.element_ty),
+                 mask=m_v)
         ex1 = tl.exp(-x1)
-        # log r = log phi(eta) - log a_c - log phi(x1)
-        q_e = de / pe
-        q_1 = d1 / p1
-        r_d = r * (q_e - q_1)
-        d_beta = b_de * a_c * ex1 + b_dr * r_d * a_c * lam
-        d_lam = b_de * rho * rho * d1 + b_dr * r_d * rho
-        dgl_in = tl.load(dgl + i_r, mask=m_r, other=0.0).to(tl.float32)
+        dq = _q_step64(x1, delta)
+        dr_scale = b_dr * r
+        d_beta = b_de * a_c * ex1 + dr_scale * a_c * lam * dq
+        d_lam = b_de * rho * rho * _q64(x1) * p1 + dr_scale * rho * dq
+        dgl_in = tl.load(dgl + i_r, mask=m_r, other=0.0).to(tl.float64)
         d_g = (b_de * s_g * rho * ex1
-               + b_dr * r * (q_e * (s_g * x1 - a) - s_g - q_1 * s_g * x1)
+               + dr_scale * (s_g * x1 * dq - a * _q64(x1 + delta) - s_g)
                + dgl_in * a)
         tl.store(dg + i_r, d_g.to(dg.dtype.element_ty), mask=m_r)
     else:
+        # alpha = (1 - e^-x) / lam, x = beta lam: d alpha / d beta = e^-x, d alpha / d lam = beta^2 phi'(x)
         x = b_beta * lam
         d_beta = b_de * tl.exp(-x)
-        d_lam = b_de * b_beta * b_beta * _dphi(x)
+        d_lam = b_de * b_beta * b_beta * _q64(x) * _phi64(x)
     tl.store(dbeta + i_r, d_beta.to(dbeta.dtype.element_ty), mask=m_r)
     p_dk = dk + i_r[:, None] * K + o_k[None, :]
     b_dk = tl.load(p_dk, mask=m_k, other=0.0).to(tl.float32)
-    b_dk += (2.0 * d_lam)[:, None] * b_k
+    b_dk += (2.0 * d_lam).to(tl.float32)[:, None] * b_k
     tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_k)
 
 
