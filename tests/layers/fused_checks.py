@@ -104,7 +104,8 @@ def check_chunk_ops(device, dtype=torch.float32) -> dict[str, float]:
     from efla.ops.cuda import chunk as C
 
     g = torch.Generator().manual_seed(1)
-    B, T, H, K, V = 1, 70, 2, 16, 16
+    # the interpreter is slow: small heads there; the GPU kernels at a head size the models use
+    B, T, H, K, V = (1, 70, 2, 16, 16) if device.type == "cpu" else (2, 130, 2, 64, 64)
     q, v = torch.randn(B, T, H, K, generator=g), torch.randn(B, T, H, V, generator=g)
     k = torch.randn(B, T, H, K, generator=g) * 10 ** (torch.rand(B, T, H, 1, generator=g) * 2 - 1)
     beta, lg = torch.rand(B, T, H, generator=g), -torch.rand(B, T, H, generator=g)
