@@ -230,7 +230,7 @@ class EFLA(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         **kwargs: Any,
     ):
-        B, T = check_hidden_states(hidden_states, self.hidden_size)
+        B, T = check_hidden_states(hidden_states, self.hidden_size, self.q_proj.weight.dtype)
         if cu_seqlens is not None and B != 1:
             raise ValueError(
                 f"cu_seqlens: packed input needs batch size 1, got hidden_states {tuple(hidden_states.shape)}")

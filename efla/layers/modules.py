@@ -19,6 +19,11 @@ from .fused import kernels_for
 __all__ = ["ShortConvolution", "RMSNorm", "RMSNormGated", "GatedMLP", "l2_normalize", "mlp_intermediate_size"]
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Norms and gates compute in float32, or float64 for float64 inputs."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 class ShortConvolution(nn.Conv1d):
     """Depthwise causal convolution over time with a cached state for decoding.
 
@@ -149,7 +154,7 @@ class RMSNorm(nn.Module):
         elementwise_affine: learnable ``weight`` (ones at init). Default ``True``.
         dtype: parameter dtype. Default ``None``.
 
-    Computed in float32 and returned in the input dtype.
+    Computed in float32 (float64 for float64 inputs) and returned in the input dtype.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True, device=None, dtype=None):
@@ -177,10 +182,10 @@ class RMSNorm(nn.Module):
         return (y, x) if prenorm else y
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x.to(_compute_dtype(x))
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight is not None:
-            y = y * self.weight.float()
+            y = y * self.weight.to(xf.dtype)
         return y.to(x.dtype)
 
 
@@ -203,9 +208,9 @@ class RMSNormGated(RMSNorm):
         fused = kernels_for(x)
         if fused is not None:
             return fused.rms_norm_gated(x, g, self.weight, None, activation=self.activation, eps=self.eps)
-        gf = g.float()
+        gf = g.to(_compute_dtype(x))
         gate = torch.sigmoid(gf) if self.activation == "sigmoid" else F.silu(gf)
-        return (self._normalize(x).float() * gate).to(x.dtype)
+        return (self._normalize(x).to(gf.dtype) * gate).to(x.dtype)
 
 
 def mlp_intermediate_size(hidden_size: int, hidden_ratio: float | None = 4, intermediate_size: int | None = None) -> int:

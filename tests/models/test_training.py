@@ -1,7 +1,6 @@
 """Training on the tiny preset (acceptance 4): finite loss and gradients, and it learns."""
 
 import math
-import time
 
 import pytest
 import torch
@@ -30,7 +29,6 @@ def test_loss_goes_down_on_repetitive_sequence():
     ids = motif.repeat(6)[None].repeat(2, 1)  # [2, 48]: an 8-token motif, repeated
     ids[1] = torch.roll(ids[1], shifts=3)  # another phase
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    start = time.time()
     losses = []
     for _ in range(100):
         loss = model(ids, labels=ids).loss
@@ -39,8 +37,6 @@ def test_loss_goes_down_on_repetitive_sequence():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
-    elapsed = time.time() - start
     assert all(math.isfinite(x) for x in losses)
     assert losses[0] > 5.0
     assert losses[-1] < 0.5, losses[::10]  # the motif is predictable after its first occurrence
-    assert elapsed < 60, f"100 steps took {elapsed:.1f}s"
