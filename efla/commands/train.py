@@ -122,9 +122,17 @@ def cmd_train(args) -> int:
         vl = res["val_loss"]
         console.print(f"{res['steps']} steps, {res['tokens']:,} tokens; final loss {res['final_loss']:.4f}"
                       + (f", validation loss {vl:.4f}" if vl is not None else "")
-                      + (f"; {res['tokens_per_s']:,.0f} tokens/s" if res["tokens_per_s"] else "; nothing left to train")
+                      + (f"; {res['tokens_per_s']:,.0f} tokens/s after warm-up" if res["tokens_per_s"]
+                         else "; nothing left to train")
+                      + _peak_memory_text(res.get("peak_memory_gib_per_gpu"))
                       + f". Model directory: [bold]{res['out']}[/bold]")
     return 0
+
+
+def _peak_memory_text(per_gpu: list[float] | None) -> str:
+    if not per_gpu:
+        return ""
+    return "; peak GPU memory " + ", ".join(f"{g:.1f}" for g in per_gpu) + " GiB" + (" per GPU" if len(per_gpu) > 1 else "")
 
 
 def _given_options(args) -> dict:

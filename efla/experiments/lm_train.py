@@ -773,6 +773,9 @@ def _undo_claim(out: str, lock, existed: bool) -> None:
             os.rmdir(out)
 
 
+STEADY_STATE_WARMUP = 5
+
+
 def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = None) -> dict:
     """Train (or resume) a language model; returns the run's summary (also ``out/train_summary.json``).
 
@@ -785,8 +788,11 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
 
     Returns:
         dict with ``losses`` (every step of the whole run, resumed ones included, read back from the
-        log on rank 0), ``val_loss``, ``tokens_per_s`` (this process's training throughput), ``steps``,
-        ``tokens``, ``resumed_from``, ``out``.
+        log on rank 0), ``val_loss``, ``tokens_per_s`` (steady-state training throughput of all ranks
+        together, see :func:`throughput`), ``tokens_per_s_all_steps``, ``peak_memory_gib_per_gpu`` (one
+        entry per rank; ``None`` off the GPU), ``steps``, ``tokens``, ``resumed_from``, ``out``. Each
+        ``log.jsonl`` entry carries that step's ``tokens_per_s`` and, on the GPU, ``peak_memory_gib``
+        (this rank's peak so far).
 
     Raises:
         UsageError: an option, path or input file is wrong; ``out`` is not an efla run, is locked by
@@ -962,6 +968,9 @@ def _train_from(cfg: TrainConfig, dist: _Dist, device, r: dict, ckpt: str | None
                    dynamic_ncols=True, unit="step")
     log_f = open(os.path.join(cfg.out, "log.jsonl"), "a") if dist.main else None  # noqa: SIM115
     train_time, t_mark = 0.0, time.perf_counter()
+    step_seconds: list[float] = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     last_good = ckpt
     val_loss = None
     step = start_step
@@ -1042,10 +1051,12 @@ def _train_from(cfg: TrainConfig, dist: _Dist, device, r: dict, ckpt: str | None
             tokens_seen = step * r["batch_tokens"]
             dt = time.perf_counter() - t0
             train_time += dt
-            done_here = step - start_step
-            tps = done_here * r["batch_tokens"] / train_time if train_time > 0 else 0.0
+            step_seconds.append(dt)
+            tps = r["batch_tokens"] / dt if dt > 0 else 0.0
             entry = dict(step=step, loss=step_loss, lr=lr_used, grad_norm=gnorm, tokens=tokens_seen,
                          tokens_per_s=tps, step_s=dt, epoch=order.epoch_of(step * G))
+            if device.type == "cuda":
+                entry["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
             if skipped:
                 entry["skipped"] = "non-finite"
                 if bar is not None:
@@ -1074,6 +1085,7 @@ def _train_from(cfg: TrainConfig, dist: _Dist, device, r: dict, ckpt: str | None
             log_f.close()
 
     # -- final model directory ---------------------------------------------------------------------
+    peak_per_gpu = peak_memory_per_gpu(device, dist)
     msd = _full_model_state(wrapped, cfg.fsdp) if cfg.fsdp else None
     summary = None
     if dist.main:
@@ -1087,7 +1099,7 @@ def _train_from(cfg: TrainConfig, dist: _Dist, device, r: dict, ckpt: str | None
         losses = [e["loss"] for e in log if "error" not in e]
         summary = dict(out=cfg.out, steps=step, tokens=tokens_seen, max_steps=r["max_steps"],
                        resumed_from=ckpt, final_loss=losses[-1] if losses else None, val_loss=val_loss,
-                       tokens_per_s=(step - start_step) * r["batch_tokens"] / train_time if train_time else None,
+                       **throughput(step_seconds, r["batch_tokens"]), peak_memory_gib_per_gpu=peak_per_gpu,
                        train_seconds_this_process=train_time, wall_seconds_this_process=time.perf_counter() - t_mark,
                        n_params=n_params, world_size=dist.world, device=str(device), precision=precision,
                        threads=torch.get_num_threads(), variant=mconf.variant)
@@ -1095,6 +1107,35 @@ def _train_from(cfg: TrainConfig, dist: _Dist, device, r: dict, ckpt: str | None
         summary = dict(summary, losses=losses, log=log)
     dist.barrier()
     return summary if summary is not None else dict(out=cfg.out, steps=step)
+
+
+def warmup_steps(n_steps: int) -> int:
+    """Steps left out of the steady-state rate: the first ones compile and autotune kernels (the first
+    GPU steps can take minutes); at most half of the steps this process ran."""
+    return min(STEADY_STATE_WARMUP, n_steps // 2)
+
+
+def throughput(step_seconds: list[float], batch_tokens: int) -> dict:
+    """``tokens_per_s``: the steady-state rate (all ranks' tokens per second over the steps after the
+    warm-up steps); ``tokens_per_s_all_steps``: the rate over every step this process ran."""
+    if not step_seconds:
+        return dict(tokens_per_s=None, tokens_per_s_all_steps=None, steady_state_steps=0)
+    steady = step_seconds[warmup_steps(len(step_seconds)):]
+    return dict(tokens_per_s=len(steady) * batch_tokens / sum(steady),
+                tokens_per_s_all_steps=len(step_seconds) * batch_tokens / sum(step_seconds),
+                steady_state_steps=len(steady))
+
+
+def peak_memory_per_gpu(device: torch.device, dist) -> list[float] | None:
+    """Each rank's peak allocated GPU memory (GiB) over the training steps; ``None`` off the GPU."""
+    if device.type != "cuda":
+        return None
+    mine = torch.tensor([torch.cuda.max_memory_allocated(device) / 2 ** 30], device=device, dtype=torch.float64)
+    if not dist.enabled:
+        return [float(mine)]
+    every = [torch.zeros_like(mine) for _ in range(dist.world)]
+    torch.distributed.all_gather(every, mine)
+    return [float(x) for x in every]
 
 
 def main_ddp_cleanup() -> None:

@@ -116,6 +116,17 @@ def test_documents_packing_order_and_sharding(corpus, tokenizer_dir):
     assert count_targets(make_batch(seqs)) == 2 * 3
 
 
+def test_steady_state_throughput_leaves_out_the_warm_up_steps():
+    from efla.experiments.lm_train import throughput
+
+    slow_start = [30.0, 4.0] + [0.5] * 8  # kernel compilation in the first steps
+    t = throughput(slow_start, batch_tokens=1000)
+    assert t["steady_state_steps"] == 5 and t["tokens_per_s"] == 2000.0
+    assert abs(t["tokens_per_s_all_steps"] - 10_000 / 38.0) < 1e-9
+    assert throughput([2.0, 1.0], 100)["tokens_per_s"] == 100.0  # short runs keep at least half their steps
+    assert throughput([], 100)["tokens_per_s"] is None
+
+
 def test_lr_schedule_paper_recipe():
     lrs = [lr_at(s, 100, 10, 3e-4, 3e-5) for s in range(100)]
     assert lrs[0] == pytest.approx(3e-5) and lrs[10] == pytest.approx(3e-4) and lrs[-1] == pytest.approx(3e-5)
@@ -136,6 +147,14 @@ def test_loss_decreases_and_model_dir_loads(corpus, tokenizer_dir, tmp_path):
     assert sum(losses[-5:]) / 5 < losses[0] - 1.5, losses[::5]
     vals = [e["val_loss"] for e in res["log"] if "val_loss" in e]
     assert len(vals) == 2 and vals[1] < vals[0] and res["val_loss"] == vals[1]
+
+    summary = json.load(open(tmp_path / "run" / "train_summary.json"))
+    steady = [e["step_s"] for e in res["log"] if e["step"] > 5]  # every step is logged at log_every=1
+    assert summary["steady_state_steps"] == 35 and len(steady) == 35
+    batch = summary["tokens"] / 40
+    assert abs(summary["tokens_per_s"] - 35 * batch / sum(steady)) <= 1e-6 * summary["tokens_per_s"]
+    assert all(abs(e["tokens_per_s"] * e["step_s"] - batch) < 1e-6 * batch for e in res["log"])
+    assert summary["peak_memory_gib_per_gpu"] is None  # CPU run
 
     out = tmp_path / "run"
     model = AutoModelForCausalLM.from_pretrained(out)
