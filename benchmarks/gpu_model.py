@@ -101,7 +101,8 @@ def train_step(model, opt, ids) -> tuple[float, int, float]:
     return seconds, torch.cuda.max_memory_allocated() - before, loss.item()
 
 
-def bench_size(size: str, kinds, shapes, warmup: int, steps: int, out_dir: str) -> list[dict]:
+def bench_size(size: str, kinds, shapes, warmup: int, steps: int, out_dir: str, on_shape=lambda rows: None) -> list[dict]:
+    """Rows of every model at every shape; ``on_shape(rows)`` after each shape (keeps partial runs)."""
     models = {}
     for kind in kinds:
         try:
@@ -142,6 +143,7 @@ def bench_size(size: str, kinds, shapes, warmup: int, steps: int, out_dir: str) 
                              step_s_median=med, step_s_all=times[kind], tokens_per_s=B * T / med,
                              peak_gib=(state_bytes(model, opt) + peaks[kind]) / GIB, last_loss=losses[kind]))
         emit_shape(out_dir, size, T, B, [r for r in rows if r["T"] == T and r["size"] == size])
+        on_shape(rows)
     del models
     torch.cuda.empty_cache()
     return rows
@@ -250,19 +252,25 @@ def main() -> int:
     info = header(args.out, args)
     result = dict(info=info, speed=[], loss_curves=[])
     kinds = [k for k in args.models.split(",") if k and k != "none"]
+    json_path = os.path.join(args.out, "gpu_model.json")
     for size in (args.sizes.split(",") if kinds else []):
+        done = list(result["speed"])
+
+        def save(rows, done=done):
+            result["speed"] = done + rows
+            json.dump(result, open(json_path, "w"), indent=1)
+
         try:
-            result["speed"] += bench_size(size, kinds, parse_shapes(args.shapes), args.warmup, args.steps, args.out)
+            bench_size(size, kinds, parse_shapes(args.shapes), args.warmup, args.steps, args.out, on_shape=save)
         except Exception:
             traceback.print_exc()
-        json.dump(result, open(os.path.join(args.out, "gpu_model.json"), "w"), indent=1)
     if args.loss_curve:
         try:
             result["loss_curves"] = loss_curve(args.sizes.split(",")[0], args.loss_curve_variants.split(","),
                                                args.loss_curve, args.loss_curve_steps, 2048, 8, args.out)
         except Exception:
             traceback.print_exc()
-    json.dump(result, open(os.path.join(args.out, "gpu_model.json"), "w"), indent=1)
+    json.dump(result, open(json_path, "w"), indent=1)
     return 0
 
 

@@ -20,7 +20,7 @@ left() { echo $(( TOTAL - SECONDS )); }
 for stage in $STAGES; do
   echo "== $stage at ${SECONDS}s"
   case $stage in
-    tests) timeout "$(left)" python3 -m pytest -q -x tests/layers/test_fused.py tests/ops/test_cuda.py \
+    tests) timeout "$(left)" python3 -m pytest -q -x --timeout 240 tests/layers/test_fused.py tests/ops/test_cuda.py \
              -p no:cacheprovider 2>&1 | tail -25 ;;
     model) for size in ${SIZES//,/ }; do
              timeout "$(left)" python3 benchmarks/gpu_model.py --sizes "$size" --shapes "$SHAPES" \
