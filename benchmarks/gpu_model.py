@@ -11,7 +11,8 @@ see the same machine state. Reported per model and shape:
 
 Models: ``fla``: ``fla.models.DeltaNetForCausalLM`` with its default fused settings and our preset's
 sizes (same parameter count); ours: the ``<size>-efla``, ``-deltanet``, ``-gated-efla`` and
-``-gated-deltanet`` presets as they are, and ``efla+flce`` (``fuse_linear_cross_entropy=True``).
+``-gated-deltanet`` presets as they are, ``efla+flce`` (``fuse_linear_cross_entropy=True``) and
+``<preset>+compile`` (the preset under ``torch.compile``).
 
 A second stage (``--loss-curve``) trains a preset for a few steps on real tokens twice from the same
 initialisation, once with the fused GPU modules and once with the PyTorch modules
@@ -73,9 +74,11 @@ def build(kind: str, size: str):
         elif kind == "efla+flce":
             model = EFLAForCausalLM(get_preset_config(f"{size}-efla", fuse_linear_cross_entropy=True))
         else:
-            model = EFLAForCausalLM(get_preset_config(f"{size}-{kind}"))
+            model = EFLAForCausalLM(get_preset_config(f"{size}-{kind.removesuffix('+compile')}"))
     model = model.to(torch.bfloat16).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    if kind.endswith("+compile"):
+        model = torch.compile(model)  # parameters stay shared with the optimizer
     return model, opt
 
 
