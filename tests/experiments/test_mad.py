@@ -18,14 +18,6 @@ from efla.experiments import mad as E
 from efla.experiments import mad_run as R
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture
 def seed():
     s = int(np.random.SeedSequence().entropy % (2**31))

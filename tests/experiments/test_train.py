@@ -44,14 +44,6 @@ _WORDS = ("the cat dog bird sat ran flew on under over a mat tree house red gree
           "quickly slowly saw heard").split()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> pathlib.Path:
     """A small, learnable text corpus: a directory of .txt files and a .jsonl file of sentences from a

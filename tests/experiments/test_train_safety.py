@@ -26,14 +26,6 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 _WORDS = "the cat dog bird sat ran on under a mat tree red small big and then saw".split()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> pathlib.Path:
     root = tmp_path_factory.mktemp("corpus")
