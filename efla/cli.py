@@ -14,12 +14,11 @@ console = Console()
 
 
 def _demo_threads(args) -> int:
-    from efla.experiments.demo import threads_for_load  # noqa: PLC0415
+    from efla.experiments.demo import current_load, threads_for_load  # noqa: PLC0415
 
     if args.threads:
         return args.threads
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    return threads_for_load(os.cpu_count() or 1, load)
+    return threads_for_load(os.cpu_count() or 1, current_load())
 
 
 def cmd_demo(args) -> int:
@@ -36,7 +35,7 @@ def cmd_demo(args) -> int:
     torch.set_num_threads(threads)
     console.rule(f"[bold]EFLA demo[/bold]: exact flow vs Euler (DeltaNet); about {MEASURED_SECONDS} s on an idle "
                  "2-core CPU")
-    console.print(f"Using {threads} CPU thread(s) (from the load average; --threads N to choose). Each part's "
+    console.print(f"Using {threads} CPU thread(s) (from the current load; --threads N to choose). Each part's "
                   f"results are written to {args.out} as soon as it ends.")
     console.print(
         "One step of S' = (I - c k k^T) S + c k v^T from the same state, unit key (lambda = 1).\n"

@@ -8,6 +8,8 @@ import json
 import os
 import pathlib
 import re
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -165,6 +167,29 @@ def test_demo_threads_follow_the_load():
     assert threads_for_load(2, 1.2) == 1
     assert threads_for_load(2, 12.0) == 1
     assert threads_for_load(16, 3.6) == 12
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="samples /proc/stat (Linux)")
+def test_current_load_sees_a_busy_core_at_once():
+    import subprocess
+
+    from efla.experiments.demo import current_load
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert current_load(0.5) > 0.6  # the spinner's core, measured now (the load average lags a minute)
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def test_current_load_falls_back_to_the_load_average(monkeypatch):
+    import efla.experiments.demo as demo
+
+    monkeypatch.setattr(demo, "_cpu_times", lambda: None)
+    monkeypatch.setattr(demo.os, "getloadavg", lambda: (1.5, 1.0, 0.5))
+    assert demo.current_load() == 1.5
 
 
 def test_demo_estimates_the_time_left_from_finished_parts():

@@ -24,8 +24,32 @@ PART_TITLE = {"one_step": "(a) one step", "robustness": "(b) digits", "mad": "(c
               "cpu_timings": "(d) CPU timings"}
 
 
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs from /proc/stat (Linux), else None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def current_load(window_s: float = 0.3) -> float:
+    """How many cores other programs keep busy now: sampled from /proc/stat over ``window_s``, or
+    the 1-minute load average where /proc/stat is missing. (The load average lags by a minute, so
+    right after an install it still counts the installer's work.)"""
+    before = _cpu_times()
+    if before is None:
+        return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    time.sleep(window_s)
+    after = _cpu_times()
+    busy, total = after[0] - before[0], after[1] - before[1]
+    return (os.cpu_count() or 1) * busy / total if total > 0 else 0.0
+
+
 def threads_for_load(cpus: int, load: float) -> int:
-    """CPU threads for a machine with ``cpus`` cores and a 1-minute load average of ``load``: the
+    """CPU threads for a machine with ``cpus`` cores of which ``load`` are busy with other work: the
     cores nobody else is using, at least one."""
     return max(1, min(cpus, cpus - int(round(load))))
 
