@@ -1,0 +1,118 @@
+"""Context-parallel ops equal the single-process op: outputs, final states and every gradient."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from efla import ops
+from efla.distributed import context_parallel, shard, shard_layout
+
+from .spawn import run_in_processes
+
+H, K, V = 2, 8, 6
+TOL = 1e-10
+
+# (name, batch, tokens, document offsets); with 2 and 4 ranks the 40 tokens split at 20 (and 10, 30)
+LAYOUTS = [
+    ("batch", 2, 24, None),
+    ("spanning", 1, 40, (0, 7, 31, 40)),  # [7, 31) spans every rank
+    ("aligned", 1, 40, (0, 3, 20, 27, 30, 37, 40)),  # boundaries on part boundaries, several per part
+    ("short-first", 1, 40, (0, 9, 11, 40)),  # a 2-token document, then one that spans parts
+]
+RULES = ["efla", "gated_efla", "delta_rule", "gated_delta_rule"]
+
+
+def _inputs(rule: str, B: int, T: int, N: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    k = rand(B, T, H, K)
+    if "efla" not in rule:  # the Euler rules are stable only with unit keys
+        k = torch.nn.functional.normalize(k, dim=-1)
+    x = dict(q=rand(B, T, H, K), k=k, v=rand(B, T, H, V),
+             beta=torch.rand(B, T, H, generator=gen, dtype=torch.float64), h0=rand(N, H, K, V))
+    if rule.startswith("gated"):
+        x["g"] = -torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    return {name: t.requires_grad_() for name, t in x.items()}
+
+
+def _op_args(x: dict, cut=lambda t: t) -> list:
+    gate = [cut(x["g"])] if "g" in x else []
+    return [cut(x["q"]), cut(x["k"]), cut(x["v"]), *gate, cut(x["beta"])]
+
+
+def _weights(o_shape, s_shape, seed: int):
+    gen = torch.Generator().manual_seed(seed + 1)
+    return (torch.randn(*o_shape, generator=gen, dtype=torch.float64),
+            torch.randn(*s_shape, generator=gen, dtype=torch.float64))
+
+
+def _reference(op, x, documents, seed):
+    cu = None if documents is None else torch.tensor(documents, dtype=torch.int32)
+    o, S = op(*_op_args(x), initial_state=x["h0"], output_final_state=True, cu_seqlens=cu)
+    w_o, w_s = _weights(o.shape, S.shape, seed)
+    ((o * w_o).sum() + (S * w_s).sum()).backward()
+    return o.detach(), S.detach(), {n: t.grad.clone() for n, t in x.items()}
+
+
+def _final_rows(layout, n_rows: int) -> list[int]:
+    """Local state rows that are a document's final state (the document ends on this rank)."""
+    if layout.documents is None:
+        return list(range(n_rows)) if layout.rank == layout.world_size - 1 else []
+    ends_here = [layout.start + end in layout.documents for end in layout.local_offsets[1:]]
+    return [i for i, e in enumerate(ends_here) if e]
+
+
+def _split_run(op, x, layout, seed):
+    o, S = context_parallel(op, *_op_args(x, lambda t: shard(t, layout)), layout=layout,
+                            initial_state=x["h0"][layout.document_rows], output_final_state=True)
+    w_o, w_s = _weights((x["v"].shape), (x["h0"].shape), seed)
+    rows = _final_rows(layout, S.shape[0])
+    global_rows = torch.arange(x["h0"].shape[0])[layout.document_rows][rows]
+    loss = (o * shard(w_o, layout)).sum() + (S[rows] * w_s[global_rows]).sum()
+    loss.backward()
+    return o.detach(), S.detach()[rows], global_rows
+
+
+def _case_errors(rule: str, name: str, B: int, T: int, documents, rank: int, world: int) -> dict:
+    op = getattr(ops, f"chunk_{rule}")
+    N = B if documents is None else len(documents) - 1
+    seed = zlib.crc32(f"{rule}/{name}".encode()) % 10_000
+    o_ref, S_ref, g_ref = _reference(op, _inputs(rule, B, T, N, seed), documents, seed)
+    x = _inputs(rule, B, T, N, seed)
+    layout = shard_layout(T, world, rank, documents)
+    o, S, rows = _split_run(op, x, layout, seed)
+    errors = torch.zeros(3 + len(x), dtype=torch.float64)
+    errors[0] = (o - shard(o_ref, layout)).abs().max()
+    errors[1] = (S - S_ref[rows]).abs().max() if len(rows) else 0.0
+    covered = torch.zeros(N)
+    covered[rows] = 1
+    dist.all_reduce(covered)  # every document's final state is checked on exactly one rank
+    errors[2] = (covered - 1).abs().max()
+    for i, (n, t) in enumerate(sorted(x.items())):
+        grad = torch.zeros_like(t) if t.grad is None else t.grad.clone()
+        dist.all_reduce(grad)  # each rank holds the gradient of its own part
+        errors[3 + i] = (grad - g_ref[n]).abs().max()
+    dist.all_reduce(errors, op=dist.ReduceOp.MAX)
+    labels = ["o", "final_state", "final_state_coverage"] + [f"grad_{n}" for n in sorted(x)]
+    return dict(zip(labels, errors.tolist()))
+
+
+def compare_all(rank: int, world: int) -> dict:
+    return {f"{rule}/{name}": _case_errors(rule, name, B, T, docs, rank, world)
+            for rule in RULES for name, B, T, docs in LAYOUTS}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_matches_single_process(world, tmp_path):
+    errors = run_in_processes(compare_all, world, tmp_path)[0]
+    worst = {case: max(e.values()) for case, e in errors.items()}
+    bad = {case: errors[case] for case, w in worst.items() if not w < TOL}
+    assert not bad, f"errors above {TOL}: {bad}"
+    print(f"world {world}: max error {max(worst.values()):.2e}")
