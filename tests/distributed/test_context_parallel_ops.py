@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from efla import ops
-from efla.distributed import context_parallel, shard, shard_layout
+from efla.distributed import context_parallel, conv_histories, shard, shard_layout
+from efla.layers.modules import ShortConvolution
 
 from .spawn import run_in_processes
 
@@ -22,8 +23,12 @@ LAYOUTS = [
     ("spanning", 1, 40, (0, 7, 31, 40)),  # [7, 31) spans every rank
     ("aligned", 1, 40, (0, 3, 20, 27, 30, 37, 40)),  # boundaries on part boundaries, several per part
     ("short-first", 1, 40, (0, 9, 11, 40)),  # a 2-token document, then one that spans parts
+    ("tiny-parts", 1, 10, (0, 6, 10)),  # parts of 2-5 tokens: shorter than the convolution
+    ("batch-tiny", 2, 9, None),
 ]
-RULES = ["efla", "gated_efla", "delta_rule", "gated_delta_rule"]
+OPS = [f"chunk_{rule}" for rule in ("efla", "gated_efla", "delta_rule", "gated_delta_rule")] + [
+    "recurrent_efla", "recurrent_gated_efla"]
+CONV_WIDTH = 4
 
 
 def _inputs(rule: str, B: int, T: int, N: int, seed: int) -> dict:
@@ -80,10 +85,11 @@ def _split_run(op, x, layout, seed):
     return o.detach(), S.detach()[rows], global_rows
 
 
-def _case_errors(rule: str, name: str, B: int, T: int, documents, rank: int, world: int) -> dict:
-    op = getattr(ops, f"chunk_{rule}")
+def _case_errors(op_name: str, name: str, B: int, T: int, documents, rank: int, world: int) -> dict:
+    op = getattr(ops, op_name)
+    rule = op_name.split("_", 1)[1]
     N = B if documents is None else len(documents) - 1
-    seed = zlib.crc32(f"{rule}/{name}".encode()) % 10_000
+    seed = zlib.crc32(f"{op_name}/{name}".encode()) % 10_000
     o_ref, S_ref, g_ref = _reference(op, _inputs(rule, B, T, N, seed), documents, seed)
     x = _inputs(rule, B, T, N, seed)
     layout = shard_layout(T, world, rank, documents)
@@ -104,9 +110,45 @@ def _case_errors(rule: str, name: str, B: int, T: int, documents, rank: int, wor
     return dict(zip(labels, errors.tolist()))
 
 
+def _convolutions(widths, seed: int) -> list:
+    torch.manual_seed(seed)
+    return [ShortConvolution(d, CONV_WIDTH, bias=True).double() for d in widths]
+
+
+def _conv_errors(name: str, B: int, T: int, documents, rank: int, world: int) -> dict:
+    """Short convolutions of each part, continued by :func:`conv_histories`, against the full sequence."""
+    widths, seed = (5, 3), zlib.crc32(name.encode())
+    cu = None if documents is None else torch.tensor(documents, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(B, T, d, generator=gen, dtype=torch.float64, requires_grad=True) for d in widths]
+    ws = [torch.randn(B, T, d, generator=gen, dtype=torch.float64) for d in widths]
+    convs = _convolutions(widths, seed)
+    sum((c(x, cu_seqlens=cu)[0] * w).sum() for c, x, w in zip(convs, xs, ws)).backward()
+    reference = [t.grad.clone() for t in (*xs, *(p for c in convs for p in c.parameters()))]
+    outputs_ref = [c(x, cu_seqlens=cu)[0].detach() for c, x in zip(convs, xs)]
+
+    layout = shard_layout(T, world, rank, documents)
+    xs_split = [x.detach().clone().requires_grad_() for x in xs]
+    convs = _convolutions(widths, seed)
+    parts = [shard(x, layout) for x in xs_split]
+    caches = conv_histories(parts, CONV_WIDTH, layout)
+    outs = [c(p, cache=h, cu_seqlens=layout.local_cu_seqlens())[0] for c, p, h in zip(convs, parts, caches)]
+    sum((o * shard(w, layout)).sum() for o, w in zip(outs, ws)).backward()
+    errors = torch.tensor([max((o.detach() - shard(r, layout)).abs().max() for o, r in zip(outs, outputs_ref)), 0.0],
+                          dtype=torch.float64)
+    for t, ref in zip((*xs_split, *(p for c in convs for p in c.parameters())), reference):
+        grad = t.grad.clone()
+        dist.all_reduce(grad)
+        errors[1] = max(errors[1], (grad - ref).abs().max())
+    dist.all_reduce(errors, op=dist.ReduceOp.MAX)
+    return dict(zip(["conv_output", "conv_grads"], errors.tolist()))
+
+
 def compare_all(rank: int, world: int) -> dict:
-    return {f"{rule}/{name}": _case_errors(rule, name, B, T, docs, rank, world)
-            for rule in RULES for name, B, T, docs in LAYOUTS}
+    errors = {f"{op}/{name}": _case_errors(op, name, B, T, docs, rank, world)
+              for op in OPS for name, B, T, docs in LAYOUTS}
+    errors.update({f"conv/{name}": _conv_errors(name, B, T, docs, rank, world) for name, B, T, docs in LAYOUTS})
+    return errors
 
 
 @pytest.mark.parametrize("world", [2, 4])
