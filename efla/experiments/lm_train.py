@@ -118,6 +118,7 @@ class TrainConfig:
     precision: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     grad_checkpointing: bool = False
     fsdp: bool = False
+    context_parallel: int = 1  # ranks per sequence: each sequence split into this many contiguous parts
     on_nonfinite: str = "stop"  # "stop" or "skip"
     threads: int | None = None
     progress: bool = True
@@ -391,15 +392,16 @@ def _model_config(cfg: TrainConfig, tok, eos_id: int):
 # -- the loop ----------------------------------------------------------------------------------------
 
 def _resolve(cfg: TrainConfig, dist: _Dist) -> dict:
+    data_world = dist.world // max(1, cfg.context_parallel)  # ranks that take different sequences
     size = _size_of(cfg.preset)
     seq_len = cfg.seq_len or SIZE_DEFAULTS[size][0]
     batch_tokens = cfg.batch_tokens or SIZE_DEFAULTS[size][1]
     if batch_tokens % seq_len:
         raise ValueError(f"batch_tokens: {batch_tokens} is not a multiple of seq_len {seq_len}")
     global_seqs = batch_tokens // seq_len
-    if global_seqs % dist.world:
-        raise ValueError(f"batch_tokens: {global_seqs} sequences per step do not split over {dist.world} ranks")
-    per_rank = global_seqs // dist.world
+    if global_seqs % data_world:
+        raise ValueError(f"batch_tokens: {global_seqs} sequences per step do not split over {data_world} ranks")
+    per_rank = global_seqs // data_world
     mb = min(cfg.micro_batch_size or per_rank, per_rank)
     if per_rank % mb:
         raise ValueError(f"micro_batch_size: {mb} does not divide the {per_rank} sequences per rank and step")
@@ -514,6 +516,12 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
     if device.type == "cuda":
         torch.cuda.set_device(device)
     precision = cfg.precision if cfg.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    cp = None
+    if cfg.context_parallel > 1:
+        from efla.distributed import context_parallel_lm_loss, setup_context_parallel  # noqa: PLC0415
+
+        cp = setup_context_parallel(cfg.context_parallel, fsdp=cfg.fsdp, grad_checkpointing=cfg.grad_checkpointing)
+    data_rank, data_world = (cp.data_rank, cp.data_world) if cp else (dist.rank, dist.world)
     r = _resolve(cfg, dist)
 
     # -- where to start ----------------------------------------------------------------------------
@@ -703,7 +711,7 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
                                for i in range(G))
             else:
                 n_global = G * (L - 1)
-            mine = rank_slice(global_idx, dist.rank, dist.world)
+            mine = rank_slice(global_idx, data_rank, data_world)
             loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             forward_error = None
             for i in range(r["accum"]):
@@ -722,7 +730,8 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
                 try:
                     with sync:
                         with autocast():
-                            loss = wrapped(**batch, use_cache=False).loss
+                            loss = (context_parallel_lm_loss(wrapped, batch, cp) if cp
+                                    else wrapped(**batch, use_cache=False).loss)
                         (loss * (n_mb * dist.world / n_global)).backward()
                 except ValueError as e:  # the ops refuse non-finite inputs (always on CPU)
                     if "non-finite" not in str(e):

@@ -31,6 +31,7 @@ def run_in_processes(fn, world: int, workdir, args=(), deadline_s: float = 240) 
     per-rank results. ``fn`` must be importable (module level). Processes still running after
     ``deadline_s`` are killed and the call fails."""
     workdir = str(workdir)
+    os.makedirs(workdir, exist_ok=True)
     context = mp.start_processes(_entry, args=(world, workdir, fn, args), nprocs=world, join=False,
                                  start_method="spawn")
     waited = 0.0
