@@ -313,9 +313,10 @@ def context_parallel(
     if layout.continues_previous:
         o_P, P = _transition_pass(op, args, layout, scale)
     gathered = _all_gather(_outgoing(states, P, layout), group)
-    S_in = _incoming(gathered, layout.rank, q.shape[-1])
-    if S_in is not None and layout.continues_previous:
-        o, states = _apply_incoming(o, states, o_P, P, S_in, layout)
+    with torch.autocast(q.device.type, enabled=False):  # the state algebra stays in the states' dtype
+        S_in = _incoming(gathered, layout.rank, q.shape[-1])
+        if S_in is not None and layout.continues_previous:
+            o, states = _apply_incoming(o, states, o_P, P, S_in, layout)
     o = _depend_on(o, gathered)
     final = _depend_on(states, gathered) if output_final_state else None
     return o, final
