@@ -81,7 +81,7 @@ def compare_models(rank: int, world: int) -> dict:
     return errors
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_split_model_matches_single_process(world, tmp_path):
     errors = run_in_processes(compare_models, world, tmp_path)[0]
     bad = {case: e for case, e in errors.items() if not (e["loss"] < LOSS_TOL and e["grads"] < GRAD_TOL)}

@@ -144,14 +144,37 @@ def _conv_errors(name: str, B: int, T: int, documents, rank: int, world: int) ->
     return dict(zip(["conv_output", "conv_grads"], errors.tolist()))
 
 
+def _refusals(rank: int, world: int) -> dict:
+    """Inputs that do not fit the layout are refused on every rank before any exchange."""
+    documents = (0, 7, 31, 40)
+    layout = shard_layout(40, world, rank, documents)
+    x = _inputs("efla", 1, layout.length + 1, 3, seed=0)
+    fitting = _op_args(x, lambda t: t[:, :-1])
+    other_offsets = (0, layout.length) if len(layout.local_offsets) > 2 else (0, 1, layout.length)
+    cases = {
+        "too many tokens": (_op_args(x), {}),
+        "other offsets": (fitting, {"cu_seqlens": torch.tensor(other_offsets, dtype=torch.int32)}),
+        "other rank": (fitting, {"layout": shard_layout(40, world, (rank + 1) % world, documents)}),
+    }
+    refused = {}
+    for name, (args, kwargs) in cases.items():
+        try:
+            context_parallel(ops.chunk_efla, *args, **{"layout": layout, **kwargs})
+            refused[name] = 1.0
+        except ValueError:
+            refused[name] = 0.0
+    return refused
+
+
 def compare_all(rank: int, world: int) -> dict:
-    errors = {f"{op}/{name}": _case_errors(op, name, B, T, docs, rank, world)
-              for op in OPS for name, B, T, docs in LAYOUTS}
+    errors = {"refusals": _refusals(rank, world)}
+    errors.update({f"{op}/{name}": _case_errors(op, name, B, T, docs, rank, world)
+              for op in OPS for name, B, T, docs in LAYOUTS})
     errors.update({f"conv/{name}": _conv_errors(name, B, T, docs, rank, world) for name, B, T, docs in LAYOUTS})
     return errors
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_context_parallel_matches_single_process(world, tmp_path):
     errors = run_in_processes(compare_all, world, tmp_path)[0]
     worst = {case: max(e.values()) for case, e in errors.items()}
