@@ -194,14 +194,10 @@ def _depend_on(x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
 
 # -- the op over parts ------------------------------------------------------------------------------
 
-def _rank_of(group) -> int:
-    return dist.get_rank(group)
-
-
 def _check_layout(layout: ShardLayout, group, q: torch.Tensor, cu_seqlens) -> None:
-    if layout.world_size != dist.get_world_size(group) or layout.rank != _rank_of(group):
+    if layout.world_size != dist.get_world_size(group) or layout.rank != dist.get_rank(group):
         raise ValueError(f"layout: made for rank {layout.rank} of {layout.world_size}, but this is rank "
-                         f"{_rank_of(group)} of {dist.get_world_size(group)} in the group")
+                         f"{dist.get_rank(group)} of {dist.get_world_size(group)} in the group")
     if q.shape[1] != layout.length:
         raise ValueError(f"q: expected {layout.length} tokens (this rank's part), got shape {tuple(q.shape)}")
     if layout.documents is not None and q.shape[0] != 1:
@@ -262,7 +258,7 @@ def _incoming(gathered: torch.Tensor, rank: int, K: int) -> torch.Tensor | None:
     return state
 
 
-def _apply_incoming(o, states, o_P, P, S_in, layout: ShardLayout):
+def _apply_incoming(o, states, o_P, P, S_in):
     """Add the incoming state's contribution to the first piece's outputs and final state."""
     correction = torch.einsum("bthk,bhkv->bthv", o_P.to(S_in.dtype), S_in)
     n = o_P.shape[1]
@@ -316,7 +312,7 @@ def context_parallel(
     with torch.autocast(q.device.type, enabled=False):  # the state algebra stays in the states' dtype
         S_in = _incoming(gathered, layout.rank, q.shape[-1])
         if S_in is not None and layout.continues_previous:
-            o, states = _apply_incoming(o, states, o_P, P, S_in, layout)
+            o, states = _apply_incoming(o, states, o_P, P, S_in)
     o = _depend_on(o, gathered)
     final = _depend_on(states, gathered) if output_final_state else None
     return o, final

@@ -33,7 +33,8 @@ class ContextParallelTraining:
     data_world: int
 
 
-def setup_context_parallel(size: int, *, fsdp: bool = False, grad_checkpointing: bool = False) -> ContextParallelTraining:
+def setup_context_parallel(size: int, *, fsdp: bool = False,
+                           grad_checkpointing: bool = False) -> ContextParallelTraining:
     """Create the context-parallel groups (every rank must call this, in the same order)."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("context_parallel: needs several processes (torchrun --nproc_per_node N)")
