@@ -62,17 +62,27 @@ def test_context_parallel_needs_processes(corpus_and_tokenizer, tmp_path):
         train(_config(corpus, tok, str(tmp_path / "one"), context_parallel=2))
 
 
-@pytest.mark.slow
-def test_train_split_over_two_processes_matches_one(corpus_and_tokenizer, tmp_path):
-    corpus, tok = corpus_and_tokenizer
-    cases = [dict(preset="tiny-efla"), dict(preset="tiny-gated-efla", varlen=True)]
+def _compare(tmp_path, corpus, tok, world: int, context_parallel: int, cases: list[dict]) -> None:
     single = [_losses_and_grad_norms(train(_config(corpus, tok, str(tmp_path / f"single{i}"), **c)))
               for i, c in enumerate(cases)]
-    configs = [_config(corpus, tok, str(tmp_path / f"split{i}"), context_parallel=2, **c) for i, c in enumerate(cases)]
-    split = run_in_processes(train_split, 2, tmp_path / "workers", args=(configs,))[0]
+    configs = [_config(corpus, tok, str(tmp_path / f"split{i}"), context_parallel=context_parallel, **c)
+               for i, c in enumerate(cases)]
+    split = run_in_processes(train_split, world, tmp_path / "workers", args=(configs,))[0]
     for case, a, b in zip(cases, single, split):
         assert b.shape == (STEPS, 2)
         # float32: the split sums the loss and the gradients in another order
         np.testing.assert_allclose(b, a, rtol=2e-6, atol=0, err_msg=str(case))
     print("max relative difference (loss, grad norm):",
           np.max([np.abs(b / a - 1).max(axis=0) for a, b in zip(single, split)], axis=0))
+
+
+@pytest.mark.slow
+def test_train_split_over_two_processes_matches_one(corpus_and_tokenizer, tmp_path):
+    corpus, tok = corpus_and_tokenizer
+    _compare(tmp_path, corpus, tok, 2, 2, [dict(preset="tiny-efla"), dict(preset="tiny-gated-efla", varlen=True)])
+
+
+@pytest.mark.slow
+def test_train_two_data_parallel_groups_of_two_match_one_process(corpus_and_tokenizer, tmp_path):
+    corpus, tok = corpus_and_tokenizer
+    _compare(tmp_path, corpus, tok, 4, 2, [dict(preset="tiny-gated-efla", varlen=True)])
