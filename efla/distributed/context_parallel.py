@@ -3,7 +3,8 @@
 Every rule's state passes from token to token linearly, so a part of the sequence maps the state
 entering it to the state leaving it affinely, ``S_out = P S_in + H`` per head: ``P`` (``K x K``) is
 the product of the part's transitions (decays included) and ``H`` the state the part reaches from
-zero. Each rank runs the public op on its own part twice, then exchanges one ``(P, H)`` per head:
+zero. Each rank runs the public op on its own part (once, or twice when its first document began
+on a lower rank), then exchanges one ``(P, H)`` per head:
 
 1. the op with the documents' own initial states (zero for a document begun on a lower rank)
    gives the outputs ``o_A`` and the states ``H``;
