@@ -12,6 +12,7 @@ examples:
   efla train --preset tiny-efla --data ../shared/data/corpus/gutenberg --max-steps 500 --out runs/lm/efla-s0 --resume
   efla train --out runs/lm/efla-s0 --resume --max-steps 800 --extend-at-min-lr   # 300 more steps at --min-lr
   torchrun --nproc_per_node 2 -m efla train --preset tiny-deltanet --data corpus/ --max-steps 100 --out runs/ddp
+  torchrun --nproc_per_node 2 -m efla train --preset tiny-efla --data corpus/ --seq-len 4096 --context-parallel 2 --out runs/cp
 The output directory is a Hugging Face model directory (config.json, model.safetensors, tokenizer):
   import efla; AutoModelForCausalLM.from_pretrained(out); AutoTokenizer.from_pretrained(out)
 """
@@ -93,6 +94,9 @@ def add_parser(subparsers) -> None:
     g.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="auto: bf16 autocast on CUDA, fp32 on CPU")
     g.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard per block) instead of DDP under torchrun")
+    g.add_argument("--context-parallel", type=int, default=d.context_parallel, metavar="N",
+                   help="split each sequence into N contiguous parts over N ranks (under torchrun; N divides the "
+                        "number of processes, data parallelism runs across the groups; default: %(default)s)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     p.set_defaults(func=cmd_train, _defaults={a.dest: a.default for a in p._actions})

@@ -135,6 +135,7 @@ class TrainConfig:
     precision: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     grad_checkpointing: bool = False
     fsdp: bool = False
+    context_parallel: int = 1  # ranks per sequence: each sequence split into this many contiguous parts
     on_nonfinite: str = "stop"  # "stop" or "skip"
     threads: int | None = None
     progress: bool = True
@@ -513,9 +514,10 @@ def _resolve(cfg: TrainConfig, dist: _Dist) -> dict:
         raise UsageError(f"{batch_tokens} tokens are not a whole number of {seq_len}-token sequences "
                          "(--batch-tokens, --seq-len)")
     global_seqs = batch_tokens // seq_len
-    if global_seqs % dist.world:
-        raise UsageError(f"{global_seqs} sequences per step do not split over {dist.world} ranks (--batch-tokens)")
-    per_rank = global_seqs // dist.world
+    data_world = dist.world // max(1, cfg.context_parallel)  # ranks that take different sequences
+    if global_seqs % data_world:
+        raise UsageError(f"{global_seqs} sequences per step do not split over {data_world} ranks (--batch-tokens)")
+    per_rank = global_seqs // data_world
     mb = min(cfg.micro_batch_size or per_rank, per_rank)
     if per_rank % mb:
         raise UsageError(f"{mb} does not divide the {per_rank} sequences per rank and step (--micro-batch-size)")
@@ -808,17 +810,23 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
     device = torch.device(f"cuda:{dist.local_rank}" if dev_kind == "cuda" else dev_kind)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    cp = None
+    if cfg.context_parallel > 1:
+        from efla.distributed import setup_context_parallel  # noqa: PLC0415
+
+        cp = setup_context_parallel(cfg.context_parallel, fsdp=cfg.fsdp, grad_checkpointing=cfg.grad_checkpointing)
     r = _resolve(cfg, dist)
     _check_text(cfg, dist)
     lock, ckpt = _claim_and_choose_start(cfg, dist)
     try:
-        return _train_from(cfg, dist, device, r, ckpt, on_step_end)
+        return _train_from(cfg, dist, device, r, ckpt, on_step_end, cp)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train_from(cfg: TrainConfig, dist: _Dist, device, r: dict, ckpt: str | None, on_step_end) -> dict:
+def _train_from(cfg: TrainConfig, dist: _Dist, device, r: dict, ckpt: str | None, on_step_end, cp=None) -> dict:
+    from efla.distributed import context_parallel_lm_loss  # noqa: PLC0415
     from efla.data.text import SequenceOrder, count_targets, make_batch, rank_slice  # noqa: PLC0415
     from efla.data.tokenizer import tokenizer_eos_id  # noqa: PLC0415
     from efla.models import EFLAForCausalLM  # noqa: PLC0415
@@ -983,7 +991,8 @@ def _train_from(cfg: TrainConfig, dist: _Dist, device, r: dict, ckpt: str | None
                                for i in range(G))
             else:
                 n_global = G * (L - 1)
-            mine = rank_slice(global_idx, dist.rank, dist.world)
+            data_rank, data_world = (cp.data_rank, cp.data_world) if cp else (dist.rank, dist.world)
+            mine = rank_slice(global_idx, data_rank, data_world)
             loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             forward_error = None
             for i in range(r["accum"]):
@@ -1002,7 +1011,8 @@ def _train_from(cfg: TrainConfig, dist: _Dist, device, r: dict, ckpt: str | None
                 try:
                     with sync:
                         with autocast():
-                            loss = wrapped(**batch, use_cache=False).loss
+                            loss = (context_parallel_lm_loss(wrapped, batch, cp) if cp
+                                    else wrapped(**batch, use_cache=False).loss)
                         (loss * (n_mb * dist.world / n_global)).backward()
                 except ValueError as e:  # the ops refuse non-finite inputs (always on CPU)
                     if "non-finite" not in str(e):
