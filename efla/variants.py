@@ -45,8 +45,8 @@ class Variant:
         raise ValueError(f"unknown update rule {name!r}; expected one of {known}")
 
 
-EFLA = Variant(True, False, "efla", "efla", "EFLA (exact)", "tab:blue")
-EULER = Variant(False, False, "delta_rule", "deltanet", "DeltaNet (Euler)", "tab:orange")
-GATED_EFLA = Variant(True, True, "gated_efla", "gated-efla", "Gated EFLA (exact)", "tab:green")
-GATED_EULER = Variant(False, True, "gated_delta_rule", "gated-deltanet", "Gated DeltaNet (Euler)", "tab:red")
+EFLA = Variant(True, False, "efla", "efla", "EFLA", "tab:red")
+EULER = Variant(False, False, "delta_rule", "deltanet", "DeltaNet", "tab:blue")
+GATED_EFLA = Variant(True, True, "gated_efla", "gated-efla", "Gated EFLA", "tab:orange")
+GATED_EULER = Variant(False, True, "gated_delta_rule", "gated-deltanet", "Gated DeltaNet", "tab:cyan")
 VARIANTS = (EFLA, EULER, GATED_EFLA, GATED_EULER)

@@ -26,7 +26,7 @@ PAPER_LR = {"exact": 3e-3, "euler": 1e-3, "gated-exact": 3e-3, "gated-euler": 1e
 
 
 def _op(rule: str, mode: str):
-    name = {"exact": "efla", "euler": "delta_rule", "gated-exact": "gated_efla", "gated-euler": "gated_delta_rule"}[rule]
+    name = Variant.parse(rule).op_name
     return getattr(ops, f"{mode}_{name}")
 
 
