@@ -34,6 +34,7 @@ import torch.nn.functional as Fn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import efla.ops as ops  # noqa: E402
+from efla.variants import Variant  # noqa: E402
 
 T0 = time.time()
 LINES: list[str] = []
@@ -91,7 +92,7 @@ def check_correctness(dev, full=True, rules=("efla", "gated_efla", "delta_rule",
     if not full:  # H=16 shares the kernels' autotuning with the timing shapes (saves device time)
         cases = [("B=1 T=200 H=16", dict(B=1, T=200, H=16, cu=None))]
     for rule in rules:
-        gated = rule.startswith("gated")
+        gated = Variant.parse(rule).gated
         for ci, (cname, c) in enumerate(cases):
             B, T, H, cu = c["B"], c["T"], c["H"], c["cu"]
             N = B if cu is None else len(cu) - 1

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from efla.data.mad import IGNORE, MADSetting, make_dataset
 from efla.layers import EFLA, GatedEFLA, GatedMLP, RMSNorm
+from efla.variants import Variant
 
 RULES = ("exact", "euler", "gated-exact", "gated-euler")
 RULE_LABEL = {"exact": "EFLA", "euler": "DeltaNet", "gated-exact": "Gated EFLA", "gated-euler": "Gated DeltaNet"}
@@ -64,8 +65,9 @@ class Mixer(nn.Module):
             raise ValueError(f"rule: expected one of {RULES}, got {rule!r}")
         if width % num_heads:
             raise ValueError(f"num_heads: must divide width {width}, got {num_heads}")
-        update = "exact" if rule.endswith("exact") else "euler"
-        if rule.startswith("gated"):
+        variant = Variant.parse(rule)
+        update = variant.update_rule
+        if variant.gated:
             self.layer = GatedEFLA(hidden_size=width, head_dim=width // num_heads, num_heads=num_heads, expand_v=1,
                                    mode="chunk", update_rule=update)
         else:

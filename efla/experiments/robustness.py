@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from efla import ops
+from efla.variants import Variant
 
 RULES = ("exact", "euler", "gated-exact", "gated-euler")
 RULE_LABEL = {"exact": "EFLA", "euler": "DeltaNet", "gated-exact": "Gated EFLA", "gated-euler": "Gated DeltaNet"}
@@ -25,7 +26,7 @@ PAPER_LR = {"exact": 3e-3, "euler": 1e-3, "gated-exact": 3e-3, "gated-euler": 1e
 
 
 def _op(rule: str, mode: str):
-    name = {"exact": "efla", "euler": "delta_rule", "gated-exact": "gated_efla", "gated-euler": "gated_delta_rule"}[rule]
+    name = Variant.parse(rule).op_name
     return getattr(ops, f"{mode}_{name}")
 
 
@@ -47,7 +48,7 @@ class PixelSequenceClassifier(nn.Module):
         self.v_proj = nn.Linear(width, width, bias=False)
         self.b_proj = nn.Linear(width, num_heads)
         nn.init.constant_(self.b_proj.bias, -2.0)
-        self.gated = rule.startswith("gated")
+        self.gated = Variant.parse(rule).gated
         if self.gated:
             self.g_proj = nn.Linear(width, num_heads)
             nn.init.constant_(self.g_proj.bias, 4.0)  # gate exp(g) ~ 0.98 at init
@@ -63,7 +64,7 @@ class PixelSequenceClassifier(nn.Module):
         H, D = self.num_heads, self.width // self.num_heads
         q = F.normalize(self.q_proj(h).view(B, L, H, D), dim=-1)
         k = self.k_proj(h).view(B, L, H, D)
-        if self.rule.endswith("euler"):
+        if not Variant.parse(self.rule).exact:
             k = F.normalize(k, dim=-1)
         v = self.v_proj(h).view(B, L, H, D)
         beta = torch.sigmoid(self.b_proj(h))

@@ -30,6 +30,7 @@ import torch
 from .api import run as _run
 from .coefficients import efla_coefficient
 from .normalize import l2_normalize
+from ..variants import Variant
 
 __all__ = [
     "efla_coefficient",
@@ -84,8 +85,8 @@ _DOC = """{title}
 
 
 def _make(rule: str, mode: str, title: str):
-    gated = rule.startswith("gated")
-    exact = rule.endswith("efla")
+    variant = Variant.parse(rule)
+    gated, exact = variant.gated, variant.exact
     name = f"{mode}_{rule}"
 
     if gated:

@@ -9,6 +9,7 @@ from .coefficients import coefficients
 from .normalize import l2_normalize
 from .recurrent import recurrent_generic
 from .validate import check_result, compute_dtype, validate, values_checked
+from ..variants import Variant
 
 _cuda_backend = None  # False once the import failed; the module once it succeeded
 
@@ -38,7 +39,7 @@ def _from_padded(x: torch.Tensor, cu: list[int]) -> torch.Tensor:
 
 def run(rule, mode, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, q_l2norm=False,
         k_l2norm=False):
-    gated = rule in ("gated_efla", "gated_delta_rule")
+    gated = Variant.parse(rule).gated
     g = g if gated else None
     dims = validate(q, k, v, beta, g, initial_state=initial_state, cu_seqlens=cu_seqlens, scale=scale, gated=gated)
     scale = float(dims.K ** -0.5) if scale is None else float(scale)

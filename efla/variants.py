@@ -1,0 +1,52 @@
+"""The four update rules (exact or Euler step, plain or gated) and every name each one goes by.
+
+Op names, preset suffixes, experiment keys ("gated-exact"), and the (update_rule, gated) pair used by
+layer configs all denote the same four rules; `Variant.parse` accepts any of them so callers never
+decode a rule from its spelling.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Variant:
+    exact: bool
+    gated: bool
+    op_name: str
+    preset_suffix: str
+    label: str
+    colour: str
+
+    @property
+    def update_rule(self) -> str:
+        return "exact" if self.exact else "euler"
+
+    @property
+    def key(self) -> str:
+        """Experiment key: "exact", "euler", "gated-exact", "gated-euler"."""
+        return ("gated-" if self.gated else "") + self.update_rule
+
+    def spellings(self) -> set[str]:
+        names = {self.key, self.op_name, self.preset_suffix, self.op_name.replace("_", "-")}
+        return {n.lower() for n in names}
+
+    @classmethod
+    def of(cls, update_rule: str, gated: bool) -> Variant:
+        return cls.parse(("gated-" if gated else "") + update_rule)
+
+    @classmethod
+    def parse(cls, name: str) -> Variant:
+        wanted = name.strip().lower().replace("_", "-")
+        for variant in VARIANTS:
+            if wanted in {s.replace("_", "-") for s in variant.spellings()}:
+                return variant
+        known = ", ".join(sorted(s for v in VARIANTS for s in v.spellings()))
+        raise ValueError(f"unknown update rule {name!r}; expected one of {known}")
+
+
+EFLA = Variant(True, False, "efla", "efla", "EFLA", "tab:red")
+EULER = Variant(False, False, "delta_rule", "deltanet", "DeltaNet", "tab:blue")
+GATED_EFLA = Variant(True, True, "gated_efla", "gated-efla", "Gated EFLA", "tab:orange")
+GATED_EULER = Variant(False, True, "gated_delta_rule", "gated-deltanet", "Gated DeltaNet", "tab:cyan")
+VARIANTS = (EFLA, EULER, GATED_EFLA, GATED_EULER)
