@@ -33,6 +33,26 @@ try:  # transformers >= 5: init helpers that skip weights already loaded from a 
 except ImportError:  # pragma: no cover
     _init = nn.init
 
+# Generation bookkeeping that a recurrent cache makes redundant: it keeps its own position.
+_REDUNDANT_KWARGS = frozenset({"cache_position"})
+
+
+def _refuse_unknown_kwargs(kwargs: dict) -> None:
+    # Anything else would be dropped without effect; position_ids in particular is how transformers'
+    # packing collator marks sequence starts, which this model takes as cu_seqlens instead.
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _REDUNDANT_KWARGS)
+    if unknown:
+        raise ValueError(f"unsupported forward arguments: {', '.join(unknown)} (packed sequences: pass cu_seqlens)")
+
+
+def _refuse_attention_weights(output_attentions: bool | None) -> None:
+    # Linear attention never forms a [T, T] weight matrix, so there is nothing to return; transformers'
+    # attention-free models (Mamba, RWKV) have no such output either. A ValueError rather than a warning:
+    # a caller asking for attention maps would otherwise get a tuple without them and misread its fields.
+    if output_attentions:
+        raise ValueError("output_attentions=True: EFLA layers have no attention weights to return")
+
+
 __all__ = ["EFLABlock", "EFLAPreTrainedModel", "EFLAModel", "EFLAForCausalLM"]
 
 _TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
@@ -184,6 +204,8 @@ class EFLAModel(EFLAPreTrainedModel):
         cache: EFLACache | None = None,
         **kwargs: Any,
     ):
+        _refuse_attention_weights(output_attentions)
+        _refuse_unknown_kwargs(kwargs)
         past_key_values = _pick_cache(past_key_values, cache)
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
@@ -290,6 +312,7 @@ class EFLAForCausalLM(EFLAPreTrainedModel, GenerationMixin):
         num_items_in_batch: int | torch.Tensor | None = None,
         **kwargs: Any,
     ):
+        _refuse_unknown_kwargs(kwargs)
         return_dict = True if return_dict is None else return_dict
         outputs = self.model(
             input_ids=input_ids,
@@ -297,6 +320,7 @@ class EFLAForCausalLM(EFLAPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             past_key_values=_pick_cache(past_key_values, cache),
             use_cache=use_cache,
+            output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             return_dict=True,
             cu_seqlens=cu_seqlens,
