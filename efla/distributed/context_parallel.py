@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -375,8 +376,11 @@ class ContextParallel:
     conv_calls: int = 0
 
     def run(self, op: Callable, *args, scale=None, initial_state=None, output_final_state=False,
-            cu_seqlens=None):
+            cu_seqlens=None, **per_token_options):
+        # per-token options (the in-op q/k normalisation) act on every op call of the split alike
         self.op_calls += 1
+        if per_token_options:
+            op = functools.partial(op, **per_token_options)
         return context_parallel(op, *args, layout=self.layout, group=self.group, scale=scale,
                                 initial_state=initial_state, output_final_state=output_final_state,
                                 cu_seqlens=cu_seqlens)

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from efla.ops import chunk_delta_rule, chunk_efla, recurrent_delta_rule, recurrent_efla
 
+from efla.distributed.context_parallel import context_parallel_aware, context_parallel_conv_states
+
 from ._common import check_hidden_states, check_update_rule, get_layer_state, padding_mask, stiffness_stats
 from .modules import RMSNorm, RMSNormGated, ShortConvolution, l2_normalize
 
@@ -170,6 +172,7 @@ class EFLA(nn.Module):
         if self.use_short_conv:
             if last_state is not None and last_state.get("conv_state") is not None:
                 conv_state = last_state["conv_state"]
+            conv_state = context_parallel_conv_states((q, k, v), self.conv_size) or conv_state
             q, cq = self.q_conv1d(q, cache=conv_state[0], output_final_state=use_cache, cu_seqlens=cu_seqlens)
             k, ck = self.k_conv1d(k, cache=conv_state[1], output_final_state=use_cache, cu_seqlens=cu_seqlens)
             v, cv = self.v_conv1d(v, cache=conv_state[2], output_final_state=use_cache, cu_seqlens=cu_seqlens)
@@ -242,7 +245,7 @@ class EFLA(nn.Module):
         recurrent = self.mode == "recurrent" or (T == 1 and cu_seqlens is None)
         initial_state = last_state.get("recurrent_state") if last_state is not None else None
         q_l2, k_l2 = self._l2_in_op()
-        o, state = self._op(recurrent)(q, k, v, beta, initial_state=initial_state, output_final_state=use_cache,
+        o, state = context_parallel_aware(self._op(recurrent))(q, k, v, beta, initial_state=initial_state, output_final_state=use_cache,
                                        cu_seqlens=cu_seqlens, use_q_l2norm_in_kernel=q_l2,
                                        use_qk_l2norm_in_kernel=k_l2)
         if self.record_stats:
