@@ -17,9 +17,9 @@ from .onestep import one_step_table
 from .robustness import RULE_LABEL, TrainConfig, evaluate_perturbations, train_classifier
 from .timing import op_timings
 
-MEASURED_SECONDS = 70  # `efla demo` on an idle 2-core x86-64 CPU, torch 2.13, 2 threads
+MEASURED_SECONDS = 50  # `efla demo` from a fresh clone on an idle 2-core x86-64 CPU, torch 2.13, 2 threads (45-49 s)
 # share of the demo's time each part takes (measured alongside MEASURED_SECONDS)
-PART_SHARE = {"one_step": 0.01, "robustness": 0.44, "mad": 0.48, "cpu_timings": 0.07}
+PART_SHARE = {"one_step": 0.01, "robustness": 0.40, "mad": 0.54, "cpu_timings": 0.05}
 PART_TITLE = {"one_step": "(a) one step", "robustness": "(b) digits", "mad": "(c) MAD recall",
               "cpu_timings": "(d) CPU timings"}
 
