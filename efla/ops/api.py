@@ -65,7 +65,14 @@ def _compute(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_st
 
 def _compute_torch(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms):
     """The PyTorch engines (any device): q/k normalisation, coefficients, varlen padding, then the
-    chunk or scan form."""
+    chunk or scan form, in float32 (float64) whatever autocast is on: autocast would run some of the
+    engines' products in bf16 and hand their backward mixed dtypes."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _engines(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims,
+                        norms)
+
+
+def _engines(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms):
     H, K, V = dims.H, dims.K, dims.V
     cdt = compute_dtype(q.dtype)
     q_l2norm, k_l2norm = norms
