@@ -1,5 +1,5 @@
 """MAD (Mechanistic Architecture Design) synthetic tasks: the six instance generators, the task
-settings of the benchmark and the dataset builder (docs: ``../shared/docs/mad.md``).
+settings of the benchmark and the dataset builder (as defined by MAD-lab, Poli et al. 2024).
 
 Every generator takes a ``numpy.random.Generator`` and draws from it in a fixed order, so a
 dataset is a pure function of its setting and seed: training examples are drawn first, then the
