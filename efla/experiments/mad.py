@@ -1,5 +1,6 @@
 """MAD synthetic benchmark (Poli et al. 2024, "Mechanistic Design and Scaling of Hybrid
-Architectures"): the backbone, the metric and one training run. Orchestration (presets, grid, resume, files) lives in ``mad_run.py``.
+Architectures"): the backbone, the metric and one training run. Orchestration (presets, grid,
+resume, files) lives in ``mad_run.py``.
 
 Backbone (MAD-lab's ``benchmark.py`` default, width 128): token embedding ``N(0, 0.02)``, no
 positional embedding, ``2 x [mixer, SwiGLU]`` pre-norm residual layers ``x = x + f(RMSNorm(x))``,
