@@ -36,6 +36,7 @@ MAX_HEAD_DIM = 256
 _fla_ok = None
 
 
+@torch.compiler.assume_constant_result  # evaluated once while tracing: see ``efla.ops.api._cuda_importable``
 def fla_available() -> bool:
     """True when flash-linear-attention's kernels import (any failure counts as absent)."""
     global _fla_ok
@@ -95,7 +96,7 @@ def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_st
 
     if not fla_available():
         return None
-    from .chunk import chunk_forward
+    from .custom_ops import chunk_forward
 
     if kind == "gated_efla" and dt == torch.float16:
         # v * (w / c) grows like 1 / exp(g); bf16 has the range for it, fp16 may not.
