@@ -45,10 +45,10 @@ def _leaves(args):
             for x in args]
 
 
-def opcheck_forward(rule, dtype, varlen, q_l2norm, k_l2norm) -> int:
+def opcheck_forward(rule, dtype, varlen, q_l2norm, k_l2norm, final_state) -> int:
     """opcheck of the forward op, and so of its autograd (the backward op) under AOTAutograd; for
     bfloat16 the schema and fake-output checks only. Returns 0 (it raises on a failure)."""
-    op, args = op_args(rule, inputs(dtype, varlen), q_l2norm, k_l2norm)
+    op, args = op_args(rule, inputs(dtype, varlen), q_l2norm, k_l2norm, final_state)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     if dtype == torch.float32:
         utils += ("test_aot_dispatch_dynamic",)
@@ -80,25 +80,26 @@ def opcheck_backward(rule, varlen) -> int:
     return 0
 
 
-def _forward_and_grads(forward, rule, xs, q_l2norm, k_l2norm):
+def _forward_and_grads(forward, rule, xs, q_l2norm, k_l2norm, final_state):
     gen = torch.Generator().manual_seed(1)
     do, dht = torch.randn(*xs[2].shape, generator=gen), torch.randn(*xs[5].shape, generator=gen)
     q, k, v, lg, beta, h0, cu = _leaves(xs)
-    o, ht = forward(rule, q, k, v, lg, beta, 0.25, h0, True, cu, q_l2norm, k_l2norm)
-    loss = (o * do.to(o.dtype)).sum() + (ht * dht.to(ht.dtype)).sum()
+    o, ht = forward(rule, q, k, v, lg, beta, 0.25, h0, final_state, cu, q_l2norm, k_l2norm)
+    assert (ht is not None) == final_state
+    loss = (o * do.to(o.dtype)).sum() + ((ht * dht.to(ht.dtype)).sum() if final_state else 0)
     grads = torch.autograd.grad(loss, [q, k, v, lg, beta, h0], allow_unused=True)
-    return [o, ht] + [g_ for g_ in grads if g_ is not None]
+    return [o] + ([ht] if final_state else []) + [g_ for g_ in grads if g_ is not None]
 
 
-def custom_op_vs_function(rule, varlen, q_l2norm, k_l2norm) -> float:
+def custom_op_vs_function(rule, varlen, q_l2norm, k_l2norm, final_state) -> float:
     """Largest relative difference of (o, ht) and every input gradient between the custom ops and the
     eager autograd Functions (EFLA, Gated EFLA, Gated DeltaNet)."""
     from efla.ops.cuda import custom_ops as CO
     from efla.ops.cuda.chunk import eager_chunk_forward
 
     xs = inputs(torch.float32, varlen)
-    got = _forward_and_grads(CO.op_chunk_forward, rule, xs, q_l2norm, k_l2norm)
-    want = _forward_and_grads(eager_chunk_forward, rule, xs, q_l2norm, k_l2norm)
+    got = _forward_and_grads(CO.op_chunk_forward, rule, xs, q_l2norm, k_l2norm, final_state)
+    want = _forward_and_grads(eager_chunk_forward, rule, xs, q_l2norm, k_l2norm, final_state)
     assert len(got) == len(want)
     return max(fused_checks.rel(a, b) for a, b in zip(got, want))
 
@@ -112,15 +113,15 @@ def _reference_forward(rule, q, k, v, lg, beta, scale, h0, final_state, cu, q_l2
                                              use_q_l2norm_in_kernel=q_l2norm, use_qk_l2norm_in_kernel=k_l2norm)
 
 
-def custom_op_vs_reference(rule, varlen, q_l2norm, k_l2norm) -> float:
+def custom_op_vs_reference(rule, varlen, q_l2norm, k_l2norm, final_state) -> float:
     """The same against the float64 per-token scan (DeltaNet's eager path is fla's own function,
     which takes no float32, and the interpreter runs no bfloat16)."""
     from efla.ops.cuda import custom_ops as CO
 
     xs = inputs(torch.float32, varlen)
-    got = _forward_and_grads(CO.op_chunk_forward, rule, xs, q_l2norm, k_l2norm)
+    got = _forward_and_grads(CO.op_chunk_forward, rule, xs, q_l2norm, k_l2norm, final_state)
     xs64 = [x.double() if x is not None and x.is_floating_point() else x for x in xs]
-    want = _forward_and_grads(_reference_forward, rule, xs64, q_l2norm, k_l2norm)
+    want = _forward_and_grads(_reference_forward, rule, xs64, q_l2norm, k_l2norm, final_state)
     return max(fused_checks.rel(a, b) for a, b in zip(got, want))
 
 
@@ -153,21 +154,24 @@ def _loss_and_grads(fn, xs):
     return [value] + [g for g in torch.autograd.grad(value, leaves, allow_unused=True) if g is not None]
 
 
+# (varlen, q_l2norm, k_l2norm, output_final_state)
+CASES = ((False, True, False, True), (True, True, True, True), (False, False, False, False))
+
+
 def main() -> int:
     fused_checks.prepare_interpreter()
     from efla.ops.cuda import chunk, custom_ops  # noqa: F401 (registers the ops)
 
     chunk.load()
     for rule in RULES:
-        for varlen, q_l2norm, k_l2norm in ((False, True, False), (True, True, True), (False, False, False)):
-            case = f"{rule} varlen={varlen} q_l2norm={q_l2norm} k_l2norm={k_l2norm}"
+        for case in CASES:
+            name = "{} varlen={} q_l2norm={} k_l2norm={} final_state={}".format(rule, *case)
             for dtype in (torch.float32, torch.bfloat16):
-                print(f"opcheck forward {case} {dtype}\t{opcheck_forward(rule, dtype, varlen, q_l2norm, k_l2norm)}")
+                print(f"opcheck forward {name} {dtype}\t{opcheck_forward(rule, dtype, *case)}")
             if rule == "delta_rule":
-                err = custom_op_vs_reference(rule, varlen, q_l2norm, k_l2norm)
-                print(f"custom op vs float64 reference {case}\t{err:.3e}")
+                print(f"custom op vs float64 reference {name}\t{custom_op_vs_reference(rule, *case):.3e}")
             else:
-                print(f"custom op vs eager {case}\t{custom_op_vs_function(rule, varlen, q_l2norm, k_l2norm):.3e}")
+                print(f"custom op vs eager {name}\t{custom_op_vs_function(rule, *case):.3e}")
         print(f"opcheck backward {rule}\t{opcheck_backward(rule, varlen=True)}")
         print(f"compiled vs eager {rule}\t{compiled_vs_eager(rule):.3e}")
     return 0

@@ -34,8 +34,10 @@ def _interpreter_ready():
 
 _READY, _WHY = _interpreter_ready()
 
-# per kind: 3 input cases x (2 opchecks + 1 comparison), a backward opcheck, a compiled comparison
-_EXPECTED_LINES = len(custom_op_checks.RULES) * (3 * 3 + 2)
+# per kind and input case: 2 opchecks (float32, bfloat16) and 1 comparison; per kind: a backward
+# opcheck and a compiled comparison
+_CASES = len(custom_op_checks.CASES)
+_EXPECTED_LINES = len(custom_op_checks.RULES) * (_CASES * 3 + 2)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,7 @@ def _with_prefix(results, prefix):
 @pytest.mark.skipif(not _READY, reason=_WHY)
 def test_opcheck_passes_for_every_op(results):
     # each line is printed only after its opcheck returned; an opcheck failure exits non-zero
-    assert len(_with_prefix(results, "opcheck forward")) == len(custom_op_checks.RULES) * 3 * 2
+    assert len(_with_prefix(results, "opcheck forward")) == len(custom_op_checks.RULES) * _CASES * 2
     assert len(_with_prefix(results, "opcheck backward")) == len(custom_op_checks.RULES)
 
 

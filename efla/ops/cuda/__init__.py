@@ -18,6 +18,10 @@ Design (measured: ``benchmarks/gpu_ops.py``, ``benchmarks/RESULTS.md``):
 * recurrent mode without autograd (decoding): our fused scan kernel (``recurrent.py``), one launch
   per step, coefficient in-kernel. With autograd, recurrent mode runs the chunk path (the same
   recurrence; differences are rounding).
+* under ``torch.compile`` the chunk path runs as ``torch.library`` custom ops (``custom_ops.py``),
+  one opaque forward and one backward op per call, DeltaNet included; eager calls keep the autograd
+  Functions of ``chunk.py``. Varlen batches still break the graph here (the empty-sequence check
+  reads ``cu_seqlens``).
 
 Nothing here is imported by ``import efla``; ``efla.ops`` imports this package lazily and treats
 any exception as "no GPU backend".

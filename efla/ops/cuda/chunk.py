@@ -6,6 +6,9 @@ chunk kernels are fla's; ours compute the coefficients (one pass over k, and ove
 rescaling) and, backwards, fold the coefficients' gradients into ``dk`` (in place), ``dbeta``,
 ``dg`` and ``dv`` in one pass. No q/k L2-norm passes (EFLA keys are raw).
 
+The stages (``delta_fwd`` / ``delta_bwd``, ``gated_fwd`` / ``gated_bwd``) run eagerly through the
+autograd Functions below and under ``torch.compile`` through the custom ops of ``custom_ops.py``.
+
 Gated backward: fla's ``chunk_gated_delta_rule`` refuses to run its backward on Hopper with
 Triton in [3.4.0, 3.7.1) because one kernel (``chunk_bwd_dqkwg`` with a gate) is miscompiled
 there (fla issue #640: a transpose of a matrix-unit result). We therefore compose the gated
@@ -148,7 +151,7 @@ def l2norm_grads(q, q_rstd, dq, k, k_rstd, dk):
 
 
 # ------------------------------------------------------------------ forward and backward stages
-# Shared by the eager autograd Functions below and the custom ops of ``ops.py`` (torch.compile).
+# Shared by the eager autograd Functions below and the custom ops of ``custom_ops.py`` (torch.compile).
 def chunk_indices(cu_seqlens):
     """fla's per-chunk (sequence, chunk) table of a varlen batch; memoised by fla on the tensor."""
     return F["prepare_chunk_indices"](cu_seqlens, CHUNK) if cu_seqlens is not None else None

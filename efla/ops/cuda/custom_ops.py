@@ -50,7 +50,7 @@ def _fake_like(present: bool, given: Tensor, *shape, dtype) -> Tensor:
     return given.new_empty(shape, dtype=dtype) if present else _placeholder(given)
 
 
-def _state_fake(k: Tensor, v: Tensor, h0, cu_seqlens, present: bool) -> Tensor:
+def _state_fake(k: Tensor, v: Tensor, cu_seqlens, present: bool) -> Tensor:
     n = k.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return _fake_like(present, k, n, k.shape[2], k.shape[3], v.shape[3], dtype=torch.float32)
 
@@ -60,10 +60,9 @@ def _norm_fakes(x: Tensor, present: bool) -> tuple[Tensor, Tensor]:
     return normed, _fake_like(present, x, *x.shape[:-1], dtype=torch.float32)
 
 
-def _normed_inputs(ctx, inputs_qk, outputs_qk):
-    """``(q, q_rstd, k, k_rstd)`` for the backward: normalised outputs where the op normalised."""
-    (q, k), (q_l2norm, k_l2norm) = inputs_qk, (ctx.q_l2norm, ctx.k_l2norm)
-    qn, q_rstd, kn, k_rstd = outputs_qk
+def _normed_inputs(q, k, normed, q_l2norm, k_l2norm):
+    """``(q, q_rstd, k, k_rstd)`` for the backward: the op's normalised outputs where it normalised."""
+    qn, q_rstd, kn, k_rstd = normed
     return (qn if q_l2norm else q, q_rstd if q_l2norm else None,
             kn if k_l2norm else k, k_rstd if k_l2norm else None)
 
@@ -83,7 +82,7 @@ def chunk_delta_fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, h0: Tensor | 
 def _(q, k, v, beta, h0, cu_seqlens, scale, exact, output_final_state, q_l2norm, k_l2norm):
     B, T, H, _ = k.shape
     alpha = _fake_like(exact, beta, B, T, H, dtype=C.COEF_DTYPE.get(k.dtype, torch.float32))
-    return (torch.empty_like(v), _state_fake(k, v, h0, cu_seqlens, output_final_state),
+    return (torch.empty_like(v), _state_fake(k, v, cu_seqlens, output_final_state),
             k.new_empty(B, T, H, C.CHUNK), alpha, *_norm_fakes(q, q_l2norm), *_norm_fakes(k, k_l2norm))
 
 
@@ -106,10 +105,9 @@ def _(q, q_rstd, k, k_rstd, v, beta, alpha, A, h0, cu_seqlens, do, dht, scale, e
 def _delta_setup(ctx, inputs, output):
     q, k, v, beta, h0, cu_seqlens, scale, exact, output_final_state, q_l2norm, k_l2norm = inputs
     o, ht, A, alpha, *normed = output
-    ctx.mark_non_differentiable(A, alpha, *normed)
-    ctx.set_materialize_grads(False)  # no zero gradients for the placeholders and saved tensors
-    ctx.q_l2norm, ctx.k_l2norm = q_l2norm, k_l2norm
-    qn, q_rstd, kn, k_rstd = _normed_inputs(ctx, (q, k), normed)
+    ctx.mark_non_differentiable(A, alpha, *normed, *(() if output_final_state else (ht,)))
+    ctx.set_materialize_grads(False)  # outputs without a gradient get None, not a tensor of zeros
+    qn, q_rstd, kn, k_rstd = _normed_inputs(q, k, normed, q_l2norm, k_l2norm)
     ctx.save_for_backward(qn, q_rstd, kn, k_rstd, v, beta, alpha if exact else beta, A, h0, cu_seqlens)
     ctx.scale, ctx.exact, ctx.output_final_state = scale, exact, output_final_state
 
@@ -143,7 +141,7 @@ def _(q, k, v, g, beta, h0, cu_seqlens, scale, exact, output_final_state, q_l2no
     B, T, H, _ = k.shape
     c = _fake_like(exact, beta, B, T, H, dtype=C.COEF_DTYPE.get(k.dtype, torch.float32))
     vp = torch.empty_like(v) if exact else _placeholder(v)
-    return (torch.empty_like(v), _state_fake(k, v, h0, cu_seqlens, output_final_state),
+    return (torch.empty_like(v), _state_fake(k, v, cu_seqlens, output_final_state),
             k.new_empty(B, T, H, C.CHUNK), k.new_empty(B, T, H, dtype=torch.float32), c, vp,
             *_norm_fakes(q, q_l2norm), *_norm_fakes(k, k_l2norm))
 
@@ -168,10 +166,9 @@ def _(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens, do, dht,
 def _gated_setup(ctx, inputs, output):
     q, k, v, g, beta, h0, cu_seqlens, scale, exact, output_final_state, q_l2norm, k_l2norm = inputs
     o, ht, A, gcum, c, vp, *normed = output
-    ctx.mark_non_differentiable(A, gcum, c, vp, *normed)
+    ctx.mark_non_differentiable(A, gcum, c, vp, *normed, *(() if output_final_state else (ht,)))
     ctx.set_materialize_grads(False)
-    ctx.q_l2norm, ctx.k_l2norm = q_l2norm, k_l2norm
-    qn, q_rstd, kn, k_rstd = _normed_inputs(ctx, (q, k), normed)
+    qn, q_rstd, kn, k_rstd = _normed_inputs(q, k, normed, q_l2norm, k_l2norm)
     ctx.save_for_backward(qn, q_rstd, kn, k_rstd, v, vp if exact else v, g, beta, c if exact else beta, gcum, A, h0,
                           cu_seqlens)
     ctx.scale, ctx.exact, ctx.output_final_state = scale, exact, output_final_state
