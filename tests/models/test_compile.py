@@ -42,3 +42,29 @@ def test_compiled_model_trains_without_graph_breaks_or_recompiles(preset):
     eager_model = EFLAForCausalLM(get_preset_config(preset)).train()
     assert losses == pytest.approx(_train(eager_model, eager_model, ids), rel=1e-5)
     assert losses[-1] < losses[0]
+
+
+def _lazy_loaders():
+    import efla.ops.api as api
+    from efla.layers import fused
+    from efla.ops import cuda
+
+    return {
+        "GPU backend": (api, "_cuda_backend", lambda: api._cuda() is not None),
+        "fla for the GPU ops": (cuda, "_fla_ok", cuda.fla_available),
+        "fla's fused modules": (fused, "_kernels", lambda: fused._load() is not None),
+    }
+
+
+@pytest.mark.parametrize("name", ["GPU backend", "fla for the GPU ops", "fla's fused modules"])
+def test_lazy_import_inside_compiled_code_does_not_recompile(name, monkeypatch):
+    # the first call of a compiled model can be the first to ask for the optional GPU stack; the
+    # import's cached result must not become a guard that fails on the next call
+    module, cache, available = _lazy_loaders()[name]
+    monkeypatch.setattr(module, cache, None)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x + 1 if available() else x - 1, backend="eager", fullgraph=True)
+    first = compiled(torch.zeros(2))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert torch.equal(compiled(torch.zeros(2)), first)
+    assert torch.equal(first, torch.full((2,), 1.0 if available() else -1.0))
