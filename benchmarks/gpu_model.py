@@ -12,7 +12,8 @@ see the same machine state. Reported per model and shape:
 Models: ``fla``: ``fla.models.DeltaNetForCausalLM`` with its default fused settings and our preset's
 sizes (same parameter count); ours: the ``<size>-efla``, ``-deltanet``, ``-gated-efla`` and
 ``-gated-deltanet`` presets as they are, ``efla+flce`` (``fuse_linear_cross_entropy=True``) and
-``<preset>+compile`` (the preset under ``torch.compile``).
+``<preset>+compile`` (the preset under ``torch.compile(dynamic=False)``: one graph per shape, built in
+the warm-up; a compile failure is that model's failed row).
 
 A second stage (``--loss-curve``) trains a preset for a few steps on real tokens twice from the same
 initialisation, once with the fused GPU modules and once with the PyTorch modules
@@ -78,7 +79,8 @@ def build(kind: str, size: str):
     model = model.to(torch.bfloat16).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     if kind.endswith("+compile"):
-        model = torch.compile(model)  # parameters stay shared with the optimizer
+        # parameters stay shared with the optimizer; shapes are fixed per run, so no symbolic shapes
+        model = torch.compile(model, dynamic=False)
     return model, opt
 
 
@@ -87,6 +89,15 @@ def state_bytes(model, opt) -> int:
     moments = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                   if isinstance(t, torch.Tensor) and t.is_cuda)
     return params + moments
+
+
+def error_line(e: BaseException) -> str:
+    """``Type: first line`` of the innermost cause (a compile failure wraps the error behind it), fit
+    for a table cell."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = str(e).strip().splitlines() or [""]
+    return f"{type(e).__name__}: {lines[0][:160]}".replace("|", "/")
 
 
 def train_step(model, opt, ids) -> tuple[float, int, float]:
@@ -128,7 +139,7 @@ def bench_size(size: str, kinds, shapes, warmup: int, steps: int, out_dir: str, 
                 try:
                     sec, peak, loss = train_step(model, opt, ids)
                 except Exception as e:
-                    failed[kind] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                    failed[kind] = error_line(e)
                     traceback.print_exc()
                     opt.zero_grad(set_to_none=True)
                     torch.cuda.empty_cache()

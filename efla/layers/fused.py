@@ -28,7 +28,10 @@ _enabled = os.environ.get("EFLA_FUSED", "1") not in ("0", "false", "False")
 _allow_cpu = False
 
 
-def _load() -> SimpleNamespace | None:
+# torch.compile runs this once while tracing and keeps the answer (see efla.ops.api._cuda_importable)
+@torch.compiler.assume_constant_result
+def _importable() -> bool:
+    """Import fla's fused functions once; whether they imported."""
     global _kernels
     if _kernels is None:
         try:
@@ -45,7 +48,11 @@ def _load() -> SimpleNamespace | None:
             )
         except Exception:  # no triton / no fla / a broken install: the PyTorch code serves
             _kernels = False
-    return _kernels or None
+    return _kernels is not False
+
+
+def _load() -> SimpleNamespace | None:
+    return _kernels if _importable() else None
 
 
 def kernels_for(x: torch.Tensor) -> SimpleNamespace | None:

@@ -70,7 +70,8 @@ _DOC = """{title}
         ValueError: an input that is not a tensor or has the wrong shape, dtype or device, or
             malformed ``cu_seqlens``; and on the CPU (on a GPU with ``EFLA_CHECK_VALUES=1``)
             NaN/Inf, ``beta < 0``, ``g > 0``, a key whose ``||k||^2`` overflows the compute
-            dtype, or finite inputs whose result overflows it.
+            dtype, or finite inputs whose result overflows it (value checks are skipped inside
+            ``torch.compile``d code).
 
     Example:
         >>> import torch

@@ -14,17 +14,25 @@ from ..variants import Variant
 _cuda_backend = None  # False once the import failed; the module once it succeeded
 
 
-def _cuda():
-    """The GPU backend module, imported lazily; ``None`` when it cannot be used."""
+# torch.compile runs this once while tracing and keeps the answer: a traced read of the flag before
+# the import would be guarded on, and the flag's change would recompile on the next call.
+@torch.compiler.assume_constant_result
+def _cuda_importable() -> bool:
+    """Import the GPU backend module once (lazy: the CPU never imports Triton); whether it imported."""
     global _cuda_backend
     if _cuda_backend is None:
         try:
-            from . import cuda as backend  # noqa: PLC0415 (lazy: CPU never imports Triton)
+            from . import cuda as backend  # noqa: PLC0415
 
             _cuda_backend = backend
         except Exception:  # any failure (no triton, no fla, broken install) -> PyTorch path
             _cuda_backend = False
-    return _cuda_backend or None
+    return _cuda_backend is not False
+
+
+def _cuda():
+    """The GPU backend module; ``None`` when it cannot be used."""
+    return _cuda_backend if _cuda_importable() else None
 
 
 def _to_padded(x: torch.Tensor, cu: list[int]) -> torch.Tensor:

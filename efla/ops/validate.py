@@ -3,7 +3,8 @@
 Every failure raises :class:`ValueError` naming the argument, what was expected and what was
 received. Checks never modify their inputs. Structure (types, shapes, dtypes, devices) is
 always checked; values (NaN/Inf, signs, key norms, an overflowing result) on the CPU always
-and on a GPU only with ``EFLA_CHECK_VALUES=1`` (there each scan costs a device sync).
+and on a GPU only with ``EFLA_CHECK_VALUES=1`` (there each scan costs a device sync); neither
+inside code that ``torch.compile`` traces (see ``values_checked``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ def _check_tensor(name: str, x, ndim: int) -> None:
 
 
 def values_checked(x: torch.Tensor) -> bool:
-    """Whether value checks run for inputs on ``x``'s device (always on the CPU; opt-in on a GPU)."""
+    """Whether value checks run for inputs on ``x``'s device (always on the CPU; opt-in on a GPU).
+
+    Never while ``torch.compile`` traces: each check reads a value back to Python, which would
+    split the compiled graph at every op call; eager calls keep every check."""
+    if torch.compiler.is_compiling():
+        return False
     if not x.is_cuda:
         return True
     return os.environ.get("EFLA_CHECK_VALUES", "0") not in ("", "0", "false", "False")

@@ -101,7 +101,7 @@ def check_chunk_ops(device, dtype=torch.float32) -> dict[str, float]:
     """The chunk kernels with the q (and k) L2 normalisation done in the op, against the float64
     per-token reference with the normalisation written out."""
     import efla.ops as ops
-    from efla.ops.cuda import chunk as C
+    from efla.ops.cuda import custom_ops as C
 
     g = torch.Generator().manual_seed(1)
     # the interpreter is slow: small heads there; the GPU kernels at a head size the models use

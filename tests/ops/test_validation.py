@@ -196,3 +196,20 @@ def test_diverging_euler_step_raises_value_error(mode):
     x["beta"] = torch.ones_like(x["beta"])
     with pytest.raises(ValueError, match=r"^q/k/v/beta: the inputs are finite but the result"):
         call_op(mode, "delta_rule", x)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_compiled_op_traces_in_one_graph_and_skips_only_the_value_checks(gated):
+    # value checks read values back to Python (a graph break per op call), so compiled code skips
+    # them; structural checks still run while tracing, and eager calls keep every check
+    torch._dynamo.reset()
+    compiled = torch.compile(run, backend="eager", fullgraph=True, dynamic=False)
+    x = good()
+    o, _ = compiled(x, gated=gated)
+    assert torch.equal(o, run(x, gated=gated)[0])
+    x["q"][0, 1, 0, 0] = float("nan")
+    assert torch.isnan(compiled(x, gated=gated)[0]).any()
+    with pytest.raises(ValueError, match="^q: contains"):
+        run(x, gated=gated)
+    with pytest.raises(ValueError, match="^k: expected shape"):  # Dynamo hands the raise to eager
+        torch.compile(run, backend="eager", dynamic=False)(dict(x, k=x["k"][:, :5]), gated=gated)

@@ -18,6 +18,10 @@ Design (measured: ``benchmarks/gpu_ops.py``, ``benchmarks/RESULTS.md``):
 * recurrent mode without autograd (decoding): our fused scan kernel (``recurrent.py``), one launch
   per step, coefficient in-kernel. With autograd, recurrent mode runs the chunk path (the same
   recurrence; differences are rounding).
+* under ``torch.compile`` the chunk path runs as ``torch.library`` custom ops (``custom_ops.py``),
+  one opaque forward and one backward op per call, DeltaNet included; eager calls keep the autograd
+  Functions of ``chunk.py``. Varlen batches still break the graph here (the empty-sequence check
+  reads ``cu_seqlens``).
 
 Nothing here is imported by ``import efla``; ``efla.ops`` imports this package lazily and treats
 any exception as "no GPU backend".
@@ -36,6 +40,7 @@ MAX_HEAD_DIM = 256
 _fla_ok = None
 
 
+@torch.compiler.assume_constant_result  # evaluated once while tracing: see ``efla.ops.api._cuda_importable``
 def fla_available() -> bool:
     """True when flash-linear-attention's kernels import (any failure counts as absent)."""
     global _fla_ok
@@ -95,7 +100,7 @@ def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_st
 
     if not fla_available():
         return None
-    from .chunk import chunk_forward
+    from .custom_ops import chunk_forward
 
     if kind == "gated_efla" and dt == torch.float16:
         # v * (w / c) grows like 1 / exp(g); bf16 has the range for it, fp16 may not.

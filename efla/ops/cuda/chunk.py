@@ -6,6 +6,9 @@ chunk kernels are fla's; ours compute the coefficients (one pass over k, and ove
 rescaling) and, backwards, fold the coefficients' gradients into ``dk`` (in place), ``dbeta``,
 ``dg`` and ``dv`` in one pass. No q/k L2-norm passes (EFLA keys are raw).
 
+The stages (``delta_fwd`` / ``delta_bwd``, ``gated_fwd`` / ``gated_bwd``) run eagerly through the
+autograd Functions below and under ``torch.compile`` through the custom ops of ``custom_ops.py``.
+
 Gated backward: fla's ``chunk_gated_delta_rule`` refuses to run its backward on Hopper with
 Triton in [3.4.0, 3.7.1) because one kernel (``chunk_bwd_dqkwg`` with a gate) is miscompiled
 there (fla issue #640: a transpose of a matrix-unit result). We therefore compose the gated
@@ -147,94 +150,132 @@ def l2norm_grads(q, q_rstd, dq, k, k_rstd, dk):
     return dq, dk
 
 
-# ------------------------------------------------------------------ autograd Functions
+# ------------------------------------------------------------------ forward and backward stages
+# Shared by the eager autograd Functions below and the custom ops of ``custom_ops.py`` (torch.compile).
+def chunk_indices(cu_seqlens):
+    """fla's per-chunk (sequence, chunk) table of a varlen batch; memoised by fla on the tensor."""
+    return F["prepare_chunk_indices"](cu_seqlens, CHUNK) if cu_seqlens is not None else None
+
+
+def delta_fwd(q, k, v, beta, h0, scale, output_final_state, cu_seqlens, exact, q_l2norm, k_l2norm):
+    """EFLA (``exact``) or DeltaNet chunk forward. Returns ``(o, ht, A, alpha, q, q_rstd, k, k_rstd)``:
+    ``alpha`` is ``beta`` for DeltaNet, ``q``/``k`` the normalised inputs (the inputs where not
+    normalised), ``None`` for what is absent."""
+    q, q_rstd, k, k_rstd = l2norm_inputs(q, k, q_l2norm, k_l2norm)
+    alpha = coef_fwd(k, beta) if exact else beta
+    o, A, ht = F["chunk_delta_rule_fwd"](
+        q=q, k=k, v=v, beta=alpha, scale=scale, initial_state=h0, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(cu_seqlens),
+    )
+    return o, ht, A, alpha, q, q_rstd, k, k_rstd
+
+
+def delta_bwd(q, q_rstd, k, k_rstd, v, beta, alpha, A, h0, cu_seqlens, do, dht, scale, exact):
+    """Gradients ``(dq, dk, dv, dbeta, dh0)`` of ``delta_fwd`` (its saved tensors as it returned them)."""
+    dq, dk, dv, dalpha, dh0 = F["chunk_delta_rule_bwd"](
+        q=q, k=k, v=v, beta=alpha, A=A, scale=scale, initial_state=h0,
+        do=do.contiguous(), dht=dht.contiguous() if dht is not None else None,
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(cu_seqlens),
+    )
+    if exact:
+        dk = dk.contiguous()
+        dbeta = coef_bwd(k, beta, dalpha.float().contiguous(), dk)
+    else:
+        dbeta = dalpha
+    dq, dk = l2norm_grads(q, q_rstd, dq, k, k_rstd, dk)
+    return dq, dk, dv, dbeta, dh0
+
+
+def gated_fwd(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact, q_l2norm, k_l2norm):
+    """Gated EFLA (``exact``) or Gated DeltaNet chunk forward. Returns
+    ``(o, ht, A, gcum, c, vp, q, q_rstd, k, k_rstd)``: ``gcum`` the chunk-local gate cumsum, ``c``
+    the erase (``beta`` for Gated DeltaNet), ``vp`` the rescaled value (``v`` for Gated DeltaNet)."""
+    q, q_rstd, k, k_rstd = l2norm_inputs(q, k, q_l2norm, k_l2norm)
+    if exact:
+        c, gl, vp = coef_fwd(k, beta, g=g, v=v)
+    else:
+        c, gl, vp = beta, g.float(), v
+    gcum, o, A, ht, _, _ = F["chunk_gated_delta_rule_fwd"](
+        q=q, k=k, v=vp, g=gl, beta=c, scale=scale, initial_state=h0, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(cu_seqlens), chunk_size=CHUNK,
+    )
+    return o, ht, A, gcum, c, vp, q, q_rstd, k, k_rstd
+
+
+def gated_bwd(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens, do, dht, scale, exact):
+    """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` of ``gated_fwd``."""
+    cu, ci = cu_seqlens, chunk_indices(cu_seqlens)
+    do = do.contiguous()
+    dht = dht.contiguous() if dht is not None else None
+    w, u = F["recompute_w_u_fwd"](k=k, v=vp, beta=c, A=A, g=gcum, cu_seqlens=cu, chunk_indices=ci)
+    h, v_new, _ = F["chunk_gated_delta_rule_fwd_h"](
+        k=k, w=w, u=u, g=gcum, initial_state=h0, output_final_state=False,
+        cu_seqlens=cu, chunk_indices=ci, chunk_size=CHUNK,
+    )
+    dv = F["chunk_bwd_dv_local"](q=q, k=k, do=do, g=gcum, scale=scale, cu_seqlens=cu,
+                                 chunk_indices=ci, chunk_size=CHUNK)
+    dh, dh0, dv = F["chunk_gated_delta_rule_bwd_dhu"](
+        q=q, k=k, w=w, do=do, dv=dv, g=gcum, h0=h0, dht=dht, scale=scale,
+        cu_seqlens=cu, chunk_indices=ci, chunk_size=CHUNK,
+    )
+    dq, dk, dw, dgc = gated_dqkwg(q, k, v_new, gcum, h, do, dh, dv, scale, cu, ci)
+    dk2, dvp, dc, dg2 = F["prepare_wy_repr_bwd"](
+        k=k, v=vp, beta=c, A=A, dw=dw, du=dv, g=gcum, cu_seqlens=cu, chunk_indices=ci,
+    )
+    dk.add_(dk2)
+    dgc.add_(dg2)
+    dgl = F["chunk_local_cumsum"](dgc, chunk_size=CHUNK, reverse=True, cu_seqlens=cu, chunk_indices=ci)
+    if exact:
+        dbeta, dg, dv_out = coef_bwd(k, beta, dc.float().contiguous(), dk, g=g, v=v,
+                                     dgl=dgl.contiguous(), dvin=dvp.contiguous())
+    else:
+        dbeta, dg, dv_out = dc.to(beta.dtype), dgl.to(g.dtype), dvp
+    dq, dk = l2norm_grads(q, q_rstd, dq, k, k_rstd, dk)
+    return dq, dk, dv_out, dg, dbeta, dh0
+
+
+# ------------------------------------------------------------------ autograd Functions (eager)
 class ChunkEFLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, beta, h0, scale, output_final_state, cu_seqlens, chunk_indices, q_l2norm, k_l2norm):
-        q, q_rstd, k, k_rstd = l2norm_inputs(q, k, q_l2norm, k_l2norm)
-        alpha = coef_fwd(k, beta)
-        o, A, ht = F["chunk_delta_rule_fwd"](
-            q=q, k=k, v=v, beta=alpha, scale=scale, initial_state=h0,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-        )
+    def forward(ctx, q, k, v, beta, h0, scale, output_final_state, cu_seqlens, q_l2norm, k_l2norm):
+        o, ht, A, alpha, q, q_rstd, k, k_rstd = delta_fwd(q, k, v, beta, h0, scale, output_final_state, cu_seqlens,
+                                                          True, q_l2norm, k_l2norm)
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, beta, alpha, A, h0)
-        ctx.scale, ctx.cu, ctx.ci = scale, cu_seqlens, chunk_indices
-        return o.to(q.dtype), ht
+        ctx.scale, ctx.cu = scale, cu_seqlens
+        return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, q_rstd, k, k_rstd, v, beta, alpha, A, h0 = ctx.saved_tensors
-        dq, dk, dv, dalpha, dh0 = F["chunk_delta_rule_bwd"](
-            q=q, k=k, v=v, beta=alpha, A=A, scale=ctx.scale, initial_state=h0,
-            do=do.contiguous(), dht=dht.contiguous() if dht is not None else None,
-            cu_seqlens=ctx.cu, chunk_indices=ctx.ci,
-        )
-        dk = dk.contiguous()
-        dbeta = coef_bwd(k, beta, dalpha.float().contiguous(), dk)
-        dq, dk = l2norm_grads(q, q_rstd, dq, k, k_rstd, dk)
-        return dq, dk, dv, dbeta, (dh0 if h0 is not None else None), None, None, None, None, None, None
+        dq, dk, dv, dbeta, dh0 = delta_bwd(q, q_rstd, k, k_rstd, v, beta, alpha, A, h0, ctx.cu, do, dht, ctx.scale,
+                                           True)
+        return dq, dk, dv, dbeta, (dh0 if h0 is not None else None), None, None, None, None, None
 
 
 class ChunkGated(torch.autograd.Function):
     """Gated chunk op: ``exact`` = Gated EFLA, else Gated DeltaNet (Euler), with our backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, chunk_indices, exact, q_l2norm,
-                k_l2norm):
-        q, q_rstd, k, k_rstd = l2norm_inputs(q, k, q_l2norm, k_l2norm)
-        if exact:
-            c, gl, vp = coef_fwd(k, beta, g=g, v=v)
-        else:
-            c, gl, vp = beta, g.float(), v
-        gcum, o, A, ht, _, _ = F["chunk_gated_delta_rule_fwd"](
-            q=q, k=k, v=vp, g=gl, beta=c, scale=scale, initial_state=h0,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
-            chunk_size=CHUNK,
-        )
+    def forward(ctx, q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact, q_l2norm, k_l2norm):
+        o, ht, A, gcum, c, vp, q, q_rstd, k, k_rstd = gated_fwd(q, k, v, g, beta, h0, scale, output_final_state,
+                                                                cu_seqlens, exact, q_l2norm, k_l2norm)
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0)
-        ctx.scale, ctx.cu, ctx.ci, ctx.exact = scale, cu_seqlens, chunk_indices, exact
-        return o.to(q.dtype), ht
+        ctx.scale, ctx.cu, ctx.exact = scale, cu_seqlens, exact
+        return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0 = ctx.saved_tensors
-        cu, ci, scale = ctx.cu, ctx.ci, ctx.scale
-        do = do.contiguous()
-        dht = dht.contiguous() if dht is not None else None
-        w, u = F["recompute_w_u_fwd"](k=k, v=vp, beta=c, A=A, g=gcum, cu_seqlens=cu, chunk_indices=ci)
-        h, v_new, _ = F["chunk_gated_delta_rule_fwd_h"](
-            k=k, w=w, u=u, g=gcum, initial_state=h0, output_final_state=False,
-            cu_seqlens=cu, chunk_indices=ci, chunk_size=CHUNK,
-        )
-        dv = F["chunk_bwd_dv_local"](q=q, k=k, do=do, g=gcum, scale=scale, cu_seqlens=cu,
-                                     chunk_indices=ci, chunk_size=CHUNK)
-        dh, dh0, dv = F["chunk_gated_delta_rule_bwd_dhu"](
-            q=q, k=k, w=w, do=do, dv=dv, g=gcum, h0=h0, dht=dht, scale=scale,
-            cu_seqlens=cu, chunk_indices=ci, chunk_size=CHUNK,
-        )
-        dq, dk, dw, dgc = gated_dqkwg(q, k, v_new, gcum, h, do, dh, dv, scale, cu, ci)
-        dk2, dvp, dc, dg2 = F["prepare_wy_repr_bwd"](
-            k=k, v=vp, beta=c, A=A, dw=dw, du=dv, g=gcum, cu_seqlens=cu, chunk_indices=ci,
-        )
-        dk.add_(dk2)
-        dgc.add_(dg2)
-        dgl = F["chunk_local_cumsum"](dgc, chunk_size=CHUNK, reverse=True, cu_seqlens=cu, chunk_indices=ci)
-        if ctx.exact:
-            dbeta, dg, dv_out = coef_bwd(k, beta, dc.float().contiguous(), dk, g=g, v=v,
-                                         dgl=dgl.contiguous(), dvin=dvp.contiguous())
-        else:
-            dbeta, dg, dv_out = dc.to(beta.dtype), dgl.to(g.dtype), dvp
-        dq, dk = l2norm_grads(q, q_rstd, dq, k, k_rstd, dk)
-        return (dq, dk, dv_out, dg, dbeta, (dh0 if h0 is not None else None),
-                None, None, None, None, None, None, None)
+        dq, dk, dv, dg, dbeta, dh0 = gated_bwd(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, ctx.cu, do, dht,
+                                               ctx.scale, ctx.exact)
+        return (dq, dk, dv, dg, dbeta, (dh0 if h0 is not None else None),
+                None, None, None, None, None, None)
 
 
-def chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm=False, k_l2norm=False):
-    """Returns (o, final_state or None). Inputs already checked by the dispatcher."""
-    load()
-    ci = F["prepare_chunk_indices"](cu_seqlens, CHUNK) if cu_seqlens is not None else None
+def eager_chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm, k_l2norm):
+    """``(o, final_state or None)`` through the autograd Functions (and fla's DeltaNet as is)."""
     if kind == "efla":
-        o, ht = ChunkEFLA.apply(q, k, v, beta, h0, scale, output_final_state, cu_seqlens, ci, q_l2norm, k_l2norm)
+        o, ht = ChunkEFLA.apply(q, k, v, beta, h0, scale, output_final_state, cu_seqlens, q_l2norm, k_l2norm)
     elif kind == "delta_rule":
         # the Euler baseline is fla's DeltaNet as is
         from fla.ops.delta_rule import chunk_delta_rule
@@ -248,6 +289,6 @@ def chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seql
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                  use_qk_l2norm_in_kernel=both)
     else:
-        o, ht = ChunkGated.apply(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, ci,
+        o, ht = ChunkGated.apply(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens,
                                  kind == "gated_efla", q_l2norm, k_l2norm)
     return o, (ht if output_final_state else None)
