@@ -222,9 +222,9 @@ def _transition_pass(op, args, layout, scale):
     """``(o_P, P)`` of the first piece: the op with zero values of width K from the identity."""
     first, cu = _first_piece(args, layout)
     q, k, v = first[0], first[1], first[2]
-    B, H, K = q.shape[0], q.shape[2], q.shape[3]
+    B, HV, K = q.shape[0], v.shape[2], q.shape[3]  # one state per value head (grouped values)
     state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    eye = torch.eye(K, dtype=state_dtype, device=q.device).expand(B, H, K, K).contiguous()
+    eye = torch.eye(K, dtype=state_dtype, device=q.device).expand(B, HV, K, K).contiguous()
     zero_v = v.new_zeros(*v.shape[:-1], K)
     return op(q, k, zero_v, *first[3:], scale=scale, initial_state=eye, output_final_state=True, cu_seqlens=cu)
 
