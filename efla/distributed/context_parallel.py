@@ -291,7 +291,7 @@ def context_parallel(
         layout: this rank's :class:`ShardLayout` (from :func:`shard_layout`).
         group: the process group the sequence is split over (default: the whole world).
         scale: read-out scale (``None``: ``K ** -0.5``).
-        initial_state: per piece of this part (``[B, H, K, V]``, or ``[pieces, H, K, V]`` with
+        initial_state: per piece of this part (``[B, HV, K, V]``, or ``[pieces, HV, K, V]`` with
             documents; ``full[layout.document_rows]`` of the full sequence's states): the entry of
             a document begun on a lower rank is not used (its state comes from there).
         output_final_state: also return the state after each piece of this part (a document's

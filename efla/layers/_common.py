@@ -47,7 +47,8 @@ def check_num_v_heads(num_v_heads: int | None, num_heads: int) -> int:
     """The number of value heads (``None`` = ``num_heads``): a positive multiple of ``num_heads``."""
     if num_v_heads is None:
         return num_heads
-    if not isinstance(num_v_heads, int) or num_v_heads < 1 or num_v_heads % num_heads != 0:
+    is_count = isinstance(num_v_heads, int) and not isinstance(num_v_heads, bool)
+    if not is_count or num_v_heads < 1 or num_v_heads % num_heads != 0:
         raise ValueError(f"num_v_heads: expected a positive multiple of num_heads = {num_heads} "
                          f"(or None for num_heads), got {num_v_heads!r}")
     return num_v_heads
