@@ -222,9 +222,9 @@ def _transition_pass(op, args, layout, scale):
     """``(o_P, P)`` of the first piece: the op with zero values of width K from the identity."""
     first, cu = _first_piece(args, layout)
     q, k, v = first[0], first[1], first[2]
-    B, H, K = q.shape[0], q.shape[2], q.shape[3]
+    B, HV, K = q.shape[0], v.shape[2], q.shape[3]  # one state per value head (grouped values)
     state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    eye = torch.eye(K, dtype=state_dtype, device=q.device).expand(B, H, K, K).contiguous()
+    eye = torch.eye(K, dtype=state_dtype, device=q.device).expand(B, HV, K, K).contiguous()
     zero_v = v.new_zeros(*v.shape[:-1], K)
     return op(q, k, zero_v, *first[3:], scale=scale, initial_state=eye, output_final_state=True, cu_seqlens=cu)
 
@@ -291,7 +291,7 @@ def context_parallel(
         layout: this rank's :class:`ShardLayout` (from :func:`shard_layout`).
         group: the process group the sequence is split over (default: the whole world).
         scale: read-out scale (``None``: ``K ** -0.5``).
-        initial_state: per piece of this part (``[B, H, K, V]``, or ``[pieces, H, K, V]`` with
+        initial_state: per piece of this part (``[B, HV, K, V]``, or ``[pieces, HV, K, V]`` with
             documents; ``full[layout.document_rows]`` of the full sequence's states): the entry of
             a document begun on a lower rank is not used (its state comes from there).
         output_final_state: also return the state after each piece of this part (a document's

@@ -43,6 +43,24 @@ def check_hidden_states(hidden_states: torch.Tensor, hidden_size: int,
     return B, T
 
 
+def check_num_v_heads(num_v_heads: int | None, num_heads: int) -> int:
+    """The number of value heads (``None`` = ``num_heads``): a positive multiple of ``num_heads``."""
+    if num_v_heads is None:
+        return num_heads
+    is_count = isinstance(num_v_heads, int) and not isinstance(num_v_heads, bool)
+    if not is_count or num_v_heads < 1 or num_v_heads % num_heads != 0:
+        raise ValueError(f"num_v_heads: expected a positive multiple of num_heads = {num_heads} "
+                         f"(or None for num_heads), got {num_v_heads!r}")
+    return num_v_heads
+
+
+def per_value_head(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
+    """``[B, T, H, ...] -> [B, T, num_v_heads, ...]``: value head ``i`` gets head ``i // (num_v_heads // H)``,
+    the grouping the ops apply to q and k."""
+    groups = num_v_heads // x.shape[2]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=2)
+
+
 def padding_mask(attention_mask: torch.Tensor | None, B: int, T: int, cu_seqlens) -> torch.Tensor | None:
     """The last ``T`` columns of a 0/1 padding mask ``[B, L >= T]`` as ``[B, T, 1]`` (or ``None``
     when absent or all ones). Padded positions become identity steps of the recurrence.

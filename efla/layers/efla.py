@@ -18,7 +18,15 @@ from efla.ops import chunk_delta_rule, chunk_efla, recurrent_delta_rule, recurre
 
 from efla.distributed.context_parallel import context_parallel_aware, context_parallel_conv_states
 
-from ._common import check_hidden_states, check_update_rule, get_layer_state, padding_mask, stiffness_stats
+from ._common import (
+    check_hidden_states,
+    check_num_v_heads,
+    check_update_rule,
+    get_layer_state,
+    padding_mask,
+    per_value_head,
+    stiffness_stats,
+)
 from .modules import RMSNorm, RMSNormGated, ShortConvolution, l2_normalize
 
 __all__ = ["EFLA"]
@@ -50,7 +58,7 @@ class EFLA(nn.Module):
         hidden_size: model width ``D``. Default ``1024``.
         expand_k: key width ``= int(D * expand_k)``. Default ``1.0``.
         expand_v: value width ``= int(D * expand_v)``. Default ``1.0``.
-        num_heads: heads ``H``; head dims are key/value width ``// H``. Default ``4``.
+        num_heads: query/key heads ``H``; key head dim ``= key width // H``. Default ``4``.
         use_beta: ``beta = sigmoid(b_proj(x))``; else ``beta = 1``. Default ``True``.
         use_gate: SiLU output gate ``g_proj`` into the output norm. Default ``False``.
         use_short_conv: causal depthwise convolutions on q, k, v. Default ``True``.
@@ -63,9 +71,13 @@ class EFLA(nn.Module):
             Default ``"l2"``.
         norm_eps: output-norm epsilon. Default ``1e-5``.
         update_rule: ``"exact"`` | ``"euler"``. Default ``"exact"``.
+        num_v_heads: value heads ``HV``, a multiple of ``num_heads`` (``None`` = ``num_heads``);
+            the value width is split over them (value head dim ``= value width // HV``), each has
+            its own ``beta`` and state, and each q/k head serves ``HV // H`` consecutive value
+            heads (grouped values). Default ``None``.
 
     Set ``layer.record_stats = True`` to keep, after each forward, a detached ``layer.stats``
-    dict of ``[B, T, H]`` tensors: ``beta``, ``key_norm_sq``, ``stiffness`` (``beta * ||k||^2``),
+    dict of ``[B, T, HV]`` tensors: ``beta``, ``key_norm_sq``, ``stiffness`` (``beta * ||k||^2``),
     ``erase`` and ``transition_eig`` (see ``efla.layers._common.stiffness_stats``).
 
     ``forward(hidden_states [B, T, D], attention_mask=None [B, T] 0/1, past_key_values=None,
@@ -96,6 +108,7 @@ class EFLA(nn.Module):
         qk_norm: str = "l2",
         norm_eps: float = 1e-5,
         update_rule: str = "exact",
+        num_v_heads: int | None = None,
         **kwargs: Any,
     ):
         super().__init__()
@@ -112,6 +125,7 @@ class EFLA(nn.Module):
         self.hidden_size = hidden_size
         self.expand_k, self.expand_v = expand_k, expand_v
         self.num_heads = num_heads
+        self.num_v_heads = check_num_v_heads(num_v_heads, num_heads)
         self.use_beta, self.use_gate, self.use_short_conv = use_beta, use_gate, use_short_conv
         self.conv_size, self.conv_bias = conv_size, conv_bias
         self.allow_neg_eigval = allow_neg_eigval
@@ -123,17 +137,18 @@ class EFLA(nn.Module):
         if self.key_dim % num_heads != 0:
             raise ValueError(
                 f"num_heads: key dim {self.key_dim} (hidden_size * expand_k) is not divisible by {num_heads}")
-        if self.value_dim % num_heads != 0:
-            raise ValueError(
-                f"num_heads: value dim {self.value_dim} (hidden_size * expand_v) is not divisible by {num_heads}")
+        if self.value_dim % self.num_v_heads != 0:
+            name = "num_v_heads" if num_v_heads is not None else "num_heads"
+            raise ValueError(f"{name}: value dim {self.value_dim} (hidden_size * expand_v) is not divisible by "
+                             f"{self.num_v_heads}")
         self.head_k_dim = self.key_dim // num_heads
-        self.head_v_dim = self.value_dim // num_heads
+        self.head_v_dim = self.value_dim // self.num_v_heads
 
         self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
         self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
         if use_beta:
-            self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+            self.b_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False)
         if use_short_conv:
             qk_act = "silu" if qk_activation == "silu" else None
             self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, activation=qk_act)
@@ -153,8 +168,8 @@ class EFLA(nn.Module):
         self.stats: dict | None = None
 
     def extra_repr(self) -> str:
-        return (f"update_rule={self.update_rule!r}, num_heads={self.num_heads}, head_k_dim={self.head_k_dim}, "
-                f"head_v_dim={self.head_v_dim}")
+        return (f"update_rule={self.update_rule!r}, num_heads={self.num_heads}, num_v_heads={self.num_v_heads}, "
+                f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}")
 
     # -- pieces -------------------------------------------------------------------------------------
     def _qk_act(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,13 +199,15 @@ class EFLA(nn.Module):
         return q, k, v, conv_state
 
     def prepare_qkv_beta(self, hidden_states, attention_mask=None, last_state=None, use_cache=False, cu_seqlens=None):
-        """The recurrence inputs ``q, k [B, T, H, K]``, ``v [B, T, H, V]``, ``beta [B, T, H]`` exactly
-        as the op sees them (after convolution, activation, normalisation and padding mask), plus the
-        new convolution states and the padding mask. Useful for tests and analysis."""
+        """The recurrence inputs per value head, ``q, k [B, T, HV, K]`` (each q/k head repeated for its
+        group of value heads, as the op does), ``v [B, T, HV, V]``, ``beta [B, T, HV]`` (after
+        convolution, activation, normalisation and padding mask), plus the new convolution states and
+        the padding mask. Useful for tests and analysis."""
         q, k, v, beta, conv_state, mask = self._recurrence_inputs(hidden_states, attention_mask, last_state, use_cache,
                                                                   cu_seqlens)
         q_l2, k_l2 = self._l2_in_op()
-        return (l2_normalize(q) if q_l2 else q), (l2_normalize(k) if k_l2 else k), v, beta, conv_state, mask
+        q, k = (l2_normalize(q) if q_l2 else q), (l2_normalize(k) if k_l2 else k)
+        return per_value_head(q, self.num_v_heads), per_value_head(k, self.num_v_heads), v, beta, conv_state, mask
 
     def _l2_in_op(self) -> tuple[bool, bool]:
         """Which of (q, k) the op L2-normalises: queries always, keys only for the Euler rule."""
@@ -204,12 +221,12 @@ class EFLA(nn.Module):
         q, k, v, conv_state = self._conv_qkv(hidden_states, mask, last_state, use_cache, cu_seqlens)
         q = self._qk_act(q.view(B, T, self.num_heads, self.head_k_dim))
         k = self._qk_act(k.view(B, T, self.num_heads, self.head_k_dim))
-        v = v.view(B, T, self.num_heads, self.head_v_dim)
+        v = v.view(B, T, self.num_v_heads, self.head_v_dim)
         if self.qk_norm == "sum":
             q = _sum_normalize(q)
             if self.update_rule == "euler":
                 k = _sum_normalize(k)
-        beta = self.b_proj(hidden_states).sigmoid() if self.use_beta else q.new_ones(B, T, self.num_heads)
+        beta = self.b_proj(hidden_states).sigmoid() if self.use_beta else q.new_ones(B, T, self.num_v_heads)
         if self.allow_neg_eigval:
             beta = beta * 2.0
         beta = beta.to(q.dtype)
@@ -249,13 +266,14 @@ class EFLA(nn.Module):
                                        cu_seqlens=cu_seqlens, use_q_l2norm_in_kernel=q_l2,
                                        use_qk_l2norm_in_kernel=k_l2)
         if self.record_stats:
-            self.stats = stiffness_stats(l2_normalize(k) if k_l2 else k, beta, None, self.update_rule)
+            k_seen = per_value_head(l2_normalize(k) if k_l2 else k, self.num_v_heads)
+            self.stats = stiffness_stats(k_seen, beta, None, self.update_rule)
         if use_cache:
             past_key_values.update_layer_state(self.layer_idx, recurrent_state=state,
                                                conv_state=conv_state if self.use_short_conv else None, offset=T)
 
         if self.use_gate:
-            g = self.g_proj(hidden_states).view(B, T, self.num_heads, self.head_v_dim)
+            g = self.g_proj(hidden_states).view(B, T, self.num_v_heads, self.head_v_dim)
             o = self.o_norm(o, g)
         else:
             o = self.o_norm(o)

@@ -19,7 +19,15 @@ from efla.ops import chunk_gated_delta_rule, chunk_gated_efla, recurrent_gated_d
 
 from efla.distributed.context_parallel import context_parallel_aware, context_parallel_conv_states
 
-from ._common import check_hidden_states, check_update_rule, get_layer_state, padding_mask, stiffness_stats
+from ._common import (
+    check_hidden_states,
+    check_num_v_heads,
+    check_update_rule,
+    get_layer_state,
+    padding_mask,
+    per_value_head,
+    stiffness_stats,
+)
 from .modules import RMSNorm, RMSNormGated, ShortConvolution, l2_normalize
 
 __all__ = ["GatedEFLA"]
@@ -99,9 +107,7 @@ class GatedEFLA(nn.Module):
         self.expand_v = expand_v
         self.head_dim = head_dim
         self.num_heads = num_heads
-        self.num_v_heads = num_v_heads if num_v_heads is not None else num_heads
-        if self.num_v_heads % num_heads != 0:
-            raise ValueError(f"num_v_heads: expected a multiple of num_heads = {num_heads}, got {self.num_v_heads}")
+        self.num_v_heads = check_num_v_heads(num_v_heads, num_heads)
         self.use_gate, self.use_short_conv = use_gate, use_short_conv
         self.allow_neg_eigval = allow_neg_eigval
         self.conv_size, self.conv_bias = conv_size, conv_bias
@@ -166,13 +172,14 @@ class GatedEFLA(nn.Module):
         return -self.A_log.to(cdt).exp() * F.softplus(a)
 
     def prepare_qkv_beta(self, hidden_states, attention_mask=None, last_state=None, use_cache=False, cu_seqlens=None):
-        """The recurrence inputs ``q, k [B, T, HV, K]`` (q/k heads repeated for grouped values),
-        ``v [B, T, HV, V]``, ``g, beta [B, T, HV]`` (``g`` in float32) exactly as the op sees them,
-        plus the new convolution states and the padding mask."""
+        """The recurrence inputs per value head, ``q, k [B, T, HV, K]`` (each q/k head repeated for
+        its group of value heads, as the op does), ``v [B, T, HV, V]``, ``g, beta [B, T, HV]``
+        (``g`` in float32), plus the new convolution states and the padding mask."""
         q, k, v, g, beta, conv_state, mask = self._recurrence_inputs(hidden_states, attention_mask, last_state,
                                                                      use_cache, cu_seqlens)
         k = l2_normalize(k) if self.update_rule == "euler" else k
-        return l2_normalize(q), k, v, g, beta, conv_state, mask
+        q, k = per_value_head(l2_normalize(q), self.num_v_heads), per_value_head(k, self.num_v_heads)
+        return q, k, v, g, beta, conv_state, mask
 
     def _recurrence_inputs(self, hidden_states, attention_mask, last_state, use_cache, cu_seqlens):
         # q (and the Euler rule's k) before their L2 normalisation, which the op fuses into its kernels
@@ -196,9 +203,6 @@ class GatedEFLA(nn.Module):
         q = q.view(B, T, self.num_heads, self.head_k_dim)
         k = k.view(B, T, self.num_heads, self.head_k_dim)
         v = v.view(B, T, self.num_v_heads, self.head_v_dim)
-        groups = self.num_v_heads // self.num_heads
-        if groups > 1:
-            q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
         beta = self.b_proj(x).sigmoid()
         if self.allow_neg_eigval:
             beta = beta * 2.0
@@ -240,7 +244,8 @@ class GatedEFLA(nn.Module):
                                        cu_seqlens=cu_seqlens, use_q_l2norm_in_kernel=True,
                                        use_qk_l2norm_in_kernel=euler)
         if self.record_stats:
-            self.stats = stiffness_stats(l2_normalize(k) if euler else k, beta, g, self.update_rule)
+            k_seen = per_value_head(l2_normalize(k) if euler else k, self.num_v_heads)
+            self.stats = stiffness_stats(k_seen, beta, g, self.update_rule)
         if use_cache:
             past_key_values.update_layer_state(self.layer_idx, recurrent_state=state,
                                                conv_state=conv_state if self.use_short_conv else None, offset=T)

@@ -23,8 +23,8 @@ def _map_tensors(obj: Any, fn):
 class EFLACache(Cache):
     """The decoding state of an EFLA model: per layer a dict with
 
-    - ``"recurrent_state"``: ``[N, H, K, V]`` float32 (float64 for float64 models), the matrix
-      state ``S`` of every head;
+    - ``"recurrent_state"``: ``[N, HV, K, V]`` float32 (float64 for float64 models), the matrix
+      state ``S`` of every value head (``HV = num_v_heads``, by default ``num_heads``);
     - ``"conv_state"``: ``(q, k, v)`` short-convolution histories, each ``[N, D, conv_size]``,
       or ``None`` without short convolutions;
 

@@ -7,6 +7,17 @@ from transformers import PretrainedConfig
 __all__ = ["EFLAConfig"]
 
 
+def _check_num_v_heads(num_v_heads, num_heads: int) -> int | None:
+    if num_v_heads is None:
+        return None
+    if not isinstance(num_v_heads, int) or isinstance(num_v_heads, bool) or num_v_heads < 1:
+        raise ValueError(f"num_v_heads: expected a positive int or None, got {num_v_heads!r}")
+    if num_v_heads % num_heads != 0:
+        raise ValueError(f"num_v_heads: expected a multiple of num_heads = {num_heads} (each query/key head "
+                         f"serves num_v_heads // num_heads value heads), got {num_v_heads}")
+    return num_v_heads
+
+
 class EFLAConfig(PretrainedConfig):
     r"""Configuration of :class:`~efla.models.EFLAModel` / :class:`~efla.models.EFLAForCausalLM`.
 
@@ -35,7 +46,11 @@ class EFLAConfig(PretrainedConfig):
             head dim ``= head_dim * expand_v``. Default ``None`` = ``1.0`` ungated, ``2.0`` gated
             (flash-linear-attention's defaults).
         head_dim: gated only: query/key head dim. Default ``None`` = ``hidden_size * expand_k // num_heads``.
-        num_v_heads: gated only: value heads (grouped values when > ``num_heads``). Default ``None``.
+        num_v_heads: value heads, a multiple of ``num_heads`` (grouped values when larger: each
+            query/key head serves ``num_v_heads // num_heads`` consecutive value heads, each with
+            its own state; gated: value width ``= num_v_heads * head_dim * expand_v``; ungated:
+            the value width ``hidden_size * expand_v`` is split over them). Default ``None`` =
+            ``num_heads``.
         use_gate: SiLU output gate. Default ``None`` = ``gated`` (False for DeltaNet, True for
             Gated DeltaNet, as in flash-linear-attention).
         output_gate_activation: gated only: ``"swish"`` (SiLU) or ``"sigmoid"``. Default ``"swish"``.
@@ -131,7 +146,7 @@ class EFLAConfig(PretrainedConfig):
         self.expand_k = expand_k
         self.expand_v = expand_v if expand_v is not None else (2.0 if gated else 1.0)
         self.head_dim = head_dim if head_dim is not None else int(hidden_size * expand_k) // num_heads
-        self.num_v_heads = num_v_heads
+        self.num_v_heads = _check_num_v_heads(num_v_heads, num_heads)
         self.use_gate = use_gate if use_gate is not None else gated
         if output_gate_activation not in ("swish", "silu", "sigmoid"):
             raise ValueError(

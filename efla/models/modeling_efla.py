@@ -110,6 +110,7 @@ def build_token_mixer(config: EFLAConfig, layer_idx: int) -> nn.Module:
         qk_norm=config.qk_norm,
         norm_eps=config.norm_eps,
         update_rule=config.update_rule,
+        num_v_heads=config.num_v_heads,
     )
 
 

@@ -1,7 +1,9 @@
 """The EFLA recurrence and its Euler baselines, as a per-token scan and a chunkwise form.
 
-Layout (flash-linear-attention's): ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``,
-``beta, g: [B, T, H]``, states ``[N, H, K, V]`` (float32; float64 for float64 inputs).
+Layout (flash-linear-attention's): ``q, k: [B, T, H, K]``, ``v: [B, T, HV, V]``,
+``beta, g: [B, T, HV]``, states ``[N, HV, K, V]`` (float32; float64 for float64 inputs).
+``HV`` is ``H`` or a multiple of it (grouped values, as in Qwen3-Next): value head ``i`` reads
+query/key head ``i // (HV // H)``, the head order of flash-linear-attention's grouped ops.
 Every op returns ``(o, final_state)`` with ``o = scale * S_t^T q_t`` of ``v``'s shape and the
 input dtype, and ``final_state`` only when ``output_final_state=True`` (else ``None``).
 
@@ -16,7 +18,7 @@ op                            recurrence per head (``lambda = ||k||^2``)
 ============================  =========================================================
 
 Keywords shared by all: ``scale=None`` (``K ** -0.5``), ``initial_state=None``
-(``[N, H, K, V]``), ``output_final_state=False``, ``cu_seqlens=None`` (varlen: ``B == 1`` and
+(``[N, HV, K, V]``), ``output_final_state=False``, ``cu_seqlens=None`` (varlen: ``B == 1`` and
 ``N + 1`` offsets into T), ``use_q_l2norm_in_kernel`` / ``use_qk_l2norm_in_kernel`` (normalise
 ``q`` / ``q`` and ``k`` inside the op; default off: ``q`` and ``k`` are used as given, and EFLA
 uses raw keys). CUDA tensors go to the GPU backend when it is installed
@@ -50,11 +52,13 @@ _DOC = """{title}
     Args:
         q: queries ``[B, T, H, K]`` (used as given).
         k: keys ``[B, T, H, K]``{knote}.
-        v: values ``[B, T, H, V]``.{gdoc}
-        beta: step sizes ``[B, T, H]``, >= 0{bnote}.
+        v: values ``[B, T, HV, V]``; ``HV`` is ``H`` or a multiple of it (grouped values: value
+            head ``i`` reads q/k head ``i // (HV // H)``; q and k are repeated per group inside
+            the op, a copy ``HV // H`` times their size).{gdoc}
+        beta: step sizes ``[B, T, HV]``, >= 0{bnote}.
         scale: read-out scale; ``None`` means ``K ** -0.5``.
-        initial_state: ``[N, H, K, V]`` or ``None`` (zeros).
-        output_final_state: also return the final state ``[N, H, K, V]`` (float32, or
+        initial_state: ``[N, HV, K, V]`` or ``None`` (zeros).
+        output_final_state: also return the final state ``[N, HV, K, V]`` (float32, or
             float64 for float64 inputs).
         cu_seqlens: ``None`` or int tensor ``[N + 1]`` of offsets (``B == 1``, varlen).
         use_q_l2norm_in_kernel: L2-normalise ``q`` inside the op (EFLA's layers: unit queries,
@@ -63,15 +67,15 @@ _DOC = """{title}
             flash-linear-attention's keyword).
 
     Returns:
-        ``(o, final_state)``: ``o`` is ``[B, T, H, V]`` in the input dtype; ``final_state``
+        ``(o, final_state)``: ``o`` is ``[B, T, HV, V]`` in the input dtype; ``final_state``
         is ``None`` unless ``output_final_state``.
 
     Raises:
-        ValueError: an input that is not a tensor or has the wrong shape, dtype or device, or
-            malformed ``cu_seqlens``; and on the CPU (on a GPU with ``EFLA_CHECK_VALUES=1``)
-            NaN/Inf, ``beta < 0``, ``g > 0``, a key whose ``||k||^2`` overflows the compute
-            dtype, or finite inputs whose result overflows it (value checks are skipped inside
-            ``torch.compile``d code).
+        ValueError: an input that is not a tensor or has the wrong shape, dtype or device,
+            ``HV`` not a multiple of ``H``, or malformed ``cu_seqlens``; and on the CPU (on a
+            GPU with ``EFLA_CHECK_VALUES=1``) NaN/Inf, ``beta < 0``, ``g > 0``, a key whose
+            ``||k||^2`` overflows the compute dtype, or finite inputs whose result overflows it
+            (value checks are skipped inside ``torch.compile``d code).
 
     Example:
         >>> import torch
@@ -110,7 +114,7 @@ def _make(rule: str, mode: str, title: str):
         title=title,
         name=name,
         knote=" (raw: ``||k||^2`` is the stiffness)" if exact else "",
-        gdoc="\n        g: log gate ``[B, T, H]``, ``g <= 0`` (gate ``exp(g)``)." if gated else "",
+        gdoc="\n        g: log gate ``[B, T, HV]``, ``g <= 0`` (gate ``exp(g)``)." if gated else "",
         bnote=" (the exact coefficient is computed inside)" if exact else " (used directly)",
         gex="\n        >>> g = -torch.rand(B, T, H)" if gated else "",
         gargs="g, " if gated else "",

@@ -45,6 +45,20 @@ def _from_padded(x: torch.Tensor, cu: list[int]) -> torch.Tensor:
     return torch.cat([x[i, : cu[i + 1] - cu[i]] for i in range(len(cu) - 1)]).unsqueeze(0)
 
 
+def expand_query_key_heads(q: torch.Tensor, k: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped values: repeat each query/key head for its ``groups`` consecutive value heads, so
+    value head ``i`` reads q/k head ``i // groups`` (flash-linear-attention's order).
+
+    Every engine then sees ``HV`` heads throughout; autograd sums the group's gradients back
+    onto the shared head, so values and gradients are exactly those of the repeated inputs. The
+    cost is two copies ``[B, T, HV, K]`` of q and k (``groups`` times their size), which the
+    engines (PyTorch and GPU alike) also keep for the backward.
+    """
+    if groups == 1:
+        return q, k
+    return q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+
+
 def run(rule, mode, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, q_l2norm=False,
         k_l2norm=False):
     gated = Variant.parse(rule).gated
@@ -52,6 +66,7 @@ def run(rule, mode, q, k, v, g, beta, *, scale, initial_state, output_final_stat
     dims = validate(q, k, v, beta, g, initial_state=initial_state, cu_seqlens=cu_seqlens, scale=scale, gated=gated)
     scale = float(dims.K ** -0.5) if scale is None else float(scale)
     norms = (q_l2norm, k_l2norm)
+    q, k = expand_query_key_heads(q, k, dims.groups)
     o, final = _compute(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms)
     if values_checked(q):
         check_result(o, final, q, k, v, beta, initial_state)
@@ -81,7 +96,7 @@ def _compute_torch(rule, mode, q, k, v, g, beta, scale, initial_state, output_fi
 
 
 def _engines(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms):
-    H, K, V = dims.H, dims.K, dims.V
+    H, K, V = dims.HV, dims.K, dims.V  # q and k already carry one head per value head
     cdt = compute_dtype(q.dtype)
     q_l2norm, k_l2norm = norms
     qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)

@@ -19,10 +19,16 @@ import torch
 class Dims:
     B: int  # batch (1 in varlen mode)
     T: int  # tokens per row
-    H: int  # heads
+    H: int  # query / key heads
     K: int  # key / query head dim
     V: int  # value head dim
     N: int  # number of sequences (B, or len(cu_seqlens) - 1)
+    HV: int  # value heads (states, beta, g): a multiple of H; value head i reads q/k head i // (HV // H)
+
+    @property
+    def groups(self) -> int:
+        """Value heads per query/key head."""
+        return self.HV // self.H
 
 
 def _shape(x: torch.Tensor) -> str:
@@ -78,12 +84,12 @@ def validate(
 
     ``check_values=None`` decides by device (see ``values_checked``).
     """
-    B, T, H, K, V = _check_qkv(q, k, v)
-    _check_per_token("beta", beta, (B, T, H))
+    B, T, H, HV, K, V = _check_qkv(q, k, v)
+    _check_per_token("beta", beta, (B, T, HV))
     if gated:
         if g is None:
-            raise ValueError("g: the gated ops need a log-gate tensor g of shape [B, T, H], got None")
-        _check_per_token("g", g, (B, T, H))
+            raise ValueError("g: the gated ops need a log-gate tensor g of shape [B, T, HV], got None")
+        _check_per_token("g", g, (B, T, HV))
     for name, x in (("k", k), ("v", v), ("beta", beta)) + ((("g", g),) if gated else ()):
         gate_in_float32 = name == "g" and x.dtype == torch.float32  # fla's layers keep gates in float32
         if x.dtype != q.dtype and not gate_in_float32:
@@ -94,35 +100,41 @@ def validate(
     _check_scale(scale)
     N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
     if initial_state is not None:
-        _check_initial_state(initial_state, (N, H, K, V), q.device)
+        _check_initial_state(initial_state, (N, HV, K, V), q.device)
     if check_values is None:
         check_values = values_checked(q)
     if check_values:
         _check_values(q, k, v, beta, g if gated else None, initial_state)
-    return Dims(B=B, T=T, H=H, K=K, V=V, N=N)
+    return Dims(B=B, T=T, H=H, K=K, V=V, N=N, HV=HV)
 
 
-def _check_qkv(q, k, v) -> tuple[int, int, int, int, int]:
+def _check_qkv(q, k, v) -> tuple[int, int, int, int, int, int]:
+    """``(B, T, H, HV, K, V)`` of ``q, k [B, T, H, K]`` and ``v [B, T, HV, V]``."""
     _check_tensor("q", q, 4)
     _check_tensor("k", k, 4)
     _check_tensor("v", v, 4)
     B, T, H, K = q.shape
     if k.shape != q.shape:
         raise ValueError(f"k: expected shape {_shape(q)} (same as q: [B, T, H, K]), got {_shape(k)}")
-    if v.shape[:3] != (B, T, H):
-        raise ValueError(f"v: expected shape ({B}, {T}, {H}, V) matching q's [B, T, H], got {_shape(v)}")
-    V = v.shape[3]
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"v: expected shape ({B}, {T}, HV, V) matching q's [B, T], got {_shape(v)}")
+    HV, V = v.shape[2], v.shape[3]
     if T < 1:
         raise ValueError(f"q: expected at least one token (T >= 1), got shape {_shape(q)}")
-    if K < 1 or V < 1 or H < 1 or B < 1:
+    if K < 1 or V < 1 or H < 1 or B < 1 or HV < 1:
         raise ValueError(f"q/v: empty dimension in q {_shape(q)} or v {_shape(v)}")
-    return B, T, H, K, V
+    if HV % H != 0:
+        raise ValueError(
+            f"v: expected a number of value heads HV that is a multiple of the {H} query/key heads "
+            f"(grouped values), got v of shape {_shape(v)} with HV = {HV}"
+        )
+    return B, T, H, HV, K, V
 
 
 def _check_per_token(name: str, x, shape: tuple[int, int, int]) -> None:
     _check_tensor(name, x, 3)
     if x.shape != shape:
-        raise ValueError(f"{name}: expected shape {shape} = [B, T, H], got {_shape(x)}")
+        raise ValueError(f"{name}: expected shape {shape} = [B, T, HV] (one per value head), got {_shape(x)}")
 
 
 def _check_scale(scale) -> None:
@@ -155,9 +167,9 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
 def _check_initial_state(initial_state, shape: tuple[int, int, int, int], device: torch.device) -> None:
     _check_tensor("initial_state", initial_state, 4)
     if initial_state.shape != shape:
-        N, H, K, V = shape
+        N, HV, K, V = shape
         raise ValueError(
-            f"initial_state: expected shape ({N}, {H}, {K}, {V}) = [N, H, K, V], got {_shape(initial_state)}"
+            f"initial_state: expected shape ({N}, {HV}, {K}, {V}) = [N, HV, K, V], got {_shape(initial_state)}"
         )
     if initial_state.device != device:
         raise ValueError(f"initial_state: expected device {device} (same as q), got {initial_state.device}")

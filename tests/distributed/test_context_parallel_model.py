@@ -14,7 +14,8 @@ from efla.models.presets import get_preset_config
 from .layer_hook import token_mixers_routed
 from .spawn import run_in_processes
 
-PRESETS = ["tiny-efla", "tiny-gated-efla", "tiny-deltanet", "tiny-gated-deltanet"]
+PRESETS = ["tiny-efla", "tiny-gated-efla", "tiny-deltanet", "tiny-gated-deltanet", "tiny-gated-efla/grouped-values"]
+OVERRIDES = {"grouped-values": dict(num_v_heads=4)}  # 4 value heads on the presets' 2 query/key heads
 DOCUMENTS = (0, 5, 29, 40)  # the middle document spans every part with 2 and 4 ranks
 # float64 model, but its norms, the gate and the norms' weight gradients are computed in float32 (as
 # in flash-linear-attention), and the split sums those gradients in another order: float32 rounding
@@ -22,8 +23,10 @@ LOSS_TOL, GRAD_TOL = 1e-8, 1e-7
 
 
 def _model(preset: str) -> EFLAForCausalLM:
+    """``preset`` or ``preset/override`` (see ``OVERRIDES``)."""
+    name, _, override = preset.partition("/")
     torch.manual_seed(0)
-    return EFLAForCausalLM(get_preset_config(preset, vocab_size=50)).double()
+    return EFLAForCausalLM(get_preset_config(name, vocab_size=50, **OVERRIDES.get(override, {}))).double()
 
 
 def _batches() -> dict:

@@ -32,8 +32,10 @@ CONV_WIDTH = 4
 LOW_PRECISION = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # relative to the largest reference value
 
 
-def _inputs(rule: str, B: int, T: int, N: int, seed: int, dtype=torch.float64) -> dict:
+def _inputs(rule: str, B: int, T: int, N: int, seed: int, dtype=torch.float64, groups: int = 1) -> dict:
+    """Op inputs with ``groups * H`` value heads (grouped values when ``groups > 1``)."""
     gen = torch.Generator().manual_seed(seed)
+    HV = groups * H
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
@@ -41,10 +43,10 @@ def _inputs(rule: str, B: int, T: int, N: int, seed: int, dtype=torch.float64) -
     k = rand(B, T, H, K)
     if "efla" not in rule:  # the Euler rules are stable only with unit keys
         k = torch.nn.functional.normalize(k, dim=-1)
-    x = dict(q=rand(B, T, H, K), k=k, v=rand(B, T, H, V),
-             beta=torch.rand(B, T, H, generator=gen, dtype=torch.float64), h0=rand(N, H, K, V))
+    x = dict(q=rand(B, T, H, K), k=k, v=rand(B, T, HV, V),
+             beta=torch.rand(B, T, HV, generator=gen, dtype=torch.float64), h0=rand(N, HV, K, V))
     if rule.startswith("gated"):
-        x["g"] = -torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+        x["g"] = -torch.rand(B, T, HV, generator=gen, dtype=torch.float64)
     state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     return {name: t.to(state_dtype if name == "h0" else dtype).requires_grad_() for name, t in x.items()}
 
@@ -93,7 +95,7 @@ def _max_error(a: torch.Tensor, b: torch.Tensor, relative: bool) -> torch.Tensor
 
 
 def _case_errors(op_name: str, name: str, B: int, T: int, documents, rank: int, world: int,
-                 dtype=torch.float64) -> dict:
+                 dtype=torch.float64, groups: int = 1) -> dict:
     """Largest differences to the single-process op: absolute in float64, relative to the largest
     reference value in lower precision."""
     op = getattr(ops, op_name)
@@ -101,8 +103,8 @@ def _case_errors(op_name: str, name: str, B: int, T: int, documents, rank: int, 
     N = B if documents is None else len(documents) - 1
     seed = zlib.crc32(f"{op_name}/{name}".encode()) % 10_000
     relative = dtype != torch.float64
-    o_ref, S_ref, g_ref = _reference(op, _inputs(rule, B, T, N, seed, dtype), documents, seed)
-    x = _inputs(rule, B, T, N, seed, dtype)
+    o_ref, S_ref, g_ref = _reference(op, _inputs(rule, B, T, N, seed, dtype, groups), documents, seed)
+    x = _inputs(rule, B, T, N, seed, dtype, groups)
     layout = shard_layout(T, world, rank, documents)
     o, S, rows = _split_run(op, x, layout, seed)
     errors = torch.zeros(3 + len(x), dtype=torch.float64)
@@ -184,6 +186,8 @@ def compare_all(rank: int, world: int) -> dict:
                    for name, B, T, docs in LAYOUTS[:2]})
     errors.update({f"{op}/{name}": _case_errors(op, name, B, T, docs, rank, world)
               for op in OPS for name, B, T, docs in LAYOUTS})
+    errors.update({f"{op}/{name}/grouped-values": _case_errors(op, name, B, T, docs, rank, world, groups=2)
+                   for op in ("chunk_efla", "chunk_gated_efla") for name, B, T, docs in LAYOUTS[:2]})
     errors.update({f"conv/{name}": _conv_errors(name, B, T, docs, rank, world) for name, B, T, docs in LAYOUTS})
     return errors
 

@@ -20,6 +20,8 @@ def make(kind, rule, **kw):
     torch.manual_seed(1)
     if kind == "efla":
         layer = EFLA(hidden_size=D, num_heads=2, update_rule=rule, layer_idx=0, **kw)
+    elif kind == "efla-gva":  # 4 value heads of dim 8 share 2 query/key heads of dim 16
+        layer = EFLA(hidden_size=D, num_heads=2, num_v_heads=4, update_rule=rule, layer_idx=0, **kw)
     elif kind == "gated-gva":  # grouped values: 4 value heads share 2 query/key heads
         layer = GatedEFLA(hidden_size=D, head_dim=8, num_heads=2, num_v_heads=4, expand_v=1, update_rule=rule,
                           layer_idx=0, **kw)
@@ -70,7 +72,7 @@ def test_parameter_names_match_fla(rule):
     assert got == GATED_NAMES
 
 
-@pytest.mark.parametrize("kind", ["efla", "gated"])
+@pytest.mark.parametrize("kind", ["efla", "gated", "efla-gva", "gated-gva"])
 def test_rules_share_parameters(kind):
     a, b = make(kind, "exact"), make(kind, "euler")
     b.load_state_dict(a.state_dict())  # strict: same names and shapes
@@ -84,6 +86,10 @@ def test_bad_arguments():
         EFLA(hidden_size=D, num_heads=3)
     with pytest.raises(ValueError, match="num_v_heads"):
         GatedEFLA(hidden_size=D, head_dim=8, num_heads=2, num_v_heads=3)
+    with pytest.raises(ValueError, match="^num_v_heads: expected a positive multiple of num_heads = 2"):
+        EFLA(hidden_size=D, num_heads=2, num_v_heads=3)
+    with pytest.raises(ValueError, match="^num_v_heads: value dim 32 .* not divisible by 6"):
+        EFLA(hidden_size=D, num_heads=2, num_v_heads=6)
     layer = make("efla", "exact")
     with pytest.raises(ValueError, match="hidden_states"):
         layer(torch.randn(2, 5, D + 1))
@@ -131,7 +137,7 @@ def _readout(layer, o, x):
     return layer.o_proj(o.reshape(B, T, -1))
 
 
-@pytest.mark.parametrize("kind", ["efla", "gated"])
+@pytest.mark.parametrize("kind", ["efla", "gated", "efla-gva", "gated-gva"])
 def test_update_rule_changes_output_exactly_as_ops_predict(kind):
     exact = make(kind, "exact")
     euler = make(kind, "euler")
@@ -146,8 +152,9 @@ def test_update_rule_changes_output_exactly_as_ops_predict(kind):
         q, k, v, beta, g = _manual_features(exact, x)
         qn = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
         kn = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-        assert (beta * (k * k).sum(-1)).max() > 4.0  # the stiff regime really is exercised
-        if kind == "efla":
+        key_norm_sq = (k * k).sum(-1).repeat_interleave(beta.shape[2] // k.shape[2], dim=2)  # per value head
+        assert (beta * key_norm_sq).max() > 4.0  # the stiff regime really is exercised
+        if kind.startswith("efla"):  # grouped kinds: the ops pair value head i with q/k head i // 2
             o_exact = recurrent_efla(qn, k, v, beta)[0]  # raw keys
             o_euler = recurrent_delta_rule(qn, kn, v, beta)[0]  # normalised keys
         else:
@@ -162,7 +169,7 @@ def test_update_rule_changes_output_exactly_as_ops_predict(kind):
 
 # -- decoding, masks, packing ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["efla", "gated", "gated-gva"])
+@pytest.mark.parametrize("kind", ["efla", "gated", "efla-gva", "gated-gva"])
 @pytest.mark.parametrize("rule", ["exact", "euler"])
 def test_layer_incremental_matches_full(kind, rule):
     layer = make(kind, rule)
@@ -176,7 +183,7 @@ def test_layer_incremental_matches_full(kind, rule):
     assert rel(torch.cat(parts, 1), full) < 1e-5
 
 
-@pytest.mark.parametrize("kind", ["efla", "gated", "gated-gva"])
+@pytest.mark.parametrize("kind", ["efla", "gated", "efla-gva", "gated-gva"])
 @pytest.mark.parametrize("rule", ["exact", "euler"])
 def test_layer_left_padding_and_packing(kind, rule):
     layer = make(kind, rule)
@@ -201,7 +208,7 @@ def test_layer_left_padding_and_packing(kind, rule):
 
 # -- stiffness statistics ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["efla", "gated"])
+@pytest.mark.parametrize("kind", ["efla", "gated", "efla-gva", "gated-gva"])
 def test_stats(kind):
     exact, euler = make(kind, "exact"), make(kind, "euler")
     euler.load_state_dict(exact.state_dict())
@@ -211,6 +218,7 @@ def test_stats(kind):
         exact(x)
         euler(x)
         q, k, v, beta, g = _manual_features(exact, x)
+    k = k.repeat_interleave(exact.num_v_heads // exact.num_heads, dim=2)  # the key each value head reads
     se, sd = exact.stats, euler.stats
     lam = (k * k).sum(-1)
     torch.testing.assert_close(se["stiffness"], beta * lam, rtol=1e-5, atol=1e-6)  # raw keys
@@ -219,16 +227,23 @@ def test_stats(kind):
     b_eff = beta if g is None else beta * g.exp()
     torch.testing.assert_close(se["erase"], efla_coefficient(b_eff, k), rtol=1e-5, atol=1e-6)
     assert (se["transition_eig"] >= -1e-6).all() and (se["transition_eig"] <= 1 + 1e-6).all()  # never expansive
-    assert se["stiffness"].shape == (2, 9, exact.num_heads if kind == "efla" else exact.num_v_heads)
+    assert se["stiffness"].shape == (2, 9, exact.num_v_heads)
 
 
-def test_grouped_value_heads_share_query_key_heads():
+@pytest.mark.parametrize("kind,head_k_dim,head_v_dim", [("efla-gva", 16, 8), ("gated-gva", 8, 8)])
+def test_grouped_value_heads_share_query_key_heads(kind, head_k_dim, head_v_dim):
     """num_v_heads > num_heads: value head j reads query/key head j // (num_v_heads // num_heads)."""
-    layer = make("gated-gva", "exact")
+    layer = make(kind, "exact")
     x = torch.randn(1, 7, D)
     with torch.no_grad():
-        q, k, v, g, beta, _, _ = layer.prepare_qkv_beta(x)
-        kq = layer.k_proj(x)  # the un-repeated key projection has num_heads * head_dim columns
-    assert q.shape == (1, 7, 4, 8) and v.shape == (1, 7, 4, 8) and kq.shape[-1] == 16
+        q, k, v, *_ = layer.prepare_qkv_beta(x)
+        kq = layer.k_proj(x)  # the un-repeated key projection has num_heads * head_k_dim columns
+    assert q.shape == (1, 7, 4, head_k_dim) and v.shape == (1, 7, 4, head_v_dim) and kq.shape[-1] == 2 * head_k_dim
     assert torch.equal(k[:, :, 0], k[:, :, 1]) and torch.equal(k[:, :, 2], k[:, :, 3])
     assert not torch.equal(k[:, :, 1], k[:, :, 2])
+
+
+def test_grouped_efla_layer_has_one_beta_and_norm_per_value_head():
+    got = {n: tuple(p.shape) for n, p in make("efla-gva", "exact").named_parameters()}
+    assert got["b_proj.weight"] == (4, D) and got["o_norm.weight"] == (8,)
+    assert got["v_proj.weight"] == (D, D) and got["k_proj.weight"] == (D, D)

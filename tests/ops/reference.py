@@ -8,6 +8,9 @@ S_new = E11 S + E12 where E = matrix_exp(h M). This uses nothing from ``efla.ops
 - Gated EFLA:  A = (1 - e^g) I + e^g beta k k^T, b = beta k v^T, h = 1   (efla.md §2)
 - DeltaNet:    explicit Euler step S + beta (-k k^T S + k v^T)
 - Gated DN:    e^g (I - beta k k^T) S + beta k v^T
+
+Grouped values (``v [B, T, HV, V]``, ``HV`` a multiple of the ``H`` q/k heads): value head ``i``
+runs the recurrence above with query/key head ``i // (HV // H)``.
 """
 
 from __future__ import annotations
@@ -25,8 +28,16 @@ def _exact_step(S, A, b, h):
     return E[..., :K, :K] @ S + E[..., :K, K:]
 
 
+def per_value_head(q, k, HV):
+    """q, k indexed by value head: value head i reads query/key head i // (HV // H)."""
+    H = q.shape[2]
+    shared = torch.arange(HV) // (HV // H)
+    return q[:, :, shared], k[:, :, shared]
+
+
 def reference(rule, q, k, v, beta, g=None, *, scale=None, initial_state=None):
-    """Return (o [B, T, H, V], final state [B, H, K, V]) in q's dtype; differentiable."""
+    """Return (o [B, T, HV, V], final state [B, HV, K, V]) in q's dtype; differentiable."""
+    q, k = per_value_head(q, k, v.shape[2])
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
@@ -68,6 +79,7 @@ def _spectral_step(S, A, b, h):
 
 def reference_spectral(rule, q, k, v, beta, g=None, *, scale=None, initial_state=None):
     """Exact rules only, through eigh instead of matrix_exp (for stiff inputs)."""
+    q, k = per_value_head(q, k, v.shape[2])
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale

@@ -62,7 +62,10 @@ def _needs_grad(*xs) -> bool:
 def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, q_l2norm=False,
              k_l2norm=False):
     """Run ``kind`` (efla | gated_efla | delta_rule | gated_delta_rule) in ``mode`` (chunk |
-    recurrent) on the GPU; ``None`` means "not handled here, use the PyTorch path"."""
+    recurrent) on the GPU; ``None`` means "not handled here, use the PyTorch path".
+
+    Every tensor has the same number of heads: with grouped values the public ops have already
+    repeated q and k to one head per value head."""
     if kind not in KINDS or mode not in MODES:
         raise ValueError(f"kind/mode: expected one of {KINDS} / {MODES}, got {kind!r} / {mode!r}")
     if not (q.is_cuda and k.is_cuda and v.is_cuda and beta.is_cuda):
