@@ -1,4 +1,5 @@
-"""``EFLAModel`` and ``EFLAForCausalLM``: pre-norm blocks of (EFLA | GatedEFLA) + SwiGLU MLP.
+"""``EFLAModel`` and ``EFLAForCausalLM``: pre-norm blocks of (EFLA | GatedEFLA) + SwiGLU MLP; in a
+hybrid model (config ``attn``) the listed blocks use softmax ``Attention`` instead.
 
 Module names follow flash-linear-attention's DeltaNet / Gated DeltaNet models
 (``model.embeddings``, ``model.layers.N.{attn_norm, attn, mlp_norm, mlp}``, ``model.norm``,

@@ -174,3 +174,15 @@ def test_context_parallel_refuses_attention_layers():
     model = hybrid()
     with context_parallel_scope(shard_layout(8, 1, 0)), pytest.raises(ValueError, match="context parallel"):
         model(torch.randint(0, 256, (1, 8)))
+
+
+def test_train_refuses_context_parallelism_for_hybrid_models(tmp_path):
+    from efla.errors import UsageError
+    from efla.experiments.lm_train import TrainConfig, check_train_config
+
+    (tmp_path / "a.txt").write_text("some text\n")
+    cfg = TrainConfig(data=[str(tmp_path)], out=str(tmp_path / "out"), preset="tiny-hybrid-efla", context_parallel=2)
+    with pytest.raises(UsageError, match="softmax-attention layers \\[1\\] \\(--context-parallel\\)"):
+        check_train_config(cfg)
+    check_train_config(TrainConfig(data=[str(tmp_path)], out=str(tmp_path / "out"), preset="tiny-efla",
+                                   context_parallel=2))
