@@ -3,7 +3,9 @@
 Our models use fla's module and parameter names, so the conversion maps every tensor by name
 (one-to-one) and every architecture field of the config by name. ``update_rule="euler"``
 reproduces the original model; ``update_rule="exact"`` gives EFLA with the same weights (raw
-keys instead of L2-normalised ones), e.g. to fine-tune.
+keys instead of L2-normalised ones), e.g. to fine-tune. Hybrid checkpoints (config ``attn``: some
+blocks are softmax attention) convert the same way: those blocks become :class:`efla.layers.Attention`
+with fla's parameter names and rotary convention, and only the linear blocks change with ``update_rule``.
 """
 
 from __future__ import annotations
@@ -25,14 +27,14 @@ FLA_MODEL_TYPES = {"delta_net": False, "gated_deltanet": True}  # model_type -> 
 _IGNORED = {
     "fuse_norm", "fuse_swiglu", "fuse_cross_entropy", "fuse_linear_cross_entropy", "use_l2warp",
     "use_output_norm", "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
-    "auto_map", "attn", "attnres_block_size", "_name_or_path",
+    "auto_map", "attnres_block_size", "_name_or_path",
 }
 _ARCH_FIELDS = [
     "vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "expand_k", "expand_v", "head_dim",
     "num_v_heads", "use_gate", "output_gate_activation", "use_short_conv", "conv_size", "conv_bias", "use_beta",
     "qk_activation", "qk_norm", "allow_neg_eigval", "hidden_ratio", "intermediate_size", "hidden_act", "norm_eps",
     "initializer_range", "max_position_embeddings", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id",
-    "tie_word_embeddings", "attn_mode",
+    "tie_word_embeddings", "attn_mode", "attn",
 ]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                     "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json")
@@ -43,20 +45,29 @@ def fla_config_to_efla(fla_cfg: dict, update_rule: str) -> EFLAConfig:
     mt = fla_cfg.get("model_type")
     if mt not in FLA_MODEL_TYPES:
         raise ValueError(f"src: expected an fla config with model_type 'delta_net' or 'gated_deltanet', got {mt!r}")
-    if fla_cfg.get("attn"):
-        raise ValueError("src: hybrid checkpoints (config 'attn' set: some layers are softmax attention) "
-                         "are not supported; they hold tensors an EFLA model does not have")
     if fla_cfg.get("attnres_block_size"):
         raise ValueError("src: checkpoints with 'attnres_block_size' are not supported")
     if update_rule not in ("exact", "euler"):
         raise ValueError(f"update_rule: expected 'exact' or 'euler', got {update_rule!r}")
     kwargs = {f: fla_cfg[f] for f in _ARCH_FIELDS if f in fla_cfg}
+    kwargs["attn"] = _single_attn_spec(fla_cfg.get("attn"))
     unknown = sorted(set(fla_cfg) - set(_ARCH_FIELDS) - _IGNORED)
     if kwargs.get("attn_mode") not in (None, "chunk", "recurrent", "fused_recurrent"):
         kwargs.pop("attn_mode")
     cfg = EFLAConfig(update_rule=update_rule, gated=FLA_MODEL_TYPES[mt], **kwargs)
     cfg.converted_from = {"model_type": mt, "ignored_fields": unknown}
     return cfg
+
+
+def _single_attn_spec(attn):
+    # fla also accepts a list of specifications (different attention settings per layer); one of
+    # them is the same as the dict form
+    if isinstance(attn, list) and len(attn) == 1:
+        return attn[0]
+    if isinstance(attn, list) and len(attn) > 1:
+        raise ValueError(f"src: config 'attn' lists {len(attn)} attention specifications (different settings per "
+                         "layer); only one (a dict) is supported")
+    return attn or None
 
 
 def _load_tensors(src: pathlib.Path) -> dict[str, torch.Tensor]:
@@ -133,4 +144,5 @@ def convert_fla_checkpoint(src, dst, update_rule: str = "exact", dtype: torch.dt
     os.replace(tmp, dst)
     return dict(src=str(src), dst=str(dst), model_type=fla_cfg["model_type"], variant=cfg.variant,
                 tensors=len(tensors), parameters=sum(p.numel() for p in model.parameters()),
+                attention_layers=list(cfg.attn["layers"]) if cfg.attn else [],
                 ignored_config_fields=cfg.converted_from["ignored_fields"], copied_files=copied)

@@ -17,6 +17,8 @@ def cmd_convert(args) -> int:
     con = Console()
     con.print(f"Converted {rep['model_type']} checkpoint {rep['src']} -> {rep['dst']} as [bold]{rep['variant']}[/bold]: "
               f"{rep['tensors']} tensors, {rep['parameters']:,} parameters.")
+    if rep["attention_layers"]:
+        con.print(f"Softmax-attention layers (unchanged by --update-rule): {rep['attention_layers']}")
     if rep["ignored_config_fields"]:
         con.print("Config fields without effect on the weights (ignored): " + ", ".join(rep["ignored_config_fields"]))
     if rep["copied_files"]:
@@ -27,7 +29,8 @@ def cmd_convert(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("convert", help="convert a flash-linear-attention DeltaNet/Gated DeltaNet checkpoint")
+    p = sub.add_parser("convert", help="convert a flash-linear-attention DeltaNet/Gated DeltaNet checkpoint "
+                                       "(hybrids with softmax-attention layers too)")
     p.add_argument("src", help="fla model directory (config.json with model_type delta_net or gated_deltanet, safetensors)")
     p.add_argument("dst", help="new efla model directory (must not exist or be empty)")
     p.add_argument("--update-rule", choices=["exact", "euler"], default="exact",

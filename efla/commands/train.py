@@ -29,7 +29,8 @@ def add_parser(subparsers) -> None:
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--preset", default=d.preset, metavar="NAME",
-                   help="tiny|340m|1.3b x efla|gated-efla|deltanet|gated-deltanet, e.g. tiny-efla (default: %(default)s)")
+                   help="tiny|340m|1.3b x efla|gated-efla|deltanet|gated-deltanet, e.g. tiny-efla, or tiny-hybrid-efla "
+                        "(one softmax-attention layer) (default: %(default)s)")
     g.add_argument("--config", dest="config_file", default=None, metavar="JSON",
                    help="an EFLAConfig JSON file instead of --preset (vocab_size is set from the tokenizer)")
     g.add_argument("--grad-checkpointing", action="store_true", help="activation checkpointing per block")

@@ -649,16 +649,19 @@ def _check_model_choice(cfg: TrainConfig) -> None:
         check.existing_file(cfg.config_file, "--config")
         fields = _read_config_file(cfg.config_file)
         try:
-            EFLAConfig(**fields)
+            model_config = EFLAConfig(**fields)
         except (TypeError, ValueError) as e:
             raise UsageError(f"{cfg.config_file}: not a valid EFLAConfig ({e}) (--config)") from None
-        return
-    if not cfg.preset:
+    elif not cfg.preset:
         raise UsageError("give a model (--preset or --config)")
-    try:
-        get_preset_config(cfg.preset)
-    except ValueError as e:
-        raise UsageError(f"{str(e).removeprefix('name: ')} (--preset)") from None
+    else:
+        try:
+            model_config = get_preset_config(cfg.preset)
+        except ValueError as e:
+            raise UsageError(f"{str(e).removeprefix('name: ')} (--preset)") from None
+    if (cfg.context_parallel or 1) > 1 and model_config.attn:
+        raise UsageError("context parallelism splits only linear-attention layers; this model has softmax-attention "
+                         f"layers {model_config.attn['layers']} (--context-parallel)")
 
 
 def _read_config_file(path: str) -> dict:

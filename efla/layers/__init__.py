@@ -1,6 +1,7 @@
 """Token-mixing layers: ``EFLA`` (DeltaNet architecture) and ``GatedEFLA`` (Gated DeltaNet
 architecture), each with ``update_rule="exact"`` (EFLA) or ``"euler"`` (the original
-DeltaNet / Gated DeltaNet step), plus their building blocks.
+DeltaNet / Gated DeltaNet step), plus their building blocks, and the softmax ``Attention`` of
+hybrid models.
 
 Example:
     >>> import torch
@@ -11,8 +12,9 @@ Example:
     torch.Size([2, 16, 64])
 """
 
+from .attention import Attention
 from .efla import EFLA
 from .gated_efla import GatedEFLA
 from .modules import GatedMLP, RMSNorm, RMSNormGated, ShortConvolution, l2_normalize
 
-__all__ = ["EFLA", "GatedEFLA", "GatedMLP", "RMSNorm", "RMSNormGated", "ShortConvolution", "l2_normalize"]
+__all__ = ["Attention", "EFLA", "GatedEFLA", "GatedMLP", "RMSNorm", "RMSNormGated", "ShortConvolution", "l2_normalize"]

@@ -29,11 +29,20 @@ class EFLACache(Cache):
       or ``None`` without short convolutions;
 
     and the number of tokens seen. ``N`` is the batch size (or the number of packed sequences).
+    Softmax-attention layers of a hybrid model (config ``attn``) keep instead
+
+    - ``"attn_state"``: ``(keys, values)``, each ``[N, S, num_kv_heads, head_dim]`` (keys rotated);
+    - ``"key_positions"``: ``[N, S]`` long, each key's position (``-1``: padding, never read);
+    - ``"next_position"``: ``[N]`` long, the position of the row's next token;
+
+    with a sliding window only the keys a later query can still see (growing with the sequence
+    otherwise).
 
     It subclasses ``transformers.cache_utils.Cache`` so ``generate()`` accepts it, but stores
     its own per-layer dicts (linear attention keeps no per-token keys/values): the size is
-    constant in the sequence length. Layers use ``get_layer_state(i)`` and
-    ``update_layer_state(i, recurrent_state=..., conv_state=..., offset=T)``.
+    constant in the sequence length for linear layers. Layers use ``get_layer_state(i)`` and
+    ``update_layer_state(i, recurrent_state=..., conv_state=..., offset=T)`` (attention layers:
+    ``update_attention_state``).
 
     Example:
         >>> cache = EFLACache()
@@ -71,6 +80,22 @@ class EFLACache(Cache):
             state["recurrent_state"] = recurrent_state
         if conv_state is not None:
             state["conv_state"] = tuple(conv_state)
+        self.states[layer_idx] = state
+        self._seen_tokens[layer_idx] += int(offset)
+        return state
+
+    def update_attention_state(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
+                               key_positions: torch.Tensor, next_position: torch.Tensor,
+                               window_size: int | None = None, offset: int = 1) -> dict[str, Any]:
+        """Store an attention layer's keys/values (all of them so far, the new ones included); with
+        ``window_size`` drop the oldest keys that no row's later queries can see."""
+        self._grow(layer_idx)
+        if window_size is not None:
+            visible = (key_positions >= 0) & (key_positions > next_position[:, None] - window_size)
+            needed = visible.any(0).nonzero()
+            first = int(needed[0]) if len(needed) else key_positions.shape[1]
+            keys, values, key_positions = keys[:, first:], values[:, first:], key_positions[:, first:]
+        state = {"attn_state": (keys, values), "key_positions": key_positions, "next_position": next_position}
         self.states[layer_idx] = state
         self._seen_tokens[layer_idx] += int(offset)
         return state
@@ -128,6 +153,8 @@ class EFLACache(Cache):
         for s in self.states:
             if s is not None and s.get("recurrent_state") is not None:
                 return s["recurrent_state"].shape[0]
+            if s is not None and "next_position" in s:
+                return s["next_position"].shape[0]
         return -1
 
     def _apply(self, fn) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from .hybrid import parse_attn_spec
+
 __all__ = ["EFLAConfig"]
 
 
@@ -71,6 +73,12 @@ class EFLAConfig(PretrainedConfig):
         use_cache: return a cache by default at inference. Default ``True``.
         pad_token_id / bos_token_id / eos_token_id: Default ``None`` / ``1`` / ``2``.
         tie_word_embeddings: share ``lm_head`` with the embeddings. Default ``False``.
+        attn: softmax-attention layers among the linear ones (a hybrid model), flash-linear-attention's
+            field: ``{"layers": [indices], "num_heads": H, "num_kv_heads": H (fewer: grouped keys/values),
+            "qkv_bias": False, "window_size": None (or a sliding window of that many tokens, the
+            query's own included), "rope_theta": 10000.0}``; only ``layers`` and ``num_heads`` are
+            required. Those blocks use :class:`efla.layers.Attention` (causal SDPA with RoPE).
+            Default ``None`` (no attention layers).
         fuse_linear_cross_entropy: on the GPU with flash-linear-attention, a training forward with
             labels computes the loss chunk by chunk from the hidden states and never materialises
             the logits (``logits`` is then ``None``); evaluation and generation are unaffected.
@@ -122,6 +130,7 @@ class EFLAConfig(PretrainedConfig):
         eos_token_id: int | None = 2,
         tie_word_embeddings: bool = False,
         fuse_linear_cross_entropy: bool = False,
+        attn: dict | None = None,
         **kwargs,
     ):
         if update_rule not in ("exact", "euler"):
@@ -167,6 +176,7 @@ class EFLAConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.use_cache = use_cache
         self.fuse_linear_cross_entropy = bool(fuse_linear_cross_entropy)
+        self.attn = parse_attn_spec(attn, num_hidden_layers=num_hidden_layers, hidden_size=hidden_size)
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,

@@ -1,4 +1,5 @@
-"""``EFLAModel`` and ``EFLAForCausalLM``: pre-norm blocks of (EFLA | GatedEFLA) + SwiGLU MLP.
+"""``EFLAModel`` and ``EFLAForCausalLM``: pre-norm blocks of (EFLA | GatedEFLA) + SwiGLU MLP; in a
+hybrid model (config ``attn``) the listed blocks use softmax ``Attention`` instead.
 
 Module names follow flash-linear-attention's DeltaNet / Gated DeltaNet models
 (``model.embeddings``, ``model.layers.N.{attn_norm, attn, mlp_norm, mlp}``, ``model.norm``,
@@ -22,6 +23,7 @@ from efla.layers.fused import kernels_for
 
 from .cache import EFLACache
 from .configuration_efla import EFLAConfig
+from .hybrid import build_attention_layer
 
 try:  # transformers >= 4.52
     from transformers.modeling_layers import GradientCheckpointingLayer as _BlockBase
@@ -74,7 +76,11 @@ def _is_loaded(param: torch.Tensor) -> bool:
 
 
 def build_token_mixer(config: EFLAConfig, layer_idx: int) -> nn.Module:
-    """The block's ``attn`` module for ``config`` (``EFLA`` or ``GatedEFLA``)."""
+    """The block's ``attn`` module for ``config`` (``EFLA`` or ``GatedEFLA``; ``Attention`` for the
+    blocks listed in ``config.attn``)."""
+    attention = build_attention_layer(config, layer_idx)
+    if attention is not None:
+        return attention
     if config.gated:
         return GatedEFLA(
             hidden_size=config.hidden_size,

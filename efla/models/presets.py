@@ -16,6 +16,9 @@ no output gate); gated variants use the Gated DeltaNet layer with the same q/k h
 ``expand_v = 1`` and the SiLU output gate. EFLA and DeltaNet presets of one size (and the two
 gated ones) have identical parameters; only ``update_rule`` differs.
 
+``tiny-hybrid-efla`` is ``tiny-efla`` with its second (last) block replaced by causal softmax
+attention (2 heads of 32, RoPE; config ``attn``): a hybrid model small enough for the CPU.
+
 Example:
     >>> from efla.models import get_preset_config
     >>> cfg = get_preset_config("340m-efla")
@@ -54,10 +57,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     for size in SIZES
     for variant in VARIANTS
 }
+PRESETS["tiny-hybrid-efla"] = {**PRESETS["tiny-efla"], "attn": {"layers": [1], "num_heads": 2}}
 
 
 def preset_names() -> list[str]:
-    """All preset names, e.g. ``"tiny-efla"``, ``"340m-gated-deltanet"``, ``"1.3b-efla"``."""
+    """All preset names, e.g. ``"tiny-efla"``, ``"340m-gated-deltanet"``, ``"1.3b-efla"``, ``"tiny-hybrid-efla"``."""
     return list(PRESETS)
 
 

@@ -14,10 +14,11 @@ def count(name: str) -> int:
 
 def test_preset_names():
     names = preset_names()
-    assert len(names) == 12 and set(names) == set(PRESETS)
+    assert len(names) == 13 and set(names) == set(PRESETS)
     for size in ("tiny", "340m", "1.3b"):
         for variant in ("efla", "gated-efla", "deltanet", "gated-deltanet"):
             assert f"{size}-{variant}" in names
+    assert "tiny-hybrid-efla" in names
 
 
 @pytest.mark.parametrize("size", ["tiny", "340m", "1.3b"])
