@@ -9,7 +9,7 @@
 # Carry: .whl (fla wheels) and .devdata (text/: a few Gutenberg books, tok/: a 32k BPE tokenizer
 # trained on them, gutenberg_ids.npy). Results: $RESULTS/<run>/ (log.jsonl, train_summary.json,
 # train_args.json, console logs) and $RESULTS/<benchmark>/; scripts/device_collect.sh packs them.
-#   PHASES="single two" bash scripts/device_two_gpus.sh
+#   PHASES="single two" bash scripts/device_two_gpus.sh     (PHASES=single also runs on one GPU)
 set -uo pipefail
 RESULTS=${RESULTS:-/tmp/results}
 WORK=${WORK:-/tmp/work}
@@ -78,7 +78,9 @@ phase_single() {
       --models fla,efla,deltanet,gated-efla,gated-deltanet --out "$RESULTS/model-340m" > "$WORK/gpu0.log" 2>&1
   ) &
   local gpu0=$!
-  ( export CUDA_VISIBLE_DEVICES=1
+  # on a one-GPU machine the second job waits for the first, so that neither disturbs the other's timings
+  [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && { wait $gpu0; SECOND_GPU=0; }
+  ( export CUDA_VISIBLE_DEVICES=${SECOND_GPU:-1}
     timeout 150 python3 -m pytest -q --timeout 120 tests/layers/test_fused.py tests/ops/test_cuda.py \
       -p no:cacheprovider > "$WORK/gpu1-tests.log" 2>&1
     timeout 220 python3 benchmarks/gpu_model.py --sizes 1.3b --shapes 8192x2,16384x1 \
