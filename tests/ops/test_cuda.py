@@ -76,6 +76,24 @@ def test_dispatch_declines_cpu_and_float32():
         dispatch("bogus", "chunk", q, k, v, None, beta, 0.3, None, False, None)
 
 
+def test_unsupported_inputs_are_named_and_warned_about_once():
+    from efla.ops.cuda import fall_back, unsupported
+
+    q, k, v = (torch.zeros(1, 2, 1, d, dtype=torch.bfloat16) for d in (64, 64, 128))
+    assert unsupported(q, k, v) is None
+    assert "head dims up to 256 (got K=320, V=128)" in unsupported(torch.zeros(1, 2, 1, 320, dtype=torch.bfloat16),
+                                                                   k, v)
+    assert "(got torch.float32" in unsupported(q.float(), k.float(), v.float())
+    reason = "a reason only this test gives"
+    with pytest.warns(RuntimeWarning, match="a reason only this test gives; running the PyTorch path"):
+        assert fall_back(reason) is None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fall_back(reason) is None  # the second time: no warning
+
+
 # ----------------------------------------------------------------------------- GPU
 @needs_cuda
 @pytest.mark.gpu
@@ -83,7 +101,18 @@ def test_dispatch_declines_cpu_and_float32():
 @pytest.mark.parametrize("varlen", [False, True])
 def test_gpu_matches_reference(rule, varlen):
     """bf16 GPU chunk (with grads) and recurrent (no grad) vs the float64 CPU scan."""
-    K = V = 64
+    _check_gpu_against_reference(rule, varlen, K=64, V=64)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", ["efla", "gated_efla"])
+@pytest.mark.parametrize("K,V", [(32, 32), (64, 128), (128, 64), (256, 256), (32, 256)])
+def test_gpu_head_dims(rule, K, V):
+    _check_gpu_against_reference(rule, False, K=K, V=V)
+
+
+def _check_gpu_against_reference(rule, varlen, K, V):
     if varlen:
         B, T, H, cu = 1, 150, 2, [0, 37, 38, 150]
     else:

@@ -2,10 +2,11 @@
 
 ``dispatch(...)`` is called by the public ops after validation, only when ``q.is_cuda``. It
 returns ``(o, final_state or None)``, or ``None`` for anything it does not handle, so the caller
-runs the PyTorch path instead:
+runs the PyTorch path instead (with a one-time ``RuntimeWarning`` per reason):
 
 * float32 / float64 inputs (the chunk kernels are bf16/fp16 with a float32 state),
-* head dims above 256,
+* head dims above 256 (q/k and v checked independently),
+* varlen batches with an empty sequence,
 * chunk mode (or any mode with autograd) when flash-linear-attention cannot be imported.
 
 Design (measured: ``benchmarks/gpu_ops.py``, ``benchmarks/RESULTS.md``):
@@ -28,6 +29,8 @@ any exception as "no GPU backend".
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -55,6 +58,28 @@ def fla_available() -> bool:
     return _fla_ok
 
 
+_warned: set[str] = set()
+
+
+def unsupported(q, k, v) -> str | None:
+    """Why the GPU kernels cannot take these inputs, or ``None`` when they can."""
+    dt = q.dtype
+    if dt not in (torch.bfloat16, torch.float16) or k.dtype != dt or v.dtype != dt:
+        return f"the GPU kernels take bfloat16/float16 q, k, v (got {q.dtype}, {k.dtype}, {v.dtype})"
+    K, V = q.shape[-1], v.shape[-1]
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        return f"the GPU kernels take head dims up to {MAX_HEAD_DIM} (got K={K}, V={V})"
+    return None
+
+
+def fall_back(reason: str) -> None:
+    """Warn once per reason that the (slower) PyTorch path runs instead; ``None`` for ``dispatch``."""
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"efla: {reason}; running the PyTorch path instead", RuntimeWarning, stacklevel=4)
+    return None
+
+
 def _needs_grad(*xs) -> bool:
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
@@ -71,11 +96,9 @@ def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_st
     if not (q.is_cuda and k.is_cuda and v.is_cuda and beta.is_cuda):
         return None
     dt = q.dtype
-    if dt not in (torch.bfloat16, torch.float16) or k.dtype != dt or v.dtype != dt:
-        return None  # float32/float64 (or mixed) inputs: PyTorch path
-    K, V = q.shape[-1], v.shape[-1]
-    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
-        return None
+    reason = unsupported(q, k, v)
+    if reason is not None:
+        return fall_back(reason)
     gated = kind in ("gated_efla", "gated_delta_rule")
     if gated and g is None:
         raise ValueError(f"g: required for {kind}")
@@ -83,7 +106,8 @@ def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_st
     if cu_seqlens is not None and cu_seqlens.numel() > 1:
         cs = cu_seqlens.detach().to("cpu", torch.int64)
         if bool((cs[1:] == cs[:-1]).any()):
-            return None  # empty sequences: the chunk kernels assume every sequence has a token
+            # the chunk kernels assume every sequence has a token
+            return fall_back("cu_seqlens holds an empty sequence")
 
     h0 = initial_state
     if h0 is not None:
@@ -102,7 +126,7 @@ def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_st
         return recurrent_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu)
 
     if not fla_available():
-        return None
+        return fall_back("flash-linear-attention is not installed (pip install \"efla[cuda]\")")
     from .custom_ops import chunk_forward
 
     if kind == "gated_efla" and dt == torch.float16:
