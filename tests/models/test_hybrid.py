@@ -186,3 +186,26 @@ def test_train_refuses_context_parallelism_for_hybrid_models(tmp_path):
         check_train_config(cfg)
     check_train_config(TrainConfig(data=[str(tmp_path)], out=str(tmp_path / "out"), preset="tiny-efla",
                                    context_parallel=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("window", [None, 4])
+def test_hybrid_on_gpu_matches_the_cpu_in_bf16(window):
+    """bf16 on the GPU (SDPA's CUDA kernels, the fused modules, the chunk ops) against float64 on the
+    CPU: full forward, and prefill plus token-by-token decoding with the cache."""
+    reference = hybrid(torch.float64, window)
+    model = hybrid(torch.float32, window).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 70))
+    with torch.no_grad():
+        expected = reference(ids, use_cache=False).logits
+        full = model(ids.cuda(), use_cache=False).logits.double().cpu()
+        out = model(ids[:, :64].cuda(), use_cache=True)
+        steps = [out.logits]
+        for t in range(64, 70):
+            out = model(ids[:, t:t + 1].cuda(), past_key_values=cache_of(out), use_cache=True)
+            steps.append(out.logits)
+    incremental = torch.cat(steps, 1).double().cpu()
+    for got in (full, incremental):
+        assert torch.isfinite(got).all()
+        assert ((got - expected).norm() / expected.norm()).item() < 2e-2
