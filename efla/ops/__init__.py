@@ -30,12 +30,13 @@ from __future__ import annotations
 import torch
 
 from .api import run as _run
-from .coefficients import efla_coefficient
+from .coefficients import efla_coefficient, gated_efla_coefficients
 from .normalize import l2_normalize
 from ..variants import Variant
 
 __all__ = [
     "efla_coefficient",
+    "gated_efla_coefficients",
     "l2_normalize",
     "chunk_efla",
     "recurrent_efla",

@@ -161,6 +161,49 @@ def efla_coefficient(beta: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return exact_erase(beta, key_energy(k)).to(beta.dtype)
 
 
+def gated_exact_coefficients(beta: torch.Tensor, g: torch.Tensor, lam: torch.Tensor):
+    """Gated EFLA's ``(log_decay, erase, write)`` in float64 from ``beta``, ``g`` and ``lam = ||k||^2``
+    (efla.md §2), with gradients in closed forms (see ``_ExactErase`` and ``_GatedWrite``)."""
+    b, g64 = beta.to(COEF_DTYPE), g.to(COEF_DTYPE)
+    log_decay = torch.expm1(g64)  # -delta = -(1 - e^g)
+    erase = exact_erase(torch.exp(g64) * b, lam)  # (1 - e^{-rho lambda}) / lambda, rho = e^g beta
+    write = _GatedWrite.apply(b, g64, lam)  # beta (1 - e^{-eta}) / eta
+    return log_decay, erase, write
+
+
+def gated_efla_coefficients(beta: torch.Tensor, k: torch.Tensor, g: torch.Tensor):
+    """Gated EFLA's step coefficients ``(log_decay, erase, write)`` (exact flow of the gated ODE,
+    paper App. D): one step is ``S = exp(log_decay) (I - erase k k^T) S + write k v^T``.
+
+    With ``lambda = ||k||^2`` (clamped at 1e-12), ``delta = 1 - exp(g)``, ``rho = exp(g) beta`` and
+    ``eta = delta + rho lambda``: ``log_decay = -delta``, ``erase = (1 - exp(-rho lambda)) / lambda``
+    and ``write = beta (1 - exp(-eta)) / eta``. At ``g = 0`` erase and write are both
+    ``efla_coefficient(beta, k)`` and the decay is 1.
+
+    Args:
+        beta: step sizes ``[B, T, H]`` (>= 0).
+        k: raw (un-normalised) keys ``[B, T, H, K]``.
+        g: log gates ``[B, T, H]`` (<= 0; gate ``exp(g)``).
+
+    Returns:
+        ``(log_decay, erase, write)``, each with ``beta``'s shape and dtype. Values and gradients
+        are evaluated in float64, with the same accuracy as ``efla_coefficient``'s.
+
+    Raises:
+        ValueError: as ``efla_coefficient``, and for a ``g`` not of ``beta``'s shape and device or
+            (on the CPU, or with ``EFLA_CHECK_VALUES=1``) a ``g`` that is not finite or is > 0.
+
+    Example:
+        >>> import torch
+        >>> from efla.ops import gated_efla_coefficients
+        >>> k, beta, g = torch.randn(1, 3, 2, 8), torch.full((1, 3, 2), 0.5), -torch.rand(1, 3, 2)
+        >>> [c.shape for c in gated_efla_coefficients(beta, k, g)]
+        [torch.Size([1, 3, 2]), torch.Size([1, 3, 2]), torch.Size([1, 3, 2])]
+    """
+    validate_coefficient_inputs(beta, k, g)
+    return tuple(c.to(beta.dtype) for c in gated_exact_coefficients(beta, g, key_energy(k)))
+
+
 def coefficients(rule: str, k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None):
     """Return ``(gamma, a, w)`` of the generic recurrence for ``rule``, in the compute dtype.
 
@@ -181,9 +224,5 @@ def coefficients(rule: str, k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor
         alpha = exact_erase(b, lam).to(cdt)  # eq. 15: (1 - e^{-beta lambda}) / lambda
         return None, alpha, alpha
     if rule == "gated_efla":
-        g64 = g.to(COEF_DTYPE)
-        gamma = torch.expm1(g64)  # -delta = -(1 - a), a = exp(g)
-        erase = exact_erase(torch.exp(g64) * b, lam)  # (1 - e^{-rho lambda}) / lambda, rho = a beta
-        write = _GatedWrite.apply(b, g64, lam)  # beta (1 - e^{-eta}) / eta
-        return gamma.to(cdt), erase.to(cdt), write.to(cdt)
+        return tuple(c.to(cdt) for c in gated_exact_coefficients(b, g, lam))
     raise ValueError(f"rule: expected one of efla, gated_efla, delta_rule, gated_delta_rule, got {rule!r}")

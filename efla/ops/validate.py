@@ -203,10 +203,12 @@ def _check_key_energy(k: torch.Tensor) -> None:
     )
 
 
-def validate_coefficient_inputs(beta, k) -> None:
-    """Checks of ``efla_coefficient(beta, k)``: floating tensors, ``beta`` of ``k``'s shape without
-    the last dim, one device; values (by device, see ``values_checked``) finite, ``beta >= 0``."""
-    for name, x in (("beta", beta), ("k", k)):
+def validate_coefficient_inputs(beta, k, g=None) -> None:
+    """Checks of ``efla_coefficient(beta, k)`` and ``gated_efla_coefficients(beta, k, g)``: floating
+    tensors, ``beta`` (and ``g``) of ``k``'s shape without the last dim, one device; values (by
+    device, see ``values_checked``) finite, ``beta >= 0``, ``g <= 0``."""
+    named = (("beta", beta), ("k", k)) + ((("g", g),) if g is not None else ())
+    for name, x in named:
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
@@ -215,13 +217,18 @@ def validate_coefficient_inputs(beta, k) -> None:
         raise ValueError(
             f"beta: expected shape {tuple(k.shape[:-1])} (k's shape without the last dim), got {_shape(beta)}"
         )
-    if k.device != beta.device:
-        raise ValueError(f"k: expected device {beta.device} (same as beta), got {k.device}")
+    if g is not None and g.shape != beta.shape:
+        raise ValueError(f"g: expected shape {tuple(beta.shape)} (beta's shape), got {_shape(g)}")
+    for name, x in named[1:]:
+        if x.device != beta.device:
+            raise ValueError(f"{name}: expected device {beta.device} (same as beta), got {x.device}")
     if values_checked(beta):
-        _check_finite("beta", beta)
-        _check_finite("k", k)
+        for name, x in named:
+            _check_finite(name, x)
         if bool((beta < 0).any()):
             raise ValueError(f"beta: the step size must be >= 0, got min {beta.min().item():.4g}")
+        if g is not None and bool((g > 0).any()):
+            raise ValueError(f"g: the log gate must be <= 0 (gate exp(g) in (0, 1]), got max {g.max().item():.4g}")
 
 
 def check_result(o: torch.Tensor, final_state: torch.Tensor | None, q, k, v, beta, initial_state) -> None:

@@ -12,39 +12,21 @@ import torch.nn.functional as F
 from efla.cli import main
 from efla.data import find_mnist_dir, load_digits_sequences, load_mnist_sequences
 from efla.experiments.robustness import PixelSequenceClassifier, perturb
+from efla.ops import naive
 
 SHARED_MNIST = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mnist"
 
 
+NAIVE_RULE = {"exact": naive.efla, "euler": naive.delta_rule, "gated-exact": naive.gated_efla,
+              "gated-euler": naive.gated_delta_rule}
+
+
 def naive_classifier_forward(model: PixelSequenceClassifier, x: torch.Tensor) -> torch.Tensor:
-    """Per-token Python loop of the same model, written from the equations (no efla.ops)."""
-    q, k, v, beta, g = model.features(x)
-    B, L, H, D = q.shape
-    S = torch.zeros(B, H, D, D, dtype=torch.float64)
-    q, k, v, beta = q.double(), k.double(), v.double(), beta.double()
-    eye = torch.eye(D, dtype=torch.float64)
-    for t in range(L):
-        kt, vt, bt = k[:, t], v[:, t], beta[:, t]
-        lam = (kt * kt).sum(-1).clamp_min(1e-12)
-        if model.rule == "exact":
-            c = (1 - torch.exp(-bt * lam)) / lam
-            S = (eye - c[..., None, None] * kt[..., :, None] * kt[..., None, :]) @ S + c[..., None, None] * kt[..., :, None] * vt[..., None, :]
-        elif model.rule == "euler":
-            c = bt
-            S = (eye - c[..., None, None] * kt[..., :, None] * kt[..., None, :]) @ S + c[..., None, None] * kt[..., :, None] * vt[..., None, :]
-        elif model.rule == "gated-euler":
-            a = torch.exp(g[:, t].double())[..., None, None]
-            S = a * (eye - bt[..., None, None] * kt[..., :, None] * kt[..., None, :]) @ S + bt[..., None, None] * kt[..., :, None] * vt[..., None, :]
-        else:  # gated-exact, efla.md §2
-            a = torch.exp(g[:, t].double())
-            delta, rho = 1 - a, a * bt
-            eta = delta + rho * lam
-            erase = (1 - torch.exp(-rho * lam)) / lam
-            write = bt * (1 - torch.exp(-eta)) / eta
-            S = torch.exp(-delta)[..., None, None] * (eye - erase[..., None, None] * kt[..., :, None] * kt[..., None, :]) @ S \
-                + write[..., None, None] * kt[..., :, None] * vt[..., None, :]
-    o = D ** -0.5 * torch.einsum("bhkv,bhk->bhv", S, q[:, -1])
-    return model.head(model.norm(o.reshape(B, H * D).float()))
+    """The same model through the per-token loops of efla.ops.naive, in float64."""
+    q, k, v, beta, g = (None if t is None else t.double() for t in model.features(x))
+    gate = () if g is None else (g,)
+    o, _ = NAIVE_RULE[model.rule](q, k, v, *gate, beta)
+    return model.head(model.norm(o[:, -1].reshape(x.shape[0], -1).float()))
 
 
 @pytest.mark.parametrize("rule", ["exact", "euler", "gated-exact", "gated-euler"])

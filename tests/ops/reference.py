@@ -1,13 +1,12 @@
-"""Independent references for the tests: the ODE solved token by token by a matrix exponential.
+"""Independent references for the exact rules: the ODE solved token by token by a matrix exponential.
 
 For one token and one head, the state obeys dS/dtau = -A S + b on an interval of length h.
 With X = [S; I_V] ((K+V) x V), dX/dtau = M X for M = [[-A, b], [0, 0]], so
-S_new = E11 S + E12 where E = matrix_exp(h M). This uses nothing from ``efla.ops``.
+S_new = E11 S + E12 where E = matrix_exp(h M). This uses nothing from ``efla.ops``: it checks
+``efla.ops.naive`` (the tests' reference for every rule) and, for stiff inputs, the ops directly.
 
 - EFLA:        A = k k^T,                     b = k v^T,      h = beta
 - Gated EFLA:  A = (1 - e^g) I + e^g beta k k^T, b = beta k v^T, h = 1   (efla.md §2)
-- DeltaNet:    explicit Euler step S + beta (-k k^T S + k v^T)
-- Gated DN:    e^g (I - beta k k^T) S + beta k v^T
 
 Grouped values (``v [B, T, HV, V]``, ``HV`` a multiple of the ``H`` q/k heads): value head ``i``
 runs the recurrence above with query/key head ``i // (HV // H)``.
@@ -35,34 +34,10 @@ def per_value_head(q, k, HV):
     return q[:, :, shared], k[:, :, shared]
 
 
-def reference(rule, q, k, v, beta, g=None, *, scale=None, initial_state=None):
-    """Return (o [B, T, HV, V], final state [B, HV, K, V]) in q's dtype; differentiable."""
-    q, k = per_value_head(q, k, v.shape[2])
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
-    S = torch.zeros(B, H, K, V, dtype=q.dtype) if initial_state is None else initial_state.to(q.dtype)
-    eye = torch.eye(K, dtype=q.dtype)
-    outs = []
-    for t in range(T):
-        kt, vt, bt = k[:, t], v[:, t], beta[:, t]  # [B, H, K], [B, H, V], [B, H]
-        kkT = kt[..., :, None] * kt[..., None, :]
-        kvT = kt[..., :, None] * vt[..., None, :]
-        if rule == "efla":
-            S = _exact_step(S, kkT, kvT, bt)
-        elif rule == "gated_efla":
-            gate = torch.exp(g[:, t])[..., None, None]
-            A = (1 - gate) * eye + gate * bt[..., None, None] * kkT
-            S = _exact_step(S, A, bt[..., None, None] * kvT, torch.ones_like(bt))
-        elif rule == "delta_rule":
-            S = S + bt[..., None, None] * (kvT - kkT @ S)
-        elif rule == "gated_delta_rule":
-            gate = torch.exp(g[:, t])[..., None, None]
-            S = gate * (S - bt[..., None, None] * kkT @ S) + bt[..., None, None] * kvT
-        else:
-            raise ValueError(rule)
-        outs.append(scale * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
-    return torch.stack(outs, 1), S
+def matrix_exp_reference(rule, q, k, v, beta, g=None, *, scale=None, initial_state=None):
+    """Exact rules only. Return (o [B, T, HV, V], final state [B, HV, K, V]) in q's dtype;
+    differentiable."""
+    return _exact_scan(_exact_step, rule, q, k, v, beta, g, scale=scale, initial_state=initial_state)
 
 
 def _spectral_step(S, A, b, h):
@@ -77,8 +52,12 @@ def _spectral_step(S, A, b, h):
     return Qm @ (decay[..., :, None] * (QT @ S)) + Qm @ (integ[..., :, None] * (QT @ b))
 
 
-def reference_spectral(rule, q, k, v, beta, g=None, *, scale=None, initial_state=None):
+def spectral_reference(rule, q, k, v, beta, g=None, *, scale=None, initial_state=None):
     """Exact rules only, through eigh instead of matrix_exp (for stiff inputs)."""
+    return _exact_scan(_spectral_step, rule, q, k, v, beta, g, scale=scale, initial_state=initial_state)
+
+
+def _exact_scan(exact_step, rule, q, k, v, beta, g, *, scale, initial_state):
     q, k = per_value_head(q, k, v.shape[2])
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -91,12 +70,12 @@ def reference_spectral(rule, q, k, v, beta, g=None, *, scale=None, initial_state
         kkT = kt[..., :, None] * kt[..., None, :]
         kvT = kt[..., :, None] * vt[..., None, :]
         if rule == "efla":
-            S = _spectral_step(S, kkT, kvT, bt)
+            S = exact_step(S, kkT, kvT, bt)
         elif rule == "gated_efla":
             gate = torch.exp(g[:, t])[..., None, None]
             A = (1 - gate) * eye + gate * bt[..., None, None] * kkT
-            S = _spectral_step(S, A, bt[..., None, None] * kvT, torch.ones_like(bt))
+            S = exact_step(S, A, bt[..., None, None] * kvT, torch.ones_like(bt))
         else:
-            raise ValueError(rule)
+            raise ValueError(f"rule: the exact references solve efla and gated_efla only, got {rule!r}")
         outs.append(scale * torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
     return torch.stack(outs, 1), S

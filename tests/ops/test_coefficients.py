@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import efla.ops as ops
-from efla.ops import efla_coefficient
+from efla.ops import efla_coefficient, gated_efla_coefficients
 from efla.ops.coefficients import coefficients, phi
 from tests.ops import mp_reference as mp
 
@@ -126,6 +126,49 @@ def test_gated_coefficients_reduce_to_efla_at_gate_one():
     alpha = efla_coefficient(beta, k)
     assert torch.equal(gamma, torch.zeros_like(gamma))
     assert torch.allclose(a, alpha, rtol=1e-14) and torch.allclose(w, alpha, rtol=1e-14)
+
+
+def test_gated_efla_coefficients_is_what_the_ops_use():
+    # the public function and the ops' path share one implementation: values and gradients equal
+    gen = torch.Generator().manual_seed(4)
+    k = (torch.randn(2, 7, 3, 8, generator=gen) * 3).requires_grad_(True)
+    beta = (torch.rand(2, 7, 3, generator=gen) * 5).requires_grad_(True)
+    g = (-torch.rand(2, 7, 3, generator=gen) * 2).requires_grad_(True)
+    public = gated_efla_coefficients(beta, k, g)
+    internal = coefficients("gated_efla", k, beta, g)
+    weights = [torch.randn(beta.shape, generator=gen) for _ in range(3)]
+    grads = [torch.autograd.grad(sum((c * w).sum() for c, w in zip(cs, weights)), (beta, k, g)) for cs in (public, internal)]
+    for a, b in zip(public, internal):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_gated_efla_coefficients_formulas_float64():
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(40, 6, generator=gen, dtype=torch.float64) * torch.logspace(-2, 1, 40, dtype=torch.float64)[:, None]
+    beta = torch.rand(40, generator=gen, dtype=torch.float64) * 3
+    g = -torch.rand(40, generator=gen, dtype=torch.float64) * 3
+    log_decay, erase, write = gated_efla_coefficients(beta, k, g)
+    lam, gate = (k * k).sum(-1), torch.exp(g)
+    eta = (1 - gate) + gate * beta * lam
+    assert torch.allclose(log_decay, gate - 1, rtol=1e-14, atol=0)
+    assert torch.allclose(erase, -torch.expm1(-gate * beta * lam) / lam, rtol=1e-12, atol=0)
+    assert torch.allclose(write, beta * -torch.expm1(-eta) / eta, rtol=1e-12, atol=0)
+    _, erase1, write1 = gated_efla_coefficients(beta, k, torch.zeros_like(g))  # no gate: EFLA's alpha
+    assert torch.allclose(erase1, efla_coefficient(beta, k), rtol=1e-14) and torch.allclose(write1, erase1, rtol=1e-14)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(g=torch.full((2, 3), 0.1)), "g: the log gate must be <= 0"),
+    (dict(g=torch.zeros(2, 4)), "g: expected shape"),
+    (dict(g=torch.full((2, 3), float("nan"))), "g: contains 6 non-finite"),
+    (dict(beta=-torch.ones(2, 3)), "beta: the step size must be >= 0"),
+])
+def test_gated_efla_coefficients_rejects_bad_inputs(bad, match):
+    args = dict(beta=torch.ones(2, 3), k=torch.randn(2, 3, 4), g=-torch.ones(2, 3)) | bad
+    with pytest.raises(ValueError, match=match):
+        gated_efla_coefficients(**args)
 
 
 def _one_step(rule, x, K=8, seed=0):

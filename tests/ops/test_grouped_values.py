@@ -1,7 +1,7 @@
 """Grouped values: v, beta, g and the states carry HV = groups * H heads, q and k carry H.
 
 Value head i reads query/key head i // groups (flash-linear-attention's order). Every rule is
-checked in float64 against the per-token reference with HV heads and against the same op with q
+checked in float64 against the per-token loops of efla.ops.naive with HV heads and against the same op with q
 and k repeated per group, forward and backward, in both modes, with states and varlen.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 import efla.ops as ops
 from efla.ops import api
-from tests.ops.reference import reference
+from efla.ops import naive
 
 RULES = ["efla", "gated_efla", "delta_rule", "gated_delta_rule"]
 MODES = ["chunk", "recurrent"]
@@ -46,6 +46,11 @@ def call(mode, rule, q, k, v, beta, g, h0, cu_seqlens=None):
     fn = getattr(ops, f"{mode}_{rule}")
     gates = (g,) if rule.startswith("gated") else ()
     return fn(q, k, v, *gates, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+
+
+def reference(rule, q, k, v, beta, g, initial_state):
+    gate = (g,) if rule.startswith("gated") else ()
+    return getattr(naive, rule)(q, k, v, *gate, beta, initial_state=initial_state, output_final_state=True)
 
 
 def leaves_of(rule, inputs):
