@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# H200 visit B (second session): the recorded MAD run (scripts/device_mad.sh, issue 6) and the 340M
+# On one H200, in one device call: the recorded MAD run (scripts/device_mad.sh, issue 6) and the 340M
 # training-throughput runs (scripts/device_lm_throughput.sh, issue 7).
 # Carry: .whl and .devdata (gutenberg/ + lm_tokenizer/). Writes $OUT/mad.tar.gz, lm_throughput.json, logs.
 set -uo pipefail
@@ -10,4 +10,4 @@ BUDGET=${MAD_BUDGET:-330} bash scripts/device_mad.sh
 LEFT=$(( ${TOTAL:-575} - SECONDS ))
 echo "MAD done at ${SECONDS}s; ${LEFT}s left for the LM throughput runs"
 STEPS=${STEPS:-25} timeout "$LEFT" bash scripts/device_lm_throughput.sh
-echo "visit B done in ${SECONDS}s"
+echo "MAD and LM throughput done in ${SECONDS}s"

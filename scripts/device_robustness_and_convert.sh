@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 visit: the recorded robustness run and lr sweep (in parallel), then the GPU check of
+# On one H200, in one device call: the recorded robustness run and lr sweep (in parallel), then the GPU check of
 # `efla convert` against fla's own models. Carry: .whl (fla wheels) and .devdata (MNIST).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
