@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-import sys
-
 from efla.experiments import arg_checks as check
 from efla.errors import UsageError
 
@@ -48,7 +45,6 @@ def add_parser(subparsers) -> None:
     p.add_argument("--time-limit", type=float, default=None, help="seconds per run; a run cut short is marked")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--report-only", action="store_true", help="train nothing; aggregate the runs stored in --out")
-    p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_mad)
 
 
@@ -83,7 +79,8 @@ def cmd_mad(args) -> int:
     import torch  # noqa: PLC0415
     from rich.console import Console  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
-    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    from efla.experiments import harness  # noqa: PLC0415
 
     from efla.data.mad import TASK_LABEL  # noqa: PLC0415
     from efla.experiments.mad import RULE_LABEL  # noqa: PLC0415
@@ -101,14 +98,10 @@ def cmd_mad(args) -> int:
                       num_heads=args.num_heads, lrs=args.lrs, wds=args.wds, epochs=args.epochs,
                       max_steps=args.max_steps, precision=args.precision, device=args.device,
                       time_limit=args.time_limit, train=not args.report_only)
-    command = args.command_line or ("efla " + " ".join(sys.argv[1:]))
     console.rule(f"[bold]MAD[/bold] ({preset} preset) -> {args.out}")
 
-    def progress(total, desc):
-        return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
-
-    res = run_mad(opts, args.out, progress_factory=progress, log=console.print)
-    files = write_outputs(res, args.out, command)
+    res = run_mad(opts, args.out, progress_factory=harness.progress_factory(), log=console.print)
+    files = write_outputs(res, args.out, args.command_line)
     agg = aggregate(res["runs"])
     rules = [r for r in opts.rules if r in agg]
     tab = Table(title=f"MAD accuracy ×100 ({preset} preset; paper = full 66-setting protocol)")

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 _EPILOG = """\
 examples:
@@ -187,6 +186,6 @@ def cmd_lm_report(args) -> int:
     check.output_dir(args.out)
     notes = open(args.notes).read() if args.notes else ""  # noqa: SIM115
     files = write_lm_report(args.runs, args.out, title=args.title, notes=notes,
-                            command_line="efla " + " ".join(sys.argv[1:]))
+                            command_line=args.command_line)
     print("Wrote: " + ", ".join(files))
     return 0

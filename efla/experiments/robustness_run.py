@@ -2,29 +2,37 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
-import platform
 import statistics
 from dataclasses import dataclass, field
 
-import torch
+from efla.variants import Variant
 
+from . import harness
 from .robustness import (
     FULL_LEVELS,
     PAPER_LR,
     QUICK_LEVELS,
-    RULE_LABEL,
     TrainConfig,
     evaluate,
     evaluate_perturbations,
     train_classifier,
 )
 
+def _label(rule: str) -> str:
+    return Variant.parse(rule).label
+
+
+def _colour(rule: str) -> str:
+    return Variant.parse(rule).colour
+
+
 KIND_LABEL = {"scale": "intensity scale (x)", "noise": "Gaussian noise std", "dropout": "pixel dropout p"}
 SWEEP_LRS = [1e-4, 3e-4, 1e-3, 3e-3, 1e-2]
+QUICK_SWEEP_LRS = [1e-3, 1e-2]
+QUICK_TRAIN_LIMIT, QUICK_TEST_LIMIT = 6000, 2000
 
 
 @dataclass
@@ -43,24 +51,26 @@ class RobustnessOptions:
     device: str = "cpu"
     eval_seed: int = 1234
 
+    @classmethod
+    def for_data(cls, data_name: str, *, quick: bool, epochs: int | None, seeds: list | None,
+                 train_limit: int | None, test_limit: int | None, **settings) -> RobustnessOptions:
+        """The options of a run on ``data_name``: one epoch on MNIST as in the paper, 40 on the small
+        embedded digits; ``quick`` trains and tests on a subset."""
+        if quick:
+            train_limit = train_limit or QUICK_TRAIN_LIMIT
+            test_limit = test_limit or QUICK_TEST_LIMIT
+        return cls(quick=quick, epochs=epochs if epochs is not None else (1 if data_name == "mnist" else 40),
+                   seeds=seeds if seeds is not None else [0], train_limit=train_limit, test_limit=test_limit,
+                   **settings)
+
+
+def sweep_lrs(lrs: list | None, quick: bool) -> list:
+    """The learning rates to sweep: those given, else a short list when quick, else the full one."""
+    return lrs or (QUICK_SWEEP_LRS if quick else SWEEP_LRS)
+
 
 def versions() -> dict:
-    import transformers  # noqa: PLC0415
-
-    import efla  # noqa: PLC0415
-
-    return {
-        "efla": efla.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "machine": platform.machine(),
-        "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    return harness.versions("transformers")
 
 
 def run_robustness(data, opts: RobustnessOptions, progress_factory=None) -> dict:
@@ -79,7 +89,7 @@ def run_robustness(data, opts: RobustnessOptions, progress_factory=None) -> dict
                 cfg = TrainConfig(rule=rule, lr=lrs[rule], epochs=opts.epochs, batch_size=opts.batch_size, seed=seed,
                                   width=opts.width, num_heads=opts.num_heads, train_limit=opts.train_limit,
                                   device=opts.device)
-                desc = f"{setting} {RULE_LABEL[rule]} lr={lrs[rule]:g} seed={seed}"
+                desc = f"{setting} {_label(rule)} lr={lrs[rule]:g} seed={seed}"
                 bar = progress_factory(total=steps_per_run, desc="train " + desc) if progress_factory else None
                 model, tr = train_classifier(data, cfg, progress=bar.update if bar else None)
                 if bar:
@@ -108,7 +118,7 @@ def run_lr_sweep(data, opts: RobustnessOptions, lrs=None, progress_factory=None)
                 cfg = TrainConfig(rule=rule, lr=lr, epochs=opts.epochs, batch_size=opts.batch_size, seed=seed,
                                   width=opts.width, num_heads=opts.num_heads, train_limit=opts.train_limit,
                                   device=opts.device)
-                bar = progress_factory(total=steps, desc=f"lr-sweep {RULE_LABEL[rule]} lr={lr:g} seed={seed}") \
+                bar = progress_factory(total=steps, desc=f"lr-sweep {_label(rule)} lr={lr:g} seed={seed}") \
                     if progress_factory else None
                 model, tr = train_classifier(data, cfg, progress=bar.update if bar else None)
                 if bar:
@@ -155,27 +165,28 @@ def write_robustness_outputs(results: dict, out_dir: str, command: str) -> list[
     agg = aggregate(results)
     results = dict(results, aggregate=agg, command=command)
     p = os.path.join(out_dir, "results.json")
-    _atomic_write(p, json.dumps(results, indent=1))
+    harness.atomic_write_json(p, results)
     written.append(p)
     for setting in agg:
         p = os.path.join(out_dir, f"robustness_{setting}.csv")
-        with open(p + ".tmp", "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["setting", "rule", "seed", "lr", "perturbation", "level", "accuracy"])
-            for run in results["runs"]:
-                if run["setting"] != setting:
-                    continue
-                w.writerow([setting, run["rule"], run["seed"], run["lr"], "clean", "", run["eval"]["clean"]])
-                for kind in results["levels"]:
-                    for lv, acc in zip(run["eval"][kind]["levels"], run["eval"][kind]["accuracy"]):
-                        w.writerow([setting, run["rule"], run["seed"], run["lr"], kind, lv, acc])
-        os.replace(p + ".tmp", p)
+        harness.atomic_write_csv(p, ["setting", "rule", "seed", "lr", "perturbation", "level", "accuracy"],
+                                 _robustness_csv_rows(results, setting))
         written.append(p)
     written += plot_robustness(results, agg, out_dir)
     p = os.path.join(out_dir, "summary.md")
-    _atomic_write(p, robustness_summary(results, agg, command))
+    harness.atomic_write(p, robustness_summary(results, agg, command))
     written.append(p)
     return written
+
+
+def _robustness_csv_rows(results: dict, setting: str):
+    for run in results["runs"]:
+        if run["setting"] != setting:
+            continue
+        yield [setting, run["rule"], run["seed"], run["lr"], "clean", "", run["eval"]["clean"]]
+        for kind in results["levels"]:
+            for lv, acc in zip(run["eval"][kind]["levels"], run["eval"][kind]["accuracy"]):
+                yield [setting, run["rule"], run["seed"], run["lr"], kind, lv, acc]
 
 
 def _title(results) -> str:
@@ -191,14 +202,13 @@ def plot_robustness(results: dict, agg: dict, out_dir: str) -> list[str]:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     written = []
-    colors = {"exact": "tab:red", "euler": "tab:blue", "gated-exact": "tab:orange", "gated-euler": "tab:cyan"}
     for setting, by_rule in agg.items():
         fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
         for ax, kind in zip(axes, results["levels"]):
             for rule, e in by_rule.items():
                 lv = e[kind]["levels"]
-                ax.plot(lv, e[kind]["mean"], "o-", color=colors[rule], label=f"{RULE_LABEL[rule]} (lr {e['lr']:g})")
-                ax.fill_between(lv, e[kind]["min"], e[kind]["max"], color=colors[rule], alpha=0.2)
+                ax.plot(lv, e[kind]["mean"], "o-", color=_colour(rule), label=f"{_label(rule)} (lr {e['lr']:g})")
+                ax.fill_between(lv, e[kind]["min"], e[kind]["max"], color=_colour(rule), alpha=0.2)
             ax.set_xlabel(KIND_LABEL[kind])
             ax.set_ylabel("test accuracy")
             ax.set_ylim(0, 1)
@@ -208,8 +218,7 @@ def plot_robustness(results: dict, agg: dict, out_dir: str) -> list[str]:
         fig.suptitle(f"Robustness ({setting}): {_title(results)}; mean over seeds, band = min..max")
         fig.tight_layout()
         p = os.path.join(out_dir, f"robustness_{setting}.png")
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
+        harness.atomic_save_figure(fig, p)
         written.append(p)
     # training-loss curves
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -222,8 +231,8 @@ def plot_robustness(results: dict, agg: dict, out_dir: str) -> list[str]:
         mean = [statistics.mean(c[i] for c in curves) for i in range(n)]
         win = max(1, n // 50)
         smooth = [statistics.mean(mean[max(0, i - win + 1) : i + 1]) for i in range(n)]
-        ax.plot(range(1, n + 1), smooth, styles.get(setting, "-"), color=colors[rule],
-                label=f"{RULE_LABEL[rule]} lr {lr:g} ({setting})")
+        ax.plot(range(1, n + 1), smooth, styles.get(setting, "-"), color=_colour(rule),
+                label=f"{_label(rule)} lr {lr:g} ({setting})")
     ax.set_xlabel("training step")
     ax.set_ylabel("cross-entropy (moving average)")
     ax.set_title(f"Training loss: {_title(results)}")
@@ -231,10 +240,31 @@ def plot_robustness(results: dict, agg: dict, out_dir: str) -> list[str]:
     ax.legend()
     fig.tight_layout()
     p = os.path.join(out_dir, "training_loss.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
+    harness.atomic_save_figure(fig, p)
     written.append(p)
     return written
+
+
+def robustness_tables(results: dict, agg: dict) -> dict[str, harness.Table]:
+    """Per setting: accuracy averaged over each perturbation's levels, by rule (console and summary.md)."""
+    tables = {}
+    for setting, by_rule in agg.items():
+        rules = list(by_rule)
+        compared = "exact" in by_rule and "euler" in by_rule
+        table = harness.Table(
+            title=f"{results['dataset']['name']}: accuracy averaged over perturbation levels ({setting})",
+            columns=["perturbation", "levels", *(f"{_label(r)} (lr {by_rule[r]['lr']:g})" for r in rules),
+                     "EFLA − DeltaNet"], right=set(range(2, len(rules) + 3)))
+        diff = f"{by_rule['exact']['clean']['mean'] - by_rule['euler']['clean']['mean']:+.4f}" if compared else ""
+        table.add_row("clean", "–", *(f"{by_rule[r]['clean']['mean']:.4f}" for r in rules), diff)
+        for kind in results["levels"]:
+            lv = by_rule[rules[0]][kind]["levels"]
+            diff = f"{by_rule['exact'][kind]['area'] - by_rule['euler'][kind]['area']:+.4f}" if compared else ""
+            table.add_row(kind, f"{lv[0]:g}..{lv[-1]:g} ({len(lv)})",
+                          *(f"{by_rule[r][kind]['area']:.4f} ± {by_rule[r][kind]['area_std']:.4f}" for r in rules),
+                          diff)
+        tables[setting] = table
+    return tables
 
 
 def robustness_summary(results: dict, agg: dict, command: str) -> str:
@@ -242,23 +272,9 @@ def robustness_summary(results: dict, agg: dict, command: str) -> str:
              f"Data: {results['dataset']['source']}; versions: {json.dumps(results['versions'])}", "",
              "Each cell: accuracy averaged over the perturbation levels (mean over seeds ± std over seeds). "
              "Higher means the model degrades more slowly.", ""]
+    tables = robustness_tables(results, agg)
     for setting, by_rule in agg.items():
-        rules = list(by_rule)
-        lines += [f"## {setting}", "", "| perturbation | levels | " + " | ".join(
-            f"{RULE_LABEL[r]} (lr {by_rule[r]['lr']:g})" for r in rules) + " | EFLA − DeltaNet |",
-            "| --- | --- | " + " | ".join("---" for _ in rules) + " | --- |"]
-        clean = " | ".join(f"{by_rule[r]['clean']['mean']:.4f}" for r in rules)
-        diff = ""
-        if "exact" in by_rule and "euler" in by_rule:
-            diff = f"{by_rule['exact']['clean']['mean'] - by_rule['euler']['clean']['mean']:+.4f}"
-        lines.append(f"| clean | – | {clean} | {diff} |")
-        for kind in results["levels"]:
-            cells = " | ".join(f"{by_rule[r][kind]['area']:.4f} ± {by_rule[r][kind]['area_std']:.4f}" for r in rules)
-            lv = by_rule[rules[0]][kind]["levels"]
-            d = ""
-            if "exact" in by_rule and "euler" in by_rule:
-                d = f"{by_rule['exact'][kind]['area'] - by_rule['euler'][kind]['area']:+.4f}"
-            lines.append(f"| {kind} | {lv[0]:g}..{lv[-1]:g} ({len(lv)}) | {cells} | {d} |")
+        lines += [f"## {setting}", "", *tables[setting].markdown()]
         lines.append("")
         if "exact" in by_rule and "euler" in by_rule:
             for kind in results["levels"]:
@@ -271,39 +287,38 @@ def robustness_summary(results: dict, agg: dict, command: str) -> str:
     return "\n".join(lines)
 
 
-def write_lr_sweep_outputs(results: dict, out_dir: str, command: str) -> list[str]:
+def _lr_sweep_means(results: dict) -> dict:
+    """``{rule: {lr: (mean final train loss, mean test accuracy)}}`` over seeds."""
+    by_rule: dict = {}
+    for r in results["rows"]:
+        by_rule.setdefault(r["rule"], {}).setdefault(r["lr"], []).append(r)
+    return {rule: {lr: (statistics.mean(x["final_train_loss"] for x in rows),
+                        statistics.mean(x["test_accuracy"] for x in rows)) for lr, rows in sorted(by_lr.items())}
+            for rule, by_lr in by_rule.items()}
+
+
+def lr_sweep_table(results: dict) -> harness.Table:
+    """Final train loss / test accuracy by rule and learning rate (console and lr_sweep.md)."""
+    table = harness.Table(title=f"{results['dataset']['name']}: learning-rate sweep (final train loss / test accuracy)",
+                          columns=["rule", *(f"lr {lr:g}" for lr in results["lrs"])],
+                          right=set(range(1, len(results["lrs"]) + 1)))
+    for rule, by_lr in _lr_sweep_means(results).items():
+        table.add_row(_label(rule), *(f"loss {by_lr[lr][0]:.3f} / acc {by_lr[lr][1]:.4f}" if lr in by_lr else "–"
+                                      for lr in results["lrs"]))
+    return table
+
+
+def plot_lr_sweep(results: dict, path: str) -> None:
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    os.makedirs(out_dir, exist_ok=True)
-    results = dict(results, command=command)
-    written = []
-    p = os.path.join(out_dir, "lr_sweep.json")
-    _atomic_write(p, json.dumps(results, indent=1))
-    written.append(p)
-    p = os.path.join(out_dir, "lr_sweep.csv")
-    with open(p + ".tmp", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["rule", "lr", "seed", "final_train_loss", "test_accuracy", "diverged"])
-        for r in results["rows"]:
-            w.writerow([r["rule"], r["lr"], r["seed"], r["final_train_loss"], r["test_accuracy"], r["diverged"]])
-    os.replace(p + ".tmp", p)
-    written.append(p)
-    colors = {"exact": "tab:red", "euler": "tab:blue", "gated-exact": "tab:orange", "gated-euler": "tab:cyan"}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    by_rule: dict = {}
-    for r in results["rows"]:
-        by_rule.setdefault(r["rule"], {}).setdefault(r["lr"], []).append(r)
-    table = []
-    for rule, by_lr in by_rule.items():
-        lrs = sorted(by_lr)
-        loss = [statistics.mean(x["final_train_loss"] for x in by_lr[lr]) for lr in lrs]
-        acc = [statistics.mean(x["test_accuracy"] for x in by_lr[lr]) for lr in lrs]
-        axes[0].plot(lrs, loss, "o-", color=colors[rule], label=RULE_LABEL[rule])
-        axes[1].plot(lrs, acc, "o-", color=colors[rule], label=RULE_LABEL[rule])
-        table.append((rule, lrs, loss, acc))
+    for rule, by_lr in _lr_sweep_means(results).items():
+        lrs = list(by_lr)
+        axes[0].plot(lrs, [by_lr[lr][0] for lr in lrs], "o-", color=_colour(rule), label=_label(rule))
+        axes[1].plot(lrs, [by_lr[lr][1] for lr in lrs], "o-", color=_colour(rule), label=_label(rule))
     for ax, lab in zip(axes, ["final training loss (last 10% of steps)", "test accuracy"]):
         ax.set_xscale("log")
         ax.set_xlabel("learning rate")
@@ -314,16 +329,21 @@ def write_lr_sweep_outputs(results: dict, out_dir: str, command: str) -> list[st
     fig.suptitle(f"Learning-rate sweep: {results['dataset']['name']} ({results['dataset']['n_train']} train), "
                  f"{o['epochs']} epoch(s), {len(o['seeds'])} seed(s)")
     fig.tight_layout()
-    p = os.path.join(out_dir, "lr_sweep.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(p)
+    harness.atomic_save_figure(fig, path)
+
+
+def write_lr_sweep_outputs(results: dict, out_dir: str, command: str) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    results = dict(results, command=command)
+    files = {name: os.path.join(out_dir, name) for name in ("lr_sweep.json", "lr_sweep.csv", "lr_sweep.png",
+                                                           "lr_sweep.md")}
+    harness.atomic_write_json(files["lr_sweep.json"], results)
+    harness.atomic_write_csv(files["lr_sweep.csv"], ["rule", "lr", "seed", "final_train_loss", "test_accuracy",
+                                                     "diverged"],
+                             ([r["rule"], r["lr"], r["seed"], r["final_train_loss"], r["test_accuracy"], r["diverged"]]
+                              for r in results["rows"]))
+    plot_lr_sweep(results, files["lr_sweep.png"])
     lines = [f"# Learning-rate sweep: {results['dataset']['name']}", "", f"Command: `{command}`", "",
-             "| rule | " + " | ".join(f"lr {lr:g}" for lr in results["lrs"]) + " |",
-             "| --- | " + " | ".join("---" for _ in results["lrs"]) + " |"]
-    for rule, lrs, loss, acc in table:
-        lines.append(f"| {RULE_LABEL[rule]} | " + " | ".join(f"loss {lo:.3f} / acc {a:.4f}" for lo, a in zip(loss, acc)) + " |")
-    p = os.path.join(out_dir, "lr_sweep.md")
-    _atomic_write(p, "\n".join(lines) + "\n")
-    written.append(p)
-    return written
+             *lr_sweep_table(results).markdown()]
+    harness.atomic_write(files["lr_sweep.md"], "\n".join(lines) + "\n")
+    return list(files.values())
