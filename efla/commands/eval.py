@@ -1,6 +1,6 @@
 """``efla eval`` (one model: WikiText, LAMBADA, lm-evaluation-harness) and ``efla compare`` (several
 models in the paper's Table 1 layout). Argument parsing and printing only; the work is in
-:mod:`efla.experiments.lm_eval`."""
+:mod:`efla.experiments.lm.evaluate`."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def default_data_file(kind: str) -> str | None:
 
 
 def _options(args):
-    from efla.experiments.lm_eval import EvalOptions  # noqa: PLC0415
+    from efla.experiments.lm.evaluate import EvalOptions  # noqa: PLC0415
 
     wikitext, lambada = args.wikitext, args.lambada
     harness = [t.strip() for t in args.harness.split(",") if t.strip()] if args.harness else None
@@ -60,7 +60,7 @@ def _options(args):
 
 def _check_eval_options(args, wikitext: str | None, lambada: str | None) -> None:
     from efla.experiments import arg_checks as check  # noqa: PLC0415
-    from efla.experiments.lm_eval import load_lambada, load_text  # noqa: PLC0415
+    from efla.experiments.lm.evaluate import load_lambada, load_text  # noqa: PLC0415
 
     check.at_least(args.context, 2, "--context")
     check.at_least(args.stride, 1, "--stride")
@@ -118,7 +118,7 @@ def _print_record(rec: dict) -> None:
 
 
 def cmd_eval(args) -> int:
-    from efla.experiments.lm_eval import check_model_dir, evaluate_model, write_json  # noqa: PLC0415
+    from efla.experiments.lm.evaluate import check_model_dir, evaluate_model, write_json  # noqa: PLC0415
 
     check_model_dir(args.model)
     _setup_threads(args)
@@ -134,7 +134,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from efla.experiments.lm_eval import (  # noqa: PLC0415
+    from efla.experiments.lm.evaluate import (  # noqa: PLC0415
         check_model_dir, compare, evaluate_model, write_json, write_text)
 
     _setup_threads(args)

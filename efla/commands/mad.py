@@ -16,8 +16,8 @@ def _cuda_available() -> bool:
 
 
 def add_parser(subparsers) -> None:
-    from efla.data.mad import TASK_ABBR, TASKS  # noqa: PLC0415
-    from efla.experiments.mad_run import PRESETS  # noqa: PLC0415
+    from efla.data.mad_tasks import TASK_ABBR, TASKS  # noqa: PLC0415
+    from efla.experiments.mad.run import PRESETS  # noqa: PLC0415
 
     abbr = ", ".join(f"{v}={k}" for k, v in TASK_ABBR.items())
     p = subparsers.add_parser(
@@ -49,7 +49,7 @@ def add_parser(subparsers) -> None:
 
 
 def _resolve_tasks(names):
-    from efla.data.mad import TASK_ABBR, TASKS  # noqa: PLC0415
+    from efla.data.mad_tasks import TASK_ABBR, TASKS  # noqa: PLC0415
 
     inv = {v.lower(): k for k, v in TASK_ABBR.items()}
     out = []
@@ -82,9 +82,9 @@ def cmd_mad(args) -> int:
 
     from efla.experiments import harness  # noqa: PLC0415
 
-    from efla.data.mad import TASK_LABEL  # noqa: PLC0415
-    from efla.experiments.mad import RULE_LABEL  # noqa: PLC0415
-    from efla.experiments.mad_run import (  # noqa: PLC0415
+    from efla.data.mad_tasks import TASK_LABEL  # noqa: PLC0415
+    from efla.experiments.mad.model import RULE_LABEL  # noqa: PLC0415
+    from efla.experiments.mad.run import (  # noqa: PLC0415
         PAPER, PAPER_AVERAGE, MADOptions, aggregate, run_mad, write_outputs)
 
     console = Console()

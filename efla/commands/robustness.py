@@ -82,7 +82,7 @@ def _prepare(args):
     """Checks the arguments, loads the data and resolves the options: (console, data, options)."""
     from rich.console import Console  # noqa: PLC0415
 
-    from efla.experiments.robustness_run import RobustnessOptions  # noqa: PLC0415
+    from efla.experiments.robustness.run import RobustnessOptions  # noqa: PLC0415
 
     _check_pixel_args(args)
     console = Console()
@@ -96,7 +96,7 @@ def _prepare(args):
 
 def cmd_robustness(args) -> int:
     from efla.experiments import harness  # noqa: PLC0415
-    from efla.experiments.robustness_run import (  # noqa: PLC0415
+    from efla.experiments.robustness.run import (  # noqa: PLC0415
         aggregate, robustness_tables, run_robustness, write_robustness_outputs)
 
     console, data, opts = _prepare(args)
@@ -110,7 +110,7 @@ def cmd_robustness(args) -> int:
 
 def cmd_lr_sweep(args) -> int:
     from efla.experiments import harness  # noqa: PLC0415
-    from efla.experiments.robustness_run import (  # noqa: PLC0415
+    from efla.experiments.robustness.run import (  # noqa: PLC0415
         lr_sweep_table, run_lr_sweep, sweep_lrs, write_lr_sweep_outputs)
 
     console, data, opts = _prepare(args)

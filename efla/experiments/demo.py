@@ -16,7 +16,7 @@ from efla.variants import Variant
 
 from . import harness
 from .onestep import one_step_table
-from .robustness import TrainConfig, evaluate_perturbations, train_classifier
+from .robustness.model import TrainConfig, evaluate_perturbations, train_classifier
 from .timing import op_timings
 
 MEASURED_SECONDS = 50  # `efla demo` from a fresh clone on an idle 2-core x86-64 CPU, torch 2.13, 2 threads (45-49 s)
@@ -74,9 +74,9 @@ DEMO_LEVELS = {"scale": [1.0, 2.0, 3.0, 5.0, 10.0], "noise": [0.0, 0.2, 0.4, 0.6
 def run_mad_demo_task(quick: bool = False, epochs: int | None = None, progress_factory=None) -> dict:
     """In-context recall at a small size (vocab 16, length 64, 1024 training sequences), EFLA vs
     DeltaNet with the MAD backbone (width 64, 4 heads) and the MAD recipe, on the CPU."""
-    from efla.data.mad import MADSetting, make_dataset  # noqa: PLC0415
+    from efla.data.mad_tasks import MADSetting, make_dataset  # noqa: PLC0415
 
-    from .mad import RunConfig, train_run  # noqa: PLC0415
+    from .mad.model import RunConfig, train_run  # noqa: PLC0415
 
     setting = MADSetting("in-context-recall", 16, 64, num_train_examples=1024, num_test_examples=256)
     dataset = make_dataset(setting)

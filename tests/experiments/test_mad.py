@@ -13,9 +13,9 @@ import torch
 
 import efla.ops.api as ops_api
 from efla.cli import build_parser, main
-from efla.data import mad as D
-from efla.experiments import mad as E
-from efla.experiments import mad_run as R
+from efla.data import mad_tasks as D
+from efla.experiments.mad import model as E
+from efla.experiments.mad import run as R
 
 
 @pytest.fixture

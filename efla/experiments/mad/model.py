@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from efla.data.mad import IGNORE, MADSetting, make_dataset
+from efla.data.mad_tasks import IGNORE, MADSetting, make_dataset
 from efla.layers import EFLA, GatedEFLA, GatedMLP, RMSNorm
 from efla.variants import Variant
 

@@ -55,8 +55,8 @@ import torch
 
 from efla.errors import UsageError
 
-from . import arg_checks as check
-from .run_dir import check_out_dir, claim_run_dir
+from .. import arg_checks as check
+from ..run_dir import check_out_dir, claim_run_dir
 
 __all__ = [
     "TrainConfig",
@@ -767,7 +767,7 @@ def _claim_and_choose_start(cfg: TrainConfig, dist: _Dist):
 
 
 def _undo_claim(out: str, lock, existed: bool) -> None:
-    from .run_dir import LOCK_NAME  # noqa: PLC0415
+    from ..run_dir import LOCK_NAME  # noqa: PLC0415
 
     if lock is None:
         return
@@ -1213,7 +1213,7 @@ def write_lm_report(run_dirs: list[str], out: str, title: str = "Language modell
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    from .robustness_run import versions  # noqa: PLC0415
+    from ..robustness.run import versions  # noqa: PLC0415
 
     rows = collect_runs(run_dirs)
     if not rows:

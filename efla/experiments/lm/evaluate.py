@@ -22,9 +22,9 @@ Definitions (the functions below return plain dicts; nothing here prints):
 * **lm-evaluation-harness** (optional extra ``lm-eval``): :func:`harness_evaluate` runs
   ``lm_eval.simple_evaluate`` on an ``HFLM`` wrapping our model instance and tokenizer;
   :func:`write_lambada_task` writes an offline task YAML (``lambada_openai`` over a local JSONL).
-  ``python -m efla.experiments.lm_eval ARGS`` runs lm-eval's own command line with the ``efla``
+  ``python -m efla.experiments.lm.evaluate ARGS`` runs lm-eval's own command line with the ``efla``
   model type registered, e.g.
-  ``python -m efla.experiments.lm_eval run --model hf --model_args pretrained=DIR --tasks lambada_openai``.
+  ``python -m efla.experiments.lm.evaluate run --model hf --model_args pretrained=DIR --tasks lambada_openai``.
 * **Comparison** (:func:`compare`): one Markdown table in the paper's Table 1 layout (mean and
   standard deviation over seeds per variant), a per-model table, the EFLA-minus-DeltaNet
   differences (and the gated pair), and the paper's numbers in a separate block.

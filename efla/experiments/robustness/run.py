@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from efla.variants import Variant
 
-from . import harness
-from .robustness import (
+from .. import harness
+from .model import (
     FULL_LEVELS,
     PAPER_LR,
     QUICK_LEVELS,

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from efla.data.mad import TASK_LABEL, TASKS, MADSetting, baseline_setting, benchmark_settings, make_dataset
+from efla.data.mad_tasks import TASK_LABEL, TASKS, MADSetting, baseline_setting, benchmark_settings, make_dataset
 
-from .mad import RULE_LABEL, RULES, RunConfig, train_run
+from .model import RULE_LABEL, RULES, RunConfig, train_run
 
 GRID_LRS = (1e-4, 5e-4, 1e-3)
 GRID_WDS = (0.0, 0.1)

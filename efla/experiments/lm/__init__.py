@@ -1,0 +1,1 @@
+"""Language models: training (train.py) and evaluation (evaluate.py)."""

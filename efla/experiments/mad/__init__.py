@@ -1,0 +1,1 @@
+"""The MAD synthetic benchmark: the model and one training run (model.py), the grid of runs (run.py)."""

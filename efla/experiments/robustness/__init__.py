@@ -1,0 +1,1 @@
+"""Pixel-sequence classification under perturbations: the model (model.py), the runs (run.py)."""
