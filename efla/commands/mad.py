@@ -78,14 +78,10 @@ def _check_arguments(args) -> None:
 def cmd_mad(args) -> int:
     import torch  # noqa: PLC0415
     from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
 
     from efla.experiments import harness  # noqa: PLC0415
-
-    from efla.data.mad_tasks import TASK_LABEL  # noqa: PLC0415
-    from efla.experiments.mad.model import RULE_LABEL  # noqa: PLC0415
     from efla.experiments.mad.run import (  # noqa: PLC0415
-        PAPER, PAPER_AVERAGE, MADOptions, aggregate, run_mad, write_outputs)
+        MADOptions, aggregate, run_mad, scores_table, write_outputs)
 
     console = Console()
     _check_arguments(args)
@@ -102,30 +98,7 @@ def cmd_mad(args) -> int:
 
     res = run_mad(opts, args.out, progress_factory=harness.progress_factory(), log=console.print)
     files = write_outputs(res, args.out, args.command_line)
-    agg = aggregate(res["runs"])
-    rules = [r for r in opts.rules if r in agg]
-    tab = Table(title=f"MAD accuracy ×100 ({preset} preset; paper = full 66-setting protocol)")
-    tab.add_column("task")
-    for r in rules:
-        tab.add_column(RULE_LABEL[r], justify="right")
-    if "exact" in rules and "euler" in rules:
-        tab.add_column("EFLA − DeltaNet", justify="right")
-    tab.add_column("paper DeltaNet / EFLA", justify="right")
-    for t in opts.tasks:
-        cells = [f"{100 * agg[r][t]['score']:.1f}" if t in agg[r] else "–" for r in rules]
-        if "exact" in rules and "euler" in rules:
-            d = (100 * (agg["exact"][t]["score"] - agg["euler"][t]["score"])
-                 if t in agg["exact"] and t in agg["euler"] else None)
-            cells.append("–" if d is None else f"[{'green' if d > 0 else 'red' if d < 0 else 'white'}]{d:+.1f}[/]")
-        cells.append(f"{PAPER[t]['euler']:.1f} / {PAPER[t]['exact']:.1f}")
-        tab.add_row(TASK_LABEL[t], *cells)
-    cells = [f"{100 * agg[r]['average']:.1f}" for r in rules]
-    if "exact" in rules and "euler" in rules:
-        cells.append(f"{100 * (agg['exact']['average'] - agg['euler']['average']):+.1f}")
-    cells.append(f"{PAPER_AVERAGE['euler']:.1f} / {PAPER_AVERAGE['exact']:.1f}")
-    n_tasks = len([t for t in opts.tasks if any(t in agg[r] for r in rules)])
-    tab.add_row("Average" if n_tasks == 6 else f"Average ({n_tasks} of 6 tasks)", *cells, style="bold")
-    console.print(tab)
+    console.print(scores_table(aggregate(res["runs"]), preset).rich())
     if res["missing"]:
         console.print(f"[yellow]{len(res['missing'])} planned runs are not stored yet[/yellow] (--report-only?).")
     console.print("Wrote: " + ", ".join(files))

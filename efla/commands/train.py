@@ -178,7 +178,7 @@ def _saved_options(out: str, fields) -> dict | None:
 
 def cmd_lm_report(args) -> int:
     from efla.experiments import arg_checks as check  # noqa: PLC0415
-    from efla.experiments.lm.train import write_lm_report  # noqa: PLC0415
+    from efla.experiments.lm.report import write_lm_report  # noqa: PLC0415
 
     for run in args.runs:
         check.existing_dir(run, "--runs")

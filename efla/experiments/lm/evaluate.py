@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import re
 import statistics
 import time
@@ -44,9 +43,12 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from efla.variants import label
+
+from .. import harness
+
 __all__ = [
     "PAPER_TABLE1",
-    "VARIANT_LABEL",
     "EvalOptions",
     "compare",
     "encode_pair",
@@ -80,8 +82,6 @@ PAPER_TABLE1 = [
     dict(scale="1.3B / 50B tokens", model="EFLA", wiki_ppl=18.30, lambada_ppl=16.54, lambada_acc=43.2, avg=51.8),
 ]
 
-VARIANT_LABEL = {"deltanet": "DeltaNet", "efla": "EFLA", "gated_deltanet": "Gated DeltaNet",
-                 "gated_efla": "Gated EFLA"}
 VARIANT_ORDER = ["deltanet", "efla", "gated_deltanet", "gated_efla"]
 PAIRS = [("efla", "deltanet"), ("gated_efla", "gated_deltanet")]
 
@@ -235,7 +235,7 @@ def model_info(model, path: str | None = None) -> dict:
     return dict(
         path=os.path.abspath(path) if path else None, name=os.path.basename(os.path.normpath(path)) if path else None,
         training=training,
-        variant=variant, label=VARIANT_LABEL.get(variant, variant), seed=seed,
+        variant=variant, label=label(variant, variant), seed=seed,
         parameters=sum(p.numel() for p in model.parameters()),
         config={k: getattr(cfg, k, None) for k in ("model_type", "update_rule", "gated", "vocab_size", "hidden_size",
                                                     "num_hidden_layers", "num_heads", "head_dim",
@@ -500,19 +500,7 @@ class EvalOptions:
 
 
 def versions() -> dict:
-    import transformers  # noqa: PLC0415
-
-    import efla  # noqa: PLC0415
-
-    v = {"efla": efla.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
-         "python": platform.python_version(), "machine": platform.machine()}
-    try:
-        import lm_eval  # noqa: PLC0415
-
-        v["lm_eval"] = getattr(lm_eval, "__version__", "installed")
-    except ImportError:
-        pass
-    return v
+    return harness.versions("transformers", "lm_eval")
 
 
 def evaluate_model(path: str, opts: EvalOptions, progress_factory=None, model=None, tokenizer=None) -> dict:
@@ -624,7 +612,7 @@ def compare(records: list[dict]) -> tuple[str, dict]:
     for v in variants:
         rs = sorted(groups[v], key=lambda r: (r["model"]["seed"] is None, r["model"]["seed"]))
         seeds = [r["model"]["seed"] for r in rs]
-        entry = {"label": VARIANT_LABEL.get(v, v), "seeds": seeds, "n": len(rs),
+        entry = {"label": label(v, v), "seeds": seeds, "n": len(rs),
                  "parameters": rs[0]["model"]["parameters"]}
         cells = [entry["label"], f"{entry['parameters'] / 1e6:.2f}M",
                  ", ".join("?" if s is None else str(s) for s in seeds)]
@@ -657,7 +645,7 @@ def compare(records: list[dict]) -> tuple[str, dict]:
         for r in sorted(groups[v], key=lambda r: (r["model"]["seed"] is None, r["model"]["seed"])):
             m = _metrics(r)
             summary["models"].append(dict(name=r["model"]["name"], variant=v, seed=r["model"]["seed"], **m))
-            lines.append("| " + " | ".join([str(r["model"]["name"]), VARIANT_LABEL.get(v, v), str(r["model"]["seed"])]
+            lines.append("| " + " | ".join([str(r["model"]["name"]), label(v, v), str(r["model"]["seed"])]
                                           + [_fmt(fmt, m[k]) if k in m else "–" for k, _, _, fmt in present]) + " |")
 
     pair_lines = []
@@ -678,7 +666,7 @@ def compare(records: list[dict]) -> tuple[str, dict]:
                      diff_std=statistics.stdev(diffs) if len(diffs) > 1 else None,
                      a_better_on_mean=(ma > mb) if higher else (ma < mb), tie=ma == mb)
             summary["pairs"].append(p)
-            la, lb = VARIANT_LABEL.get(a, a), VARIANT_LABEL.get(b, b)
+            la, lb = label(a, a), label(b, b)
             per_seed = ", ".join(f"s{s}: {_fmt(fmt, d)}" for s, d in zip(common, diffs)) or "no paired seeds"
             pair_lines.append(f"| {la} − {lb} | {header} | {_fmt(fmt, ma)} | {_fmt(fmt, mb)} | "
                               f"{'+' if ma - mb >= 0 else ''}{_fmt(fmt, ma - mb)} | {per_seed} | "
@@ -762,19 +750,11 @@ def _verdicts(summary: dict) -> list[str]:
 
 
 def write_json(path: str, obj) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
+    harness.atomic_write_json(path, obj, indent=2)
 
 
 def write_text(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    harness.atomic_write(path, text)
 
 
 def _lm_eval_cli() -> None:  # pragma: no cover - thin wrapper

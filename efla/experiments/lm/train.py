@@ -56,6 +56,7 @@ import torch
 from efla.errors import UsageError
 
 from .. import arg_checks as check
+from .. import harness
 from ..run_dir import check_out_dir, claim_run_dir
 
 __all__ = [
@@ -72,8 +73,6 @@ __all__ = [
     "find_resume_checkpoint",
     "read_log",
     "SIZE_DEFAULTS",
-    "collect_runs",
-    "write_lm_report",
     "main_ddp_cleanup",
 ]
 
@@ -224,12 +223,7 @@ def _fsync_dir(path: str) -> None:
 
 
 def _write_json_atomic(path: str, obj) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    harness.atomic_write_json(path, obj, indent=2)
 
 
 def _step_of(name: str) -> int | None:
@@ -417,10 +411,7 @@ def _truncate_log(out: str, step: int) -> None:
                     keep.append(line if line.endswith("\n") else line + "\n")
             except (ValueError, KeyError):
                 break  # a torn last line from a crash
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(keep)
-    os.replace(tmp, path)
+    harness.atomic_write(path, "".join(keep))
 
 
 def _size_of(preset: str | None) -> str:
@@ -1159,146 +1150,3 @@ def main_ddp_cleanup() -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit("use `efla train` (python -m efla train)")
-
-
-# -- report of several runs ----------------------------------------------------------------------------
-
-VARIANT_LABEL = {"efla": "EFLA", "deltanet": "DeltaNet", "gated_efla": "Gated EFLA", "gated_deltanet": "Gated DeltaNet"}
-VARIANT_COLOR = {"efla": "tab:red", "deltanet": "tab:blue", "gated_efla": "tab:orange", "gated_deltanet": "tab:cyan"}
-
-
-def _smooth(xs: list[float], window: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, x in enumerate(xs):
-        acc += x
-        if i >= window:
-            acc -= xs[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
-
-
-def collect_runs(run_dirs: list[str], tail: int = 20) -> list[dict]:
-    """Per run: variant, seed, its loss and validation curves and the summary numbers
-    (``final_loss`` is the mean training loss of the last ``tail`` steps)."""
-    rows = []
-    for d in run_dirs:
-        if not os.path.exists(os.path.join(d, "train_summary.json")):
-            continue  # unfinished run
-        with open(os.path.join(d, "train_summary.json")) as f:
-            summ = json.load(f)
-        with open(os.path.join(d, "train_args.json")) as f:
-            args = json.load(f)
-        log = [e for e in read_log(d) if "error" not in e]
-        curve = [(e["step"], e["tokens"], e["loss"]) for e in log]
-        val = [(e["step"], e["tokens"], e["val_loss"]) for e in log if "val_loss" in e]
-        last = [c[2] for c in curve[-tail:]]
-        rows.append(dict(run=os.path.basename(os.path.normpath(d)), dir=d, variant=summ["variant"], seed=args["seed"],
-                         preset=args["preset"], steps=summ["steps"], tokens=summ["tokens"],
-                         n_params=summ["n_params"], final_loss=sum(last) / len(last) if last else None,
-                         val_loss=summ["val_loss"], tokens_per_s=summ["tokens_per_s"], threads=summ.get("threads"),
-                         train_seconds=summ.get("train_seconds_this_process"), resolved=args.get("resolved", {}),
-                         curve=curve, val_curve=val))
-    return rows
-
-
-def write_lm_report(run_dirs: list[str], out: str, title: str = "Language modelling", notes: str = "",
-                    command_line: str = "") -> list[str]:
-    """``lm_losses.json``, ``lm_losses.csv``, ``lm_loss_curves.png`` and ``summary.md`` for runs of
-    :func:`train` (grouped by variant; mean and spread over seeds). Returns the paths written."""
-    import csv  # noqa: PLC0415
-    import statistics  # noqa: PLC0415
-
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    from ..robustness.run import versions  # noqa: PLC0415
-
-    rows = collect_runs(run_dirs)
-    if not rows:
-        raise ValueError("runs: none of them has finished (no train_summary.json)")
-    os.makedirs(out, exist_ok=True)
-    files = []
-    p = os.path.join(out, "lm_losses.json")
-    _write_json_atomic(p, dict(title=title, runs=rows, versions=versions()))
-    files.append(p)
-    p = os.path.join(out, "lm_losses.csv")
-    with open(p, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["run", "variant", "seed", "step", "tokens", "train_loss", "val_loss"])
-        for r in rows:
-            val = {s: v for s, _, v in r["val_curve"]}
-            for s, t, loss in r["curve"]:
-                w.writerow([r["run"], r["variant"], r["seed"], s, t, f"{loss:.6f}",
-                            f"{val[s]:.6f}" if s in val else ""])
-    files.append(p)
-
-    order = [v for v in VARIANT_LABEL if any(r["variant"] == v for r in rows)]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in rows:
-        toks = [t / 1e6 for _, t, _ in r["curve"]]
-        lab = f"{VARIANT_LABEL[r['variant']]} (seed {r['seed']})"
-        axes[0].plot(toks, _smooth([x for _, _, x in r["curve"]], 20), color=VARIANT_COLOR[r["variant"]],
-                     lw=1.0, alpha=0.8, label=lab)
-        axes[1].plot([t / 1e6 for _, t, _ in r["val_curve"]], [x for _, _, x in r["val_curve"]], marker=".",
-                     color=VARIANT_COLOR[r["variant"]], lw=1.0, alpha=0.8, label=lab)
-    axes[0].set(xlabel="training tokens (M)", ylabel="training loss (20-step moving average)", title="training loss")
-    axes[1].set(xlabel="training tokens (M)", ylabel="validation loss (held-out sequences)", title="validation loss")
-    lo = min(min(x for _, _, x in r["curve"][len(r["curve"]) // 4:]) for r in rows)
-    axes[0].set_ylim(lo - 0.1, lo + 2.5)
-    vlo = min(min((x for _, _, x in r["val_curve"]), default=lo) for r in rows)
-    axes[1].set_ylim(vlo - 0.1, vlo + 2.5)
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels()
-    seen = {}
-    for h, lab in zip(handles, labels):
-        seen.setdefault(lab.split(" (seed")[0], h)
-    axes[0].legend(seen.values(), seen.keys())
-    fig.suptitle(title)
-    fig.tight_layout()
-    p = os.path.join(out, "lm_loss_curves.png")
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    files.append(p)
-
-    def ms(xs, fmt=".4f"):
-        xs = [x for x in xs if x is not None]
-        if not xs:
-            return "n/a"
-        if len(xs) == 1:
-            return f"{xs[0]:{fmt}}"
-        return f"{statistics.mean(xs):{fmt}} ± {statistics.stdev(xs):{fmt}}"
-
-    r0 = rows[0]
-    lines = [f"# {title}", "",
-             f"{len(rows)} runs; each: preset `{r0['preset'].split('-')[0]}-*` "
-             f"({r0['n_params']:,} parameters with this vocabulary), {r0['steps']} steps, "
-             f"{r0['tokens']:,} training tokens (sequence length {r0['resolved'].get('seq_len')}, "
-             f"{r0['resolved'].get('batch_tokens')} tokens per step).", "",
-             "| model | seeds | final train loss (mean of last 20 steps) | final validation loss | validation ppl "
-             "| tokens/s per run (as run, see below) |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for v in order:
-        rs = [r for r in rows if r["variant"] == v]
-        vl = [r["val_loss"] for r in rs if r["val_loss"] is not None]
-        ppl = ms([math.exp(x) for x in vl], ".1f")
-        tps = [r["tokens_per_s"] for r in rs if r["tokens_per_s"]]
-        lines.append(f"| {VARIANT_LABEL[v]} | {', '.join(str(r['seed']) for r in rs)} | {ms([r['final_loss'] for r in rs])} "
-                     f"| {ms(vl)} | {ppl} | {statistics.mean(tps):,.0f} |")
-    lines += ["", "Mean ± sample standard deviation over seeds (model initialisation; the data order is the same "
-              "for every run). Per-run numbers: `lm_losses.json` / `lm_losses.csv`; curves: `lm_loss_curves.png`.",
-              "", "| run | train loss | validation loss | tokens/s | train seconds |", "| --- | --- | --- | --- | --- |"]
-    for r in rows:
-        lines.append(f"| {r['run']} | {r['final_loss']:.4f} | "
-                     f"{r['val_loss']:.4f} | {r['tokens_per_s']:,.0f} | {r['train_seconds']:.0f} |")
-    if notes:
-        lines += ["", notes.rstrip()]
-    if command_line:
-        lines += ["", f"Report written by: `{command_line}`"]
-    p = os.path.join(out, "summary.md")
-    with open(p, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    files.append(p)
-    return files

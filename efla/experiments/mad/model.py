@@ -37,7 +37,6 @@ from efla.layers import EFLA, GatedEFLA, GatedMLP, RMSNorm
 from efla.variants import Variant
 
 RULES = ("exact", "euler", "gated-exact", "gated-euler")
-RULE_LABEL = {"exact": "EFLA", "euler": "DeltaNet", "gated-exact": "Gated EFLA", "gated-euler": "Gated DeltaNet"}
 EARLY_STOP = 0.999
 
 

@@ -9,19 +9,18 @@ like the paper's Fig. 3).
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
-import platform
 import statistics
 from dataclasses import dataclass, field
 
-import torch
 
+from efla.variants import colour, label
 from efla.data.mad_tasks import TASK_LABEL, TASKS, MADSetting, baseline_setting, benchmark_settings, make_dataset
 
-from .model import RULE_LABEL, RULES, RunConfig, train_run
+from .. import harness
+from .model import RULES, RunConfig, train_run
 
 GRID_LRS = (1e-4, 5e-4, 1e-3)
 GRID_WDS = (0.0, 0.1)
@@ -139,20 +138,7 @@ def plan(opts: MADOptions) -> list[RunConfig]:
 
 
 def versions() -> dict:
-    import numpy  # noqa: PLC0415
-
-    import efla  # noqa: PLC0415
-
-    return {"efla": efla.__version__, "torch": torch.__version__, "numpy": numpy.__version__,
-            "python": platform.python_version(), "machine": platform.machine(),
-            "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    return harness.versions("numpy")
 
 
 def run_path(out_dir: str, cfg: RunConfig) -> str:
@@ -190,14 +176,14 @@ def run_mad(opts: MADOptions, out_dir: str, progress_factory=None, log=None) -> 
                 cache.clear()
                 cache[cfg.setting.id] = make_dataset(cfg.setting, seed=cfg.seed)
             n_steps = cfg.epochs * math.ceil(cfg.setting.num_train_examples / cfg.batch_size)
-            desc = f"[{i + 1}/{len(cfgs)}] {cfg.setting.id} {RULE_LABEL[cfg.rule]} lr={cfg.lr:g} wd={cfg.weight_decay:g}"
+            desc = f"[{i + 1}/{len(cfgs)}] {cfg.setting.id} {label(cfg.rule)} lr={cfg.lr:g} wd={cfg.weight_decay:g}"
             bar = progress_factory(total=n_steps, desc=desc) if progress_factory else None
             try:
                 res = train_run(cfg, cache[cfg.setting.id], device=opts.device, time_limit=opts.time_limit, bar=bar)
             finally:
                 if bar is not None:
                     bar.close()
-            _atomic_write(run_path(out_dir, cfg), json.dumps(res))
+            harness.atomic_write(run_path(out_dir, cfg), json.dumps(res))
             if log:
                 log(f"{desc}: test acc {res['test_acc']:.4f} (best-ppl epoch {res['best_epoch']}/{res['epochs_run']}"
                     f"{', early stop' if res['stopped_early'] else ''}{', TRUNCATED' if res['truncated'] else ''}) "
@@ -246,6 +232,36 @@ def _tasks_in(agg: dict) -> list[str]:
     return [t for t in TASKS if t in present]
 
 
+def _signed(diff: float) -> str:
+    colour_name = "green" if diff > 0 else "red" if diff < 0 else "white"
+    return f"[{colour_name}]{diff:+.1f}[/]"
+
+
+def scores_table(agg: dict, preset: str) -> harness.Table:
+    """Per task and on average: each rule's score, the EFLA-vs-DeltaNet differences and the paper's
+    numbers, ×100 (the console and summary.md)."""
+    rules = [r for r in RULES if r in agg]
+    tasks = _tasks_in(agg)
+    pairs = _pairs(rules)
+    columns = (["task"] + [label(r) for r in rules] + [f"{label(a)} − {label(b)}" for a, b in pairs]
+               + ["paper DeltaNet", "paper EFLA", "paper EFLA − DeltaNet"])
+    table = harness.Table(title=f"MAD accuracy ×100 ({preset} preset; paper = full 66-setting protocol)",
+                          columns=columns, right=set(range(1, len(columns))))
+    for t in tasks:
+        vals = [f"{100 * agg[r][t]['score']:.1f}" if t in agg[r] else "–" for r in rules]
+        diffs = [_signed(100 * (agg[a][t]["score"] - agg[b][t]["score"])) if t in agg[a] and t in agg[b] else "–"
+                 for a, b in pairs]
+        p = PAPER[t]
+        table.add_row(TASK_LABEL[t], *vals, *diffs, f"{p['euler']:.1f}", f"{p['exact']:.1f}",
+                      f"{p['exact'] - p['euler']:+.1f}")
+    vals = [f"{100 * agg[r]['average']:.1f}" for r in rules]
+    diffs = [_signed(100 * (agg[a]["average"] - agg[b]["average"])) for a, b in pairs]
+    table.add_row(f"Average ({len(tasks)} of 6 tasks)" if len(tasks) < 6 else "Average", *vals, *diffs,
+                  f"{PAPER_AVERAGE['euler']:.1f}", f"{PAPER_AVERAGE['exact']:.1f}",
+                  f"{PAPER_AVERAGE['exact'] - PAPER_AVERAGE['euler']:+.1f}", bold=True)
+    return table
+
+
 def summary_markdown(results: dict, agg: dict, command: str) -> str:
     rules = [r for r in RULES if r in agg]
     tasks = _tasks_in(agg)
@@ -266,36 +282,15 @@ def summary_markdown(results: dict, agg: dict, command: str) -> str:
     n_trunc = sum(1 for r in results["runs"] if r["truncated"])
     if n_trunc:
         lines += [f"**{n_trunc} runs were cut by the time limit** before their epoch budget.", ""]
-    # overview
-    head = ["task"] + [RULE_LABEL[r] for r in rules]
-    for a, b in pairs:
-        head.append(f"{RULE_LABEL[a]} − {RULE_LABEL[b]}")
-    head += ["paper DeltaNet", "paper EFLA", "paper EFLA − DeltaNet"]
-    lines += ["## Scores", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-
-    def row(task_label, vals, diffs, paper):
-        return "| " + " | ".join([task_label] + vals + diffs + paper) + " |"
-
-    for t in tasks:
-        vals = [f"{100 * agg[r][t]['score']:.1f}" if t in agg[r] else "–" for r in rules]
-        diffs = [f"{100 * (agg[a][t]['score'] - agg[b][t]['score']):+.1f}" if t in agg[a] and t in agg[b] else "–"
-                 for a, b in pairs]
-        p = PAPER[t]
-        lines.append(row(TASK_LABEL[t], vals, diffs, [f"{p['euler']:.1f}", f"{p['exact']:.1f}",
-                                                       f"{p['exact'] - p['euler']:+.1f}"]))
-    vals = [f"{100 * agg[r]['average']:.1f}" for r in rules]
-    diffs = [f"{100 * (agg[a]['average'] - agg[b]['average']):+.1f}" for a, b in pairs]
-    lines.append(row(f"**Average** ({len(tasks)} of 6 tasks)" if len(tasks) < 6 else "**Average**", vals, diffs, [f"{PAPER_AVERAGE['euler']:.1f}", f"{PAPER_AVERAGE['exact']:.1f}",
-                                                  f"{PAPER_AVERAGE['exact'] - PAPER_AVERAGE['euler']:+.1f}"]))
-    lines.append("")
+    lines += ["## Scores", "", *scores_table(agg, opts["preset"]).markdown(), ""]
     for a, b in pairs:
         wins = [t for t in tasks if t in agg[a] and t in agg[b] and agg[a][t]["score"] > agg[b][t]["score"]]
         losses = [t for t in tasks if t in agg[a] and t in agg[b] and agg[a][t]["score"] < agg[b][t]["score"]]
         ties = [t for t in tasks if t in agg[a] and t in agg[b] and agg[a][t]["score"] == agg[b][t]["score"]]
         fmt = lambda ts: ", ".join(f"{TASK_LABEL[t]} ({100 * (agg[a][t]['score'] - agg[b][t]['score']):+.1f})"  # noqa: E731
                                    for t in ts) or "none"
-        lines += [f"- {RULE_LABEL[a]} above {RULE_LABEL[b]}: {fmt(wins)}.",
-                  f"- {RULE_LABEL[a]} below {RULE_LABEL[b]}: {fmt(losses)}.",
+        lines += [f"- {label(a)} above {label(b)}: {fmt(wins)}.",
+                  f"- {label(a)} below {label(b)}: {fmt(losses)}.",
                   f"- equal: {', '.join(TASK_LABEL[t] for t in ties) or 'none'}.", ""]
     # one table per task
     for t in tasks:
@@ -304,7 +299,7 @@ def summary_markdown(results: dict, agg: dict, command: str) -> str:
             for sid in agg[r].get(t, {}).get("settings", {}):
                 if sid not in sids:
                     sids.append(sid)
-        head = ["setting"] + [RULE_LABEL[r] + " (lr, wd)" for r in rules] + [f"{RULE_LABEL[a]} − {RULE_LABEL[b]}"
+        head = ["setting"] + [label(r) + " (lr, wd)" for r in rules] + [f"{label(a)} − {label(b)}"
                                                                             for a, b in pairs]
         lines += [f"## {TASK_LABEL[t]} (`{t}`)", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
         for sid in sids:
@@ -330,7 +325,7 @@ def summary_markdown(results: dict, agg: dict, command: str) -> str:
     lines += ["## Runs", "", "| setting | rule | lr | wd | test acc | best epoch / run / budget | steps | stopped | "
               "seconds |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results["runs"]:
-        lines.append(f"| {r['setting']} | {RULE_LABEL[r['rule']]} | {r['lr']:g} | {r['weight_decay']:g} | "
+        lines.append(f"| {r['setting']} | {label(r['rule'])} | {r['lr']:g} | {r['weight_decay']:g} | "
                      f"{100 * r['test_acc']:.1f} | {r['best_epoch']} / {r['epochs_run']} / {r['config']['epochs']} | "
                      f"{r['steps']} | "
                      f"{'yes' if r['stopped_early'] else ('cut' if r['truncated'] else 'no')} | {r['seconds']:.0f} |")
@@ -348,14 +343,13 @@ def plot_scores(agg: dict, path: str, title: str) -> None:
     tasks = _tasks_in(agg)
     labels = [TASK_LABEL[t] for t in tasks] + ["Average"]
     series = []
-    colors = {"exact": "tab:red", "euler": "tab:blue", "gated-exact": "tab:orange", "gated-euler": "tab:cyan"}
     for r in ("euler", "exact"):
         if r in rules:
-            series.append((f"{RULE_LABEL[r]} (paper)", [PAPER[t][r] for t in tasks] + [PAPER_AVERAGE[r]],
-                           colors[r], 0.35, "//"))
+            series.append((f"{label(r)} (paper)", [PAPER[t][r] for t in tasks] + [PAPER_AVERAGE[r]],
+                           colour(r), 0.35, "//"))
     for r in sorted(rules, key=lambda r: ("euler", "exact", "gated-euler", "gated-exact").index(r)):
-        series.append((f"{RULE_LABEL[r]} (ours)", [100 * agg[r][t]["score"] if t in agg[r] else float("nan")
-                                                  for t in tasks] + [100 * agg[r]["average"]], colors[r], 1.0, None))
+        series.append((f"{label(r)} (ours)", [100 * agg[r][t]["score"] if t in agg[r] else float("nan")
+                                                  for t in tasks] + [100 * agg[r]["average"]], colour(r), 1.0, None))
     n = len(series)
     w = 0.8 / n
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(labels)), 4.8))
@@ -375,15 +369,19 @@ def plot_scores(agg: dict, path: str, title: str) -> None:
     ax.legend(fontsize=8, ncol=len(series), loc="upper center", frameon=False)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    tmp = f"{path}.{os.getpid()}.tmp.png"
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    harness.atomic_save_figure(fig, path, dpi=120)
 
 
 CSV_FIELDS = ["task", "setting", "rule", "lr", "weight_decay", "test_acc", "test_ppl", "test_token_acc", "best_epoch",
               "max_test_acc", "epochs_run", "epochs_budget", "steps", "stopped_early", "truncated", "diverged",
               "final_train_loss", "seconds", "num_heads", "precision", "device", "num_params", "leakage", "key"]
+
+
+def _csv_row(run: dict) -> list:
+    row = {k: run.get(k) for k in CSV_FIELDS}
+    row.update(epochs_budget=run["config"]["epochs"], num_heads=run["config"]["num_heads"],
+               precision=run["config"]["precision"])
+    return [row[k] for k in CSV_FIELDS]
 
 
 def write_outputs(results: dict, out_dir: str, command: str) -> list[str]:
@@ -392,23 +390,13 @@ def write_outputs(results: dict, out_dir: str, command: str) -> list[str]:
     results = dict(results, scores=agg, command=command, paper=PAPER, paper_average=PAPER_AVERAGE)
     written = []
     p = os.path.join(out_dir, "results.json")
-    _atomic_write(p, json.dumps(results, indent=1))
+    harness.atomic_write(p, json.dumps(results, indent=1))
     written.append(p)
     p = os.path.join(out_dir, "runs.csv")
-    tmp = f"{p}.{os.getpid()}.tmp"
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        w.writeheader()
-        for r in results["runs"]:
-            row = {k: r.get(k) for k in CSV_FIELDS}
-            row["epochs_budget"] = r["config"]["epochs"]
-            row["num_heads"] = r["config"]["num_heads"]
-            row["precision"] = r["config"]["precision"]
-            w.writerow(row)
-    os.replace(tmp, p)
+    harness.atomic_write_csv(p, CSV_FIELDS, (_csv_row(r) for r in results["runs"]))
     written.append(p)
     p = os.path.join(out_dir, "summary.md")
-    _atomic_write(p, summary_markdown(results, agg, command))
+    harness.atomic_write(p, summary_markdown(results, agg, command))
     written.append(p)
     if agg:
         p = os.path.join(out_dir, "mad_scores.png")
