@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -58,6 +57,17 @@ from efla.errors import UsageError
 from .. import arg_checks as check
 from .. import harness
 from ..run_dir import check_out_dir, claim_run_dir
+from .checkpoint import (
+    CheckpointError,
+    find_resume_checkpoint,
+    list_checkpoints,
+    load_checkpoint_state,
+    rng_state,
+    set_rng_state,
+    verify_checkpoint,
+    write_checkpoint,
+)
+from .distributed import Dist, full_model_state, full_optim_state, init_dist, main_ddp_cleanup, peak_memory_per_gpu, unwrap
 
 __all__ = [
     "TrainConfig",
@@ -78,13 +88,6 @@ __all__ = [
 
 # Per model size: (sequence length, batch size in tokens). 340m/1.3b: the paper's 2K x 512 = 1M tokens.
 SIZE_DEFAULTS = {"tiny": (256, 16 * 256), "340m": (2048, 1 << 20), "1.3b": (2048, 1 << 20)}
-CKPT_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "trainer_state.json")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is incomplete or corrupted (or none can be resumed from)."""
-
-
 class NonFiniteLossError(RuntimeError):
     """The loss (or gradient norm) of a step was NaN or infinite; the step was not applied."""
 
@@ -140,48 +143,6 @@ class TrainConfig:
     progress: bool = True
 
 
-# -- distributed -------------------------------------------------------------------------------------
-
-@dataclass
-class _Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    enabled: bool = False
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self):
-        if self.enabled:
-            torch.distributed.barrier()
-
-    def broadcast(self, obj):
-        if not self.enabled:
-            return obj
-        lst = [obj]
-        torch.distributed.broadcast_object_list(lst, src=0)
-        return lst[0]
-
-    def all_gather(self, obj) -> list:
-        if not self.enabled:
-            return [obj]
-        out = [None] * self.world
-        torch.distributed.all_gather_object(out, obj)
-        return out
-
-
-def _init_dist(device_kind: str) -> _Dist:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return _Dist()
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo")
-    return _Dist(rank=torch.distributed.get_rank(), world=torch.distributed.get_world_size(),
-                 local_rank=int(os.environ.get("LOCAL_RANK", "0")), enabled=True)
-
-
 # -- schedule ----------------------------------------------------------------------------------------
 
 def lr_at(step: int, max_steps: int, warmup_steps: int, lr: float, min_lr: float) -> float:
@@ -203,180 +164,7 @@ def scheduled_lr(step: int, schedule: dict) -> float:
     return lr_at(step, schedule["planned_steps"], schedule["warmup"], schedule["lr"], schedule["min_lr"])
 
 
-# -- checkpoint files --------------------------------------------------------------------------------
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _write_json_atomic(path: str, obj) -> None:
-    harness.atomic_write_json(path, obj, indent=2)
-
-
-def _step_of(name: str) -> int | None:
-    if not name.startswith("step-"):
-        return None
-    try:
-        return int(name[5:])
-    except ValueError:
-        return None
-
-
-def list_checkpoints(out: str) -> list[str]:
-    """Checkpoint directories under ``out/checkpoints`` (``step-N``), oldest first; temporary ones skipped."""
-    root = os.path.join(out, "checkpoints")
-    if not os.path.isdir(root):
-        return []
-    found = [(s, os.path.join(root, n)) for n in os.listdir(root) if (s := _step_of(n)) is not None]
-    return [p for _, p in sorted(found)]
-
-
-def verify_checkpoint(path: str) -> dict:
-    """The checkpoint's manifest after checking every file's size and SHA-256 against it.
-
-    Raises:
-        CheckpointError: manifest missing or unreadable, a file missing, truncated or changed.
-    """
-    mpath = os.path.join(path, "manifest.json")
-    if not os.path.isfile(mpath):
-        raise CheckpointError(f"{path}: no manifest.json (an incomplete checkpoint)")
-    try:
-        with open(mpath) as f:
-            manifest = json.load(f)
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: manifest.json is unreadable ({e})") from e
-    for name in CKPT_FILES:
-        if name not in files:
-            raise CheckpointError(f"{path}: manifest.json does not list {name}")
-    for name, meta in files.items():
-        fp = os.path.join(path, name)
-        if not os.path.isfile(fp):
-            raise CheckpointError(f"{path}: {name} is missing")
-        size = os.path.getsize(fp)
-        if size != meta["bytes"]:
-            raise CheckpointError(f"{path}: {name} has {size} bytes, the manifest says {meta['bytes']} (truncated?)")
-        if _sha256(fp) != meta["sha256"]:
-            raise CheckpointError(f"{path}: {name} does not match its SHA-256 in manifest.json (corrupted)")
-    return manifest
-
-
-def find_resume_checkpoint(out: str) -> str | None:
-    """The newest checkpoint under ``out``, verified; ``None`` when there is none.
-
-    Raises:
-        CheckpointError: the newest one is damaged; the message names the newest good one (if any)
-            and how to resume from it.
-    """
-    ckpts = list_checkpoints(out)
-    if not ckpts:
-        return None
-    latest = ckpts[-1]
-    try:
-        verify_checkpoint(latest)
-        return latest
-    except CheckpointError as e:
-        good = None
-        for p in reversed(ckpts[:-1]):
-            try:
-                verify_checkpoint(p)
-                good = p
-                break
-            except CheckpointError:
-                continue
-        hint = (f"The previous good checkpoint is {good}: resume from it with --resume-from {good} "
-                f"(or delete {latest})." if good else "No earlier good checkpoint exists.")
-        raise CheckpointError(f"refusing to resume from the latest checkpoint: {e}. {hint}") from e
-
-
-def _rng_state() -> dict:
-    """This process's RNG states as tensors, ints and lists only (loadable with ``weights_only=True``)."""
-    version, mt_state, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    st = {"python": [version, torch.tensor(mt_state, dtype=torch.int64), gauss],
-          "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
-          "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        st["cuda"] = torch.cuda.get_rng_state()
-    return st
-
-
-def _set_rng_state(st: dict) -> None:
-    """Restores :func:`_rng_state` (or the numpy-array form of checkpoints written before it)."""
-    version, mt_state, gauss = st["python"]
-    random.setstate((version, tuple(int(x) for x in _as_list(mt_state)), gauss))
-    kind, keys, pos, has_gauss, cached = st["numpy"]
-    np.random.set_state((kind, np.asarray(_as_list(keys), dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(st["torch"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state(st["cuda"])
-
-
-def _as_list(values) -> list:
-    return values.tolist() if hasattr(values, "tolist") else list(values)
-
-
-def load_checkpoint_state(path: str):
-    """A checkpoint's ``.pt`` file without running any code from it (``torch.load(weights_only=True)``:
-    tensors, numbers, strings and containers only).
-
-    Raises:
-        CheckpointError: the file holds anything else (a crafted pickle, or an object that needs code).
-    """
-    import pickle  # noqa: PLC0415
-
-    try:
-        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):  # RNG states of checkpoints before 0.1.1
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError, EOFError) as e:
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        reason = next((ln for ln in lines if "unsupported global" in ln.lower()), lines[-1] if lines else type(e).__name__)
-        raise CheckpointError(f"{path}: refused: it holds more than tensors and plain values, and loading it "
-                              f"could run code ({reason[:200]})") from None
-
-
-_NUMPY_CORE = getattr(np, "_core", None) or np.core
-_NUMPY_ARRAY_GLOBALS = [_NUMPY_CORE.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-
-
 # -- model / state helpers ---------------------------------------------------------------------------
-
-def _unwrap(model):
-    return model.module if hasattr(model, "module") else model
-
-
-def _full_model_state(model, fsdp: bool) -> dict:
-    if fsdp:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
-
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.detach().to("cpu") for k, v in _unwrap(model).state_dict().items()}
-
-
-def _full_optim_state(model, optimizer, fsdp: bool) -> dict:
-    if fsdp:
-        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
-            StateDictOptions,
-            get_optimizer_state_dict,
-        )
-
-        return get_optimizer_state_dict(model, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return optimizer.state_dict()
-
 
 def _param_groups(model, weight_decay: float):
     decay, no_decay = [], []
@@ -497,7 +285,7 @@ def _resumed_schedule(cfg: TrainConfig, r: dict, ckpt: str, state: dict) -> dict
 
 # -- the loop ----------------------------------------------------------------------------------------
 
-def _resolve(cfg: TrainConfig, dist: _Dist) -> dict:
+def _resolve(cfg: TrainConfig, dist: Dist) -> dict:
     size = _size_of(cfg.preset)
     seq_len = cfg.seq_len or SIZE_DEFAULTS[size][0]
     batch_tokens = cfg.batch_tokens or SIZE_DEFAULTS[size][1]
@@ -524,7 +312,7 @@ def _resolve(cfg: TrainConfig, dist: _Dist) -> dict:
                 micro=mb, accum=per_rank // mb, max_steps=max_steps, warmup=warmup)
 
 
-def _prepare_tokenizer(cfg: TrainConfig, dist: _Dist, resuming: bool):
+def _prepare_tokenizer(cfg: TrainConfig, dist: Dist, resuming: bool):
     from efla.data.text import read_documents  # noqa: PLC0415
     from efla.data.tokenizer import get_tokenizer, load_tokenizer  # noqa: PLC0415
 
@@ -543,7 +331,7 @@ def _prepare_tokenizer(cfg: TrainConfig, dist: _Dist, resuming: bool):
     return load_tokenizer(cfg.out)
 
 
-def _load_data(cfg: TrainConfig, r: dict, tok, eos_id: int, dist: _Dist):
+def _load_data(cfg: TrainConfig, r: dict, tok, eos_id: int, dist: Dist):
     from efla.data.text import load_token_stream, split_train_val  # noqa: PLC0415
 
     cache = cfg.cache_dir or os.path.join(cfg.out, "cache")
@@ -560,7 +348,7 @@ def _load_data(cfg: TrainConfig, r: dict, tok, eos_id: int, dist: _Dist):
     return split_train_val(toks, r["seq_len"], cfg.val_sequences, val_seed=1234, val_tokens=val_toks)
 
 
-def _evaluate(model, val, r: dict, dist: _Dist, eos_id: int, varlen: bool, autocast) -> float | None:
+def _evaluate(model, val, r: dict, dist: Dist, eos_id: int, varlen: bool, autocast) -> float | None:
     from efla.data.text import count_targets, make_batch  # noqa: PLC0415
 
     if val is None or len(val) == 0:
@@ -690,7 +478,7 @@ def _looks_local(name: str) -> bool:
     return os.path.exists(name) or name.startswith((".", "/", "~")) or os.sep + os.sep in name
 
 
-def _check_text(cfg: TrainConfig, dist: _Dist) -> None:
+def _check_text(cfg: TrainConfig, dist: Dist) -> None:
     from efla.data.text import check_text_files  # noqa: PLC0415
 
     def warn(message: str) -> None:
@@ -730,7 +518,7 @@ def _clear_for_fresh_start(cfg: TrainConfig) -> None:
         os.remove(os.path.join(cfg.out, "log.jsonl"))
 
 
-def _claim_and_choose_start(cfg: TrainConfig, dist: _Dist):
+def _claim_and_choose_start(cfg: TrainConfig, dist: Dist):
     """Rank 0 checks ``out``, locks it and picks the checkpoint; every rank gets the outcome.
 
     Returns ``(lock or None, checkpoint or None)``; on an error the lock is released and a directory
@@ -800,7 +588,7 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     dev_kind = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    dist = _init_dist(dev_kind)
+    dist = init_dist(dev_kind)
     device = torch.device(f"cuda:{dist.local_rank}" if dev_kind == "cuda" else dev_kind)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -819,267 +607,215 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
             lock.release()
 
 
-def _train_from(cfg: TrainConfig, dist: _Dist, device, r: dict, ckpt: str | None, on_step_end, cp=None) -> dict:
-    from efla.distributed import context_parallel_lm_loss  # noqa: PLC0415
-    from efla.data.text import SequenceOrder, count_targets, make_batch, rank_slice  # noqa: PLC0415
-    from efla.data.tokenizer import tokenizer_eos_id  # noqa: PLC0415
-    from efla.models import EFLAForCausalLM  # noqa: PLC0415
+@dataclass
+class _Session:
+    """What the phases of one training process share: the settings, the process group, and the
+    tokenizer, data, model and optimizer built for the run."""
 
-    precision = cfg.precision if cfg.precision != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    state = None
-    schedule = _schedule_of(cfg, r)
+    cfg: TrainConfig
+    dist: Dist
+    device: torch.device
+    r: dict  # the resolved sizes (:func:`_resolve`)
+    ckpt: str | None  # the checkpoint resumed from
+    cp: object = None  # the context-parallel setup, if any
+    precision: str = "fp32"
+    schedule: dict = field(default_factory=dict)
+    saved: dict | None = None  # the checkpoint's trainer_state.json
+    tok: object = None
+    eos_id: int = 0
+    train_data: object = None
+    val_data: object = None
+    order: object = None
+    mconf: object = None
+    model: object = None
+    wrapped: object = None  # the model as DDP/FSDP wrap it (the model itself on one process)
+    n_params: int = 0
+    optimizer: object = None
+    scheduler: object = None
+    start_step: int = 0
+
+    def autocast(self):
+        if self.precision == "bf16" and not self.cfg.fsdp:
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+@dataclass
+class _Progress:
+    """The loop's running totals."""
+
+    step: int
+    last_good: str | None  # the newest checkpoint written or resumed from
+    val_loss: float | None = None
+    train_time: float = 0.0
+    step_seconds: list = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+
+
+def _train_from(cfg: TrainConfig, dist: Dist, device, r: dict, ckpt: str | None, on_step_end, cp=None) -> dict:
+    run = _Session(cfg, dist, device, r, ckpt, cp)
+    _read_saved_schedule(run)
+    _load_tokenizer_and_data(run)
+    _build_model(run)
+    _wrap_for_parallel_training(run)
+    _build_optimizer(run)
     if ckpt is not None:
-        with open(os.path.join(ckpt, "trainer_state.json")) as f:
-            state = json.load(f)
-        schedule = _resumed_schedule(cfg, r, ckpt, state)
+        _restore_checkpoint(run)
+    _write_train_args(run)
+    progress = _train_loop(run, on_step_end)
+    return _save_final_model(run, progress)
 
-    # -- tokenizer, data, model --------------------------------------------------------------------
-    tok = _prepare_tokenizer(cfg, dist, resuming=ckpt is not None)
-    eos_id = tokenizer_eos_id(tok)
-    train_data, val_data = _load_data(cfg, r, tok, eos_id, dist)
-    order = SequenceOrder(len(train_data), seed=cfg.data_seed)
-    if state is not None and state["data"]["fingerprint"] != train_data.fingerprint():
-        raise CheckpointError(f"{ckpt}: the training data differs from the checkpoint's (fingerprint "
-                              f"{train_data.fingerprint()} vs {state['data']['fingerprint']}); resume with the same "
+
+def _read_saved_schedule(run: _Session) -> None:
+    cfg = run.cfg
+    run.precision = cfg.precision if cfg.precision != "auto" else ("bf16" if run.device.type == "cuda" else "fp32")
+    run.schedule = _schedule_of(cfg, run.r)
+    if run.ckpt is not None:
+        with open(os.path.join(run.ckpt, "trainer_state.json")) as f:
+            run.saved = json.load(f)
+        run.schedule = _resumed_schedule(cfg, run.r, run.ckpt, run.saved)
+
+
+def _load_tokenizer_and_data(run: _Session) -> None:
+    from efla.data.text import SequenceOrder  # noqa: PLC0415
+    from efla.data.tokenizer import tokenizer_eos_id  # noqa: PLC0415
+
+    run.tok = _prepare_tokenizer(run.cfg, run.dist, resuming=run.ckpt is not None)
+    run.eos_id = tokenizer_eos_id(run.tok)
+    run.train_data, run.val_data = _load_data(run.cfg, run.r, run.tok, run.eos_id, run.dist)
+    run.order = SequenceOrder(len(run.train_data), seed=run.cfg.data_seed)
+    fingerprint = run.train_data.fingerprint()
+    if run.saved is not None and run.saved["data"]["fingerprint"] != fingerprint:
+        raise CheckpointError(f"{run.ckpt}: the training data differs from the checkpoint's (fingerprint "
+                              f"{fingerprint} vs {run.saved['data']['fingerprint']}); resume with the same "
                               "--data, tokenizer and --seq-len")
 
+
+def _build_model(run: _Session) -> None:
+    from efla.models import EFLAForCausalLM  # noqa: PLC0415
+
+    cfg = run.cfg
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    mconf = _model_config(cfg, tok, eos_id)
-    model = EFLAForCausalLM(mconf)
-    if ckpt is not None:
+    run.mconf = _model_config(cfg, run.tok, run.eos_id)
+    run.model = EFLAForCausalLM(run.mconf)
+    if run.ckpt is not None:
         from safetensors.torch import load_file  # noqa: PLC0415
 
-        model.load_state_dict(load_file(os.path.join(ckpt, "model.safetensors")))
-    model.to(device).train()
+        run.model.load_state_dict(load_file(os.path.join(run.ckpt, "model.safetensors")))
+    run.model.to(run.device).train()
     if cfg.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    n_params = sum(p.numel() for p in model.parameters())
+        run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    run.n_params = sum(p.numel() for p in run.model.parameters())
 
-    use_autocast = precision == "bf16" and not cfg.fsdp
-    if cfg.fsdp:
-        if not dist.enabled:
+
+def _wrap_for_parallel_training(run: _Session) -> None:
+    model = run.model
+    if run.cfg.fsdp:
+        if not run.dist.enabled:
             raise ValueError("fsdp: needs torchrun (WORLD_SIZE > 1)")
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if precision == "bf16" else MixedPrecisionPolicy()
+            if run.precision == "bf16" else MixedPrecisionPolicy()
         for block in model.model.layers:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
-        wrapped = model
-    elif dist.enabled:
+        run.wrapped = model
+    elif run.dist.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
 
-        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        run.wrapped = DDP(model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
     else:
-        wrapped = model
+        run.wrapped = model
 
-    def autocast():
-        if use_autocast:
-            return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
-    optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
-                                  eps=cfg.eps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: scheduled_lr(s, schedule) / cfg.lr)
-    start_step, tokens_seen = 0, 0
-    if ckpt is not None:
-        osd = load_checkpoint_state(os.path.join(ckpt, "optimizer.pt"))
-        if cfg.fsdp:
-            from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
-                StateDictOptions,
-                set_optimizer_state_dict,
-            )
+def _build_optimizer(run: _Session) -> None:
+    cfg = run.cfg
+    run.optimizer = torch.optim.AdamW(_param_groups(run.model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
+                                      eps=cfg.eps)
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer,
+                                                      lambda s: scheduled_lr(s, run.schedule) / cfg.lr)
 
-            set_optimizer_state_dict(wrapped, optimizer, osd, options=StateDictOptions(full_state_dict=True))
-        else:
-            optimizer.load_state_dict(osd)
-        scheduler.load_state_dict(load_checkpoint_state(os.path.join(ckpt, "scheduler.pt")))
-        rng = load_checkpoint_state(os.path.join(ckpt, "rng.pt"))
-        # the loop draws no random numbers (no dropout; the data order is a function of the position), so
-        # a different world size only loses bitwise equality with the original run, not correctness
-        _set_rng_state(rng[dist.rank] if len(rng) == dist.world else rng[0])
-        start_step, tokens_seen = state["step"], state["tokens"]
-        if state["data"]["position"] != start_step * r["global_seqs"]:
-            raise CheckpointError(f"{ckpt}: saved with {state['data']['position'] // max(1, start_step)} sequences "
-                                  f"per step, resuming with {r['global_seqs']}: resume with the same --batch-tokens "
-                                  "and --seq-len")
-        if dist.main:
-            _truncate_log(cfg.out, start_step)
 
-    if dist.main:
-        args = dataclasses.asdict(cfg)
-        args["resolved"] = dict(r, schedule=schedule, world_size=dist.world, precision=precision, device=str(device),
-                                n_params=n_params, vocab_size=len(tok), train_sequences=len(train_data),
-                                train_tokens_available=len(train_data) * r["seq_len"],
-                                val_sequences=len(val_data) if val_data is not None else 0)
-        _write_json_atomic(os.path.join(cfg.out, "train_args.json"), args)
+def _restore_checkpoint(run: _Session) -> None:
+    """Optimizer, scheduler, RNG states, step and data position of the checkpoint resumed from."""
+    ckpt, state = run.ckpt, run.saved
+    osd = load_checkpoint_state(os.path.join(ckpt, "optimizer.pt"))
+    if run.cfg.fsdp:
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
 
-    def save_checkpoint(step: int, position: int) -> str | None:
-        msd = _full_model_state(wrapped, cfg.fsdp)
-        osd = _full_optim_state(wrapped, optimizer, cfg.fsdp)
-        rngs = dist.all_gather(_rng_state())
-        path = None
-        if dist.main:
-            from safetensors.torch import save_file  # noqa: PLC0415
+        set_optimizer_state_dict(run.wrapped, run.optimizer, osd, options=StateDictOptions(full_state_dict=True))
+    else:
+        run.optimizer.load_state_dict(osd)
+    run.scheduler.load_state_dict(load_checkpoint_state(os.path.join(ckpt, "scheduler.pt")))
+    rng = load_checkpoint_state(os.path.join(ckpt, "rng.pt"))
+    # the loop draws no random numbers (no dropout; the data order is a function of the position), so
+    # a different world size only loses bitwise equality with the original run, not correctness
+    set_rng_state(rng[run.dist.rank] if len(rng) == run.dist.world else rng[0])
+    run.start_step = state["step"]
+    if state["data"]["position"] != run.start_step * run.r["global_seqs"]:
+        raise CheckpointError(f"{ckpt}: saved with {state['data']['position'] // max(1, run.start_step)} sequences "
+                              f"per step, resuming with {run.r['global_seqs']}: resume with the same --batch-tokens "
+                              "and --seq-len")
+    if run.dist.main:
+        _truncate_log(run.cfg.out, run.start_step)
 
-            root = os.path.join(cfg.out, "checkpoints")
-            os.makedirs(root, exist_ok=True)
-            path = os.path.join(root, f"step-{step:07d}")
-            tmp = os.path.join(root, f".tmp-step-{step:07d}-{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-            save_file({k: v.contiguous() for k, v in msd.items()}, os.path.join(tmp, "model.safetensors"),
-                      metadata={"format": "pt"})
-            torch.save(osd, os.path.join(tmp, "optimizer.pt"))
-            torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-            torch.save(rngs, os.path.join(tmp, "rng.pt"))
-            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                json.dump(dict(step=step, tokens=step * r["batch_tokens"], max_steps=r["max_steps"],
-                               world_size=dist.world, schedule=schedule, hyperparameters=_hyperparameters(cfg),
-                               data=dict(position=position, seq_len=r["seq_len"], data_seed=cfg.data_seed,
-                                         n_sequences=len(train_data), fingerprint=train_data.fingerprint(),
-                                         epoch=order.epoch_of(position)),
-                               model_config=mconf.to_dict()), f, indent=2)
-            files = {}
-            for name in CKPT_FILES:
-                fp = os.path.join(tmp, name)
-                with open(fp, "rb") as fh:
-                    os.fsync(fh.fileno())
-                files[name] = dict(bytes=os.path.getsize(fp), sha256=_sha256(fp))
-            _write_json_atomic(os.path.join(tmp, "manifest.json"), dict(format=1, step=step, files=files))
-            _fsync_dir(tmp)
-            if os.path.exists(path):
-                shutil.rmtree(path)
-            os.rename(tmp, path)
-            _fsync_dir(root)
-            for old in list_checkpoints(cfg.out)[:-max(1, cfg.keep_checkpoints)]:
-                shutil.rmtree(old, ignore_errors=True)
-        dist.barrier()
-        return path
 
-    # -- training ----------------------------------------------------------------------------------
-    G, L = r["global_seqs"], r["seq_len"]
+def _write_train_args(run: _Session) -> None:
+    if not run.dist.main:
+        return
+    args = dataclasses.asdict(run.cfg)
+    args["resolved"] = dict(run.r, schedule=run.schedule, world_size=run.dist.world, precision=run.precision,
+                            device=str(run.device), n_params=run.n_params, vocab_size=len(run.tok),
+                            train_sequences=len(run.train_data),
+                            train_tokens_available=len(run.train_data) * run.r["seq_len"],
+                            val_sequences=len(run.val_data) if run.val_data is not None else 0)
+    harness.atomic_write_json(os.path.join(run.cfg.out, "train_args.json"), args, indent=2)
+
+
+def _save_checkpoint(run: _Session, step: int, position: int) -> str | None:
+    """Every rank gathers its part of the states; rank 0 writes the checkpoint. Its path on rank 0."""
+    msd = full_model_state(run.wrapped, run.cfg.fsdp)
+    osd = full_optim_state(run.wrapped, run.optimizer, run.cfg.fsdp)
+    rngs = run.dist.all_gather(rng_state())
+    path = None
+    if run.dist.main:
+        r, cfg = run.r, run.cfg
+        trainer_state = dict(step=step, tokens=step * r["batch_tokens"], max_steps=r["max_steps"],
+                             world_size=run.dist.world, schedule=run.schedule, hyperparameters=_hyperparameters(cfg),
+                             data=dict(position=position, seq_len=r["seq_len"], data_seed=cfg.data_seed,
+                                       n_sequences=len(run.train_data), fingerprint=run.train_data.fingerprint(),
+                                       epoch=run.order.epoch_of(position)),
+                             model_config=run.mconf.to_dict())
+        path = write_checkpoint(cfg.out, step, model_state=msd, optimizer_state=osd,
+                                scheduler_state=run.scheduler.state_dict(), rng_states=rngs,
+                                trainer_state=trainer_state, keep=cfg.keep_checkpoints)
+    run.dist.barrier()
+    return path
+
+
+def _train_loop(run: _Session, on_step_end) -> _Progress:
+    cfg, r = run.cfg, run.r
+    progress = _Progress(step=run.start_step, last_good=run.ckpt)
     bar = None
-    if dist.main and cfg.progress:
-        from tqdm.auto import tqdm  # noqa: PLC0415
-
-        bar = tqdm(total=r["max_steps"], initial=start_step, desc=f"train {os.path.basename(cfg.out.rstrip('/'))}",
-                   dynamic_ncols=True, unit="step")
-    log_f = open(os.path.join(cfg.out, "log.jsonl"), "a") if dist.main else None  # noqa: SIM115
-    train_time, t_mark = 0.0, time.perf_counter()
-    step_seconds: list[float] = []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    last_good = ckpt
-    val_loss = None
-    step = start_step
+    if run.dist.main and cfg.progress:
+        bar = harness.progress_factory(leave=True, unit="step")(
+            r["max_steps"], f"train {os.path.basename(cfg.out.rstrip('/'))}", initial=run.start_step)
+    log_f = open(os.path.join(cfg.out, "log.jsonl"), "a") if run.dist.main else None  # noqa: SIM115
+    if run.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(run.device)
     try:
-        while step < r["max_steps"]:
-            t0 = time.perf_counter()
-            global_idx = order.take(step * G, G)
-            if cfg.varlen:
-                n_global = sum(count_targets(make_batch(train_data.sequences(global_idx[i: i + 1]), eos_id, True))
-                               for i in range(G))
-            else:
-                n_global = G * (L - 1)
-            data_rank, data_world = (cp.data_rank, cp.data_world) if cp else (dist.rank, dist.world)
-            mine = rank_slice(global_idx, data_rank, data_world)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            forward_error = None
-            for i in range(r["accum"]):
-                batch = make_batch(train_data.sequences(mine[i * r["micro"]: (i + 1) * r["micro"]]), eos_id,
-                                   cfg.varlen)
-                n_mb = count_targets(batch)
-                batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-                last = i == r["accum"] - 1
-                if cfg.fsdp:
-                    wrapped.set_requires_gradient_sync(last)
-                    sync = contextlib.nullcontext()
-                elif dist.enabled and not last:
-                    sync = wrapped.no_sync()
-                else:
-                    sync = contextlib.nullcontext()
-                try:
-                    with sync:
-                        with autocast():
-                            loss = (context_parallel_lm_loss(wrapped, batch, cp) if cp
-                                    else wrapped(**batch, use_cache=False).loss)
-                        (loss * (n_mb * dist.world / n_global)).backward()
-                except ValueError as e:  # the ops refuse non-finite inputs (always on CPU)
-                    if "non-finite" not in str(e):
-                        raise
-                    forward_error = str(e)
-                    break
-                loss_sum += loss.detach().double() * n_mb
-            if forward_error is not None:
-                loss_sum.fill_(float("nan"))
-                if dist.enabled and cfg.on_nonfinite == "skip":  # the other ranks wait in collectives: cannot skip
-                    raise NonFiniteLossError(f"non-finite values in the forward at step {step + 1} on rank "
-                                             f"{dist.rank} ({forward_error}); --on-nonfinite skip needs the loss to "
-                                             "be the first non-finite value under torchrun")
-            elif dist.enabled:
-                torch.distributed.all_reduce(loss_sum)
-            step_loss = float(loss_sum.cpu() / n_global)
-            if forward_error is None:
-                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                if hasattr(gnorm, "full_tensor"):
-                    gnorm = gnorm.full_tensor()
-                gnorm = float(gnorm)
-            else:
-                gnorm = float("nan")
-            lr_used = optimizer.param_groups[0]["lr"]
-            skipped = False
-            if not (math.isfinite(step_loss) and math.isfinite(gnorm)):
-                optimizer.zero_grad(set_to_none=True)
-                if cfg.on_nonfinite == "stop":
-                    where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
-                    msg = (f"non-finite {'loss' if not math.isfinite(step_loss) else 'gradient norm'} at step "
-                           f"{step + 1} (loss {step_loss}, grad norm {gnorm}"
-                           + (f"; in the forward: {forward_error}" if forward_error else "")
-                           + f"); the update was not applied and the run stopped; {where}. Lower --lr, or pass "
-                           "--on-nonfinite skip to skip such batches.")
-                    if log_f:
-                        log_f.write(json.dumps(dict(step=step + 1, loss=step_loss, grad_norm=gnorm,
-                                                    error="non-finite")) + "\n")
-                        log_f.flush()
-                    raise NonFiniteLossError(msg)
-                skipped = True
-            else:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            step += 1
-            tokens_seen = step * r["batch_tokens"]
-            dt = time.perf_counter() - t0
-            train_time += dt
-            step_seconds.append(dt)
-            tps = r["batch_tokens"] / dt if dt > 0 else 0.0
-            entry = dict(step=step, loss=step_loss, lr=lr_used, grad_norm=gnorm, tokens=tokens_seen,
-                         tokens_per_s=tps, step_s=dt, epoch=order.epoch_of(step * G))
-            if device.type == "cuda":
-                entry["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
-            if skipped:
-                entry["skipped"] = "non-finite"
-                if bar is not None:
-                    bar.write(f"step {step}: non-finite loss/grad ({step_loss}, {gnorm}); batch skipped")
-            if (cfg.val_every and step % cfg.val_every == 0) or step == r["max_steps"]:
-                val_loss = _evaluate(wrapped if cfg.fsdp else model, val_data, r, dist, eos_id, cfg.varlen, autocast)
-                if val_loss is not None:
-                    entry["val_loss"] = val_loss
-            if log_f and (step % cfg.log_every == 0 or step == r["max_steps"] or "val_loss" in entry or skipped):
-                log_f.write(json.dumps(entry) + "\n")
-                log_f.flush()
-            if bar is not None:
-                post = dict(loss=f"{step_loss:.4f}", tok_s=f"{tps:,.0f}", lr=f"{lr_used:.2e}")
-                if val_loss is not None:
-                    post["val"] = f"{val_loss:.4f}"
-                bar.set_postfix(post, refresh=False)
-                bar.update(1)
+        while progress.step < r["max_steps"]:
+            entry = _train_step(run, progress, log_f, bar)
+            _log_step(run, entry, log_f, bar, progress.val_loss)
+            step = progress.step
             if (cfg.save_every and step % cfg.save_every == 0) or step == r["max_steps"]:
-                last_good = save_checkpoint(step, step * G) or last_good
+                progress.last_good = _save_checkpoint(run, step, step * r["global_seqs"]) or progress.last_good
             if on_step_end is not None:
                 on_step_end(step, entry)
     finally:
@@ -1087,27 +823,165 @@ def _train_from(cfg: TrainConfig, dist: _Dist, device, r: dict, ckpt: str | None
             bar.close()
         if log_f:
             log_f.close()
+    return progress
 
-    # -- final model directory ---------------------------------------------------------------------
-    peak_per_gpu = peak_memory_per_gpu(device, dist)
-    msd = _full_model_state(wrapped, cfg.fsdp) if cfg.fsdp else None
+
+def _train_step(run: _Session, progress: _Progress, log_f, bar) -> dict:
+    """One update (or a skipped batch): its log entry; the validation loss when due."""
+    cfg, r = run.cfg, run.r
+    t0 = time.perf_counter()
+    step_loss, forward_error = _forward_backward(run, progress.step)
+    gnorm = _clip_gradients(run) if forward_error is None else float("nan")
+    lr_used = run.optimizer.param_groups[0]["lr"]
+    skipped = _apply_update(run, progress, step_loss, gnorm, forward_error, log_f)
+    run.scheduler.step()
+    progress.step += 1
+    step = progress.step
+    dt = time.perf_counter() - t0
+    progress.train_time += dt
+    progress.step_seconds.append(dt)
+    entry = dict(step=step, loss=step_loss, lr=lr_used, grad_norm=gnorm, tokens=step * r["batch_tokens"],
+                 tokens_per_s=r["batch_tokens"] / dt if dt > 0 else 0.0, step_s=dt,
+                 epoch=run.order.epoch_of(step * r["global_seqs"]))
+    if run.device.type == "cuda":
+        entry["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.device) / 2 ** 30
+    if skipped:
+        entry["skipped"] = "non-finite"
+        if bar is not None:
+            bar.write(f"step {step}: non-finite loss/grad ({step_loss}, {gnorm}); batch skipped")
+    if (cfg.val_every and step % cfg.val_every == 0) or step == r["max_steps"]:
+        progress.val_loss = _evaluate(run.wrapped if cfg.fsdp else run.model, run.val_data, r, run.dist, run.eos_id,
+                                      cfg.varlen, run.autocast)
+        if progress.val_loss is not None:
+            entry["val_loss"] = progress.val_loss
+    return entry
+
+
+def _forward_backward(run: _Session, step: int) -> tuple[float, str | None]:
+    """Forward and backward over this rank's share of the global batch of ``step``, accumulated over
+    micro-batches. Returns the global mean loss and, if the ops refused a non-finite value, why."""
+    from efla.data.text import count_targets, make_batch, rank_slice  # noqa: PLC0415
+    from efla.distributed import context_parallel_lm_loss  # noqa: PLC0415
+
+    cfg, r, dist, cp = run.cfg, run.r, run.dist, run.cp
+    G, L = r["global_seqs"], r["seq_len"]
+    global_idx = run.order.take(step * G, G)
+    if cfg.varlen:
+        n_global = sum(count_targets(make_batch(run.train_data.sequences(global_idx[i: i + 1]), run.eos_id, True))
+                       for i in range(G))
+    else:
+        n_global = G * (L - 1)
+    data_rank, data_world = (cp.data_rank, cp.data_world) if cp else (dist.rank, dist.world)
+    mine = rank_slice(global_idx, data_rank, data_world)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    forward_error = None
+    for i in range(r["accum"]):
+        batch = make_batch(run.train_data.sequences(mine[i * r["micro"]: (i + 1) * r["micro"]]), run.eos_id,
+                           cfg.varlen)
+        n_mb = count_targets(batch)
+        batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
+        try:
+            with _gradient_sync(run, last=i == r["accum"] - 1):
+                with run.autocast():
+                    loss = (context_parallel_lm_loss(run.wrapped, batch, cp) if cp
+                            else run.wrapped(**batch, use_cache=False).loss)
+                (loss * (n_mb * dist.world / n_global)).backward()
+        except ValueError as e:  # the ops refuse non-finite inputs (always on CPU)
+            if "non-finite" not in str(e):
+                raise
+            forward_error = str(e)
+            break
+        loss_sum += loss.detach().double() * n_mb
+    if forward_error is not None:
+        loss_sum.fill_(float("nan"))
+        if dist.enabled and cfg.on_nonfinite == "skip":  # the other ranks wait in collectives: cannot skip
+            raise NonFiniteLossError(f"non-finite values in the forward at step {step + 1} on rank "
+                                     f"{dist.rank} ({forward_error}); --on-nonfinite skip needs the loss to "
+                                     "be the first non-finite value under torchrun")
+    elif dist.enabled:
+        torch.distributed.all_reduce(loss_sum)
+    return float(loss_sum.cpu() / n_global), forward_error
+
+
+def _gradient_sync(run: _Session, last: bool):
+    """Gradients are reduced across ranks on the last micro-batch of a step only."""
+    if run.cfg.fsdp:
+        run.wrapped.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    if run.dist.enabled and not last:
+        return run.wrapped.no_sync()
+    return contextlib.nullcontext()
+
+
+def _clip_gradients(run: _Session) -> float:
+    gnorm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.grad_clip)
+    if hasattr(gnorm, "full_tensor"):
+        gnorm = gnorm.full_tensor()
+    return float(gnorm)
+
+
+def _apply_update(run: _Session, progress: _Progress, step_loss: float, gnorm: float, forward_error: str | None,
+                  log_f) -> bool:
+    """Steps the optimizer; a non-finite loss or gradient norm skips the update (``skip``: returns
+    True) or ends the run (``stop``: :class:`NonFiniteLossError`, logged first)."""
+    if math.isfinite(step_loss) and math.isfinite(gnorm):
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        return False
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.cfg.on_nonfinite != "stop":
+        return True
+    step = progress.step + 1
+    last_good = progress.last_good
+    where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
+    msg = (f"non-finite {'loss' if not math.isfinite(step_loss) else 'gradient norm'} at step "
+           f"{step} (loss {step_loss}, grad norm {gnorm}"
+           + (f"; in the forward: {forward_error}" if forward_error else "")
+           + f"); the update was not applied and the run stopped; {where}. Lower --lr, or pass "
+           "--on-nonfinite skip to skip such batches.")
+    if log_f:
+        log_f.write(json.dumps(dict(step=step, loss=step_loss, grad_norm=gnorm, error="non-finite")) + "\n")
+        log_f.flush()
+    raise NonFiniteLossError(msg)
+
+
+def _log_step(run: _Session, entry: dict, log_f, bar, val_loss: float | None) -> None:
+    step, max_steps = entry["step"], run.r["max_steps"]
+    if log_f and (step % run.cfg.log_every == 0 or step == max_steps or "val_loss" in entry or "skipped" in entry):
+        log_f.write(json.dumps(entry) + "\n")
+        log_f.flush()
+    if bar is not None:
+        post = dict(loss=f"{entry['loss']:.4f}", tok_s=f"{entry['tokens_per_s']:,.0f}", lr=f"{entry['lr']:.2e}")
+        if val_loss is not None:
+            post["val"] = f"{val_loss:.4f}"
+        bar.set_postfix(post, refresh=False)
+        bar.update(1)
+
+
+def _save_final_model(run: _Session, progress: _Progress) -> dict:
+    """The Hugging Face model directory and ``train_summary.json`` (rank 0); the run's summary."""
+    cfg, r, dist = run.cfg, run.r, run.dist
+    step = progress.step
+    peak_per_gpu = peak_memory_per_gpu(run.device, dist)
+    msd = full_model_state(run.wrapped, cfg.fsdp) if cfg.fsdp else None
     summary = None
     if dist.main:
-        core = _unwrap(model)
+        core = unwrap(run.model)
         if msd is not None:
             core.save_pretrained(cfg.out, state_dict=msd)
         else:
             core.save_pretrained(cfg.out)
-        tok.save_pretrained(cfg.out)
+        run.tok.save_pretrained(cfg.out)
         log = read_log(cfg.out)
         losses = [e["loss"] for e in log if "error" not in e]
-        summary = dict(out=cfg.out, steps=step, tokens=tokens_seen, max_steps=r["max_steps"],
-                       resumed_from=ckpt, final_loss=losses[-1] if losses else None, val_loss=val_loss,
-                       **throughput(step_seconds, r["batch_tokens"]), peak_memory_gib_per_gpu=peak_per_gpu,
-                       train_seconds_this_process=train_time, wall_seconds_this_process=time.perf_counter() - t_mark,
-                       n_params=n_params, world_size=dist.world, device=str(device), precision=precision,
-                       threads=torch.get_num_threads(), variant=mconf.variant)
-        _write_json_atomic(os.path.join(cfg.out, "train_summary.json"), summary)
+        summary = dict(out=cfg.out, steps=step, tokens=step * r["batch_tokens"], max_steps=r["max_steps"],
+                       resumed_from=run.ckpt, final_loss=losses[-1] if losses else None, val_loss=progress.val_loss,
+                       **throughput(progress.step_seconds, r["batch_tokens"]), peak_memory_gib_per_gpu=peak_per_gpu,
+                       train_seconds_this_process=progress.train_time,
+                       wall_seconds_this_process=time.perf_counter() - progress.started,
+                       n_params=run.n_params, world_size=dist.world, device=str(run.device), precision=run.precision,
+                       threads=torch.get_num_threads(), variant=run.mconf.variant)
+        harness.atomic_write_json(os.path.join(cfg.out, "train_summary.json"), summary, indent=2)
         summary = dict(summary, losses=losses, log=log)
     dist.barrier()
     return summary if summary is not None else dict(out=cfg.out, steps=step)
@@ -1128,24 +1002,6 @@ def throughput(step_seconds: list[float], batch_tokens: int) -> dict:
     return dict(tokens_per_s=len(steady) * batch_tokens / sum(steady),
                 tokens_per_s_all_steps=len(step_seconds) * batch_tokens / sum(step_seconds),
                 steady_state_steps=len(steady))
-
-
-def peak_memory_per_gpu(device: torch.device, dist) -> list[float] | None:
-    """Each rank's peak allocated GPU memory (GiB) over the training steps; ``None`` off the GPU."""
-    if device.type != "cuda":
-        return None
-    mine = torch.tensor([torch.cuda.max_memory_allocated(device) / 2 ** 30], device=device, dtype=torch.float64)
-    if not dist.enabled:
-        return [float(mine)]
-    every = [torch.zeros_like(mine) for _ in range(dist.world)]
-    torch.distributed.all_gather(every, mine)
-    return [float(x) for x in every]
-
-
-def main_ddp_cleanup() -> None:
-    """Destroy the process group if this process created one (call at exit under torchrun)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":  # pragma: no cover
