@@ -15,27 +15,9 @@ from efla.experiments.harness import progress_factory
 
 console = Console()
 
-_DATA_FILES = {"wikitext": ("wikitext-2-raw", "wiki.test.raw"), "lambada": ("lambada", "lambada_test.jsonl")}
-
-
-def _shared_data_dirs() -> list[str]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    repo = os.path.dirname(os.path.dirname(here))
-    dirs = [os.environ.get("EFLA_DATA_DIR"), os.path.join(os.getcwd(), "..", "shared", "data"),
-            os.path.join(repo, "..", "shared", "data")]
-    return [os.path.normpath(d) for d in dirs if d]
-
-
-def default_data_file(kind: str) -> str | None:
-    """``wiki.test.raw`` / ``lambada_test.jsonl`` under ``$EFLA_DATA_DIR`` or ``../shared/data``, if present."""
-    for d in _shared_data_dirs():
-        p = os.path.join(d, *_DATA_FILES[kind])
-        if os.path.isfile(p):
-            return p
-    return None
-
 
 def _options(args):
+    from efla.data.eval_text import default_data_file  # noqa: PLC0415
     from efla.experiments.lm.evaluate import EvalOptions  # noqa: PLC0415
 
     wikitext, lambada = args.wikitext, args.lambada
@@ -60,7 +42,7 @@ def _options(args):
 
 def _check_eval_options(args, wikitext: str | None, lambada: str | None) -> None:
     from efla.experiments import arg_checks as check  # noqa: PLC0415
-    from efla.experiments.lm.evaluate import load_lambada, load_text  # noqa: PLC0415
+    from efla.data.eval_text import load_lambada, load_text  # noqa: PLC0415
 
     check.at_least(args.context, 2, "--context")
     check.at_least(args.stride, 1, "--stride")

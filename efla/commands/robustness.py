@@ -32,7 +32,7 @@ def _add_pixel_args(p, default_out):
     p.add_argument("--quick", action="store_true", help="a subset of the data (6000 train / 2000 test) and fewer settings")
     p.add_argument("--out", default=default_out, help=f"output directory (default: {default_out})")
     p.add_argument("--dataset", default="auto", choices=["auto", "mnist", "digits"],
-                   help="auto: MNIST if found (--data-dir, $EFLA_MNIST_DIR or ../shared/data/mnist), else embedded digits")
+                   help="auto: MNIST if found (--data-dir, or mnist/ under $EFLA_DATA_DIR or ../shared/data), else embedded digits")
     p.add_argument("--data-dir", default=None, help="folder with the four MNIST idx(.gz) files (or MNIST/raw)")
     p.add_argument("--rules", nargs="+", default=["exact", "euler"],
                    choices=["exact", "euler", "gated-exact", "gated-euler"], help="update rules to compare")

@@ -15,6 +15,7 @@ import pathlib
 import pytest
 import torch
 
+from efla.data.eval_text import load_lambada
 from efla.experiments.lm.evaluate import (
     compare,
     encode_pair,
@@ -22,7 +23,6 @@ from efla.experiments.lm.evaluate import (
     evaluate_wikitext,
     harness_evaluate,
     lambada_split,
-    load_lambada,
     prefix_token_id,
     sliding_windows,
     write_lambada_task,
