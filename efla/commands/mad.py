@@ -80,8 +80,8 @@ def cmd_mad(args) -> int:
     from rich.console import Console  # noqa: PLC0415
 
     from efla.experiments import harness  # noqa: PLC0415
-    from efla.experiments.mad.run import (  # noqa: PLC0415
-        MADOptions, aggregate, run_mad, scores_table, write_outputs)
+    from efla.experiments.mad.report import aggregate, scores_table, write_outputs  # noqa: PLC0415
+    from efla.experiments.mad.run import MADOptions, run_mad  # noqa: PLC0415
 
     console = Console()
     _check_arguments(args)

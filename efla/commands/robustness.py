@@ -96,8 +96,9 @@ def _prepare(args):
 
 def cmd_robustness(args) -> int:
     from efla.experiments import harness  # noqa: PLC0415
-    from efla.experiments.robustness.run import (  # noqa: PLC0415
-        aggregate, robustness_tables, run_robustness, write_robustness_outputs)
+    from efla.experiments.robustness.report import (  # noqa: PLC0415
+        aggregate, robustness_tables, write_robustness_outputs)
+    from efla.experiments.robustness.run import run_robustness  # noqa: PLC0415
 
     console, data, opts = _prepare(args)
     res = run_robustness(data, opts, progress_factory=harness.progress_factory())
@@ -110,8 +111,8 @@ def cmd_robustness(args) -> int:
 
 def cmd_lr_sweep(args) -> int:
     from efla.experiments import harness  # noqa: PLC0415
-    from efla.experiments.robustness.run import (  # noqa: PLC0415
-        lr_sweep_table, run_lr_sweep, sweep_lrs, write_lr_sweep_outputs)
+    from efla.experiments.robustness.report import lr_sweep_table, write_lr_sweep_outputs  # noqa: PLC0415
+    from efla.experiments.robustness.run import run_lr_sweep, sweep_lrs  # noqa: PLC0415
 
     console, data, opts = _prepare(args)
     res = run_lr_sweep(data, opts, lrs=sweep_lrs(args.lrs, args.quick), progress_factory=harness.progress_factory())

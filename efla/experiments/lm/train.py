@@ -88,6 +88,8 @@ __all__ = [
 
 # Per model size: (sequence length, batch size in tokens). 340m/1.3b: the paper's 2K x 512 = 1M tokens.
 SIZE_DEFAULTS = {"tiny": (256, 16 * 256), "340m": (2048, 1 << 20), "1.3b": (2048, 1 << 20)}
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss (or gradient norm) of a step was NaN or infinite; the step was not applied."""
 
