@@ -3,16 +3,8 @@
 from __future__ import annotations
 
 from efla.experiments import arg_checks as check
+from efla.experiments.harness import default_device
 from efla.errors import UsageError
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch  # noqa: PLC0415
-
-        return torch.cuda.is_available()
-    except Exception:
-        return False
 
 
 def add_parser(subparsers) -> None:
@@ -41,7 +33,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-steps", type=int, default=None,
                    help="override the step budget: epochs = max_steps // steps per epoch (1..epochs)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16 = autocast (MAD used bf16)")
-    p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
+    p.add_argument("--device", default=default_device())
     p.add_argument("--time-limit", type=float, default=None, help="seconds per run; a run cut short is marked")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--report-only", action="store_true", help="train nothing; aggregate the runs stored in --out")
@@ -96,8 +88,10 @@ def cmd_mad(args) -> int:
                       time_limit=args.time_limit, train=not args.report_only)
     console.rule(f"[bold]MAD[/bold] ({preset} preset) -> {args.out}")
 
+    provenance = harness.Provenance(command=args.command_line, device=args.device)
     res = run_mad(opts, args.out, progress_factory=harness.progress_factory(), log=console.print)
-    files = write_outputs(res, args.out, args.command_line)
+    res.update(provenance.record("numpy"))
+    files = write_outputs(res, args.out, provenance.command)
     console.print(scores_table(aggregate(res["runs"]), preset).rich())
     if res["missing"]:
         console.print(f"[yellow]{len(res['missing'])} planned runs are not stored yet[/yellow] (--report-only?).")

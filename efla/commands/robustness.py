@@ -4,15 +4,7 @@ from __future__ import annotations
 
 from efla.errors import UsageError
 from efla.experiments import arg_checks as check
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch  # noqa: PLC0415
-
-        return torch.cuda.is_available()
-    except Exception:
-        return False
+from efla.experiments.harness import default_device
 
 
 def add_parser(subparsers) -> None:
@@ -45,7 +37,7 @@ def _add_pixel_args(p, default_out):
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default: 0)")
     p.add_argument("--train-limit", type=int, default=None, help="use only the first N training examples")
     p.add_argument("--test-limit", type=int, default=None, help="use only the first N test examples")
-    p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
+    p.add_argument("--device", default=default_device())
 
 
 def _check_pixel_args(args) -> None:
@@ -100,9 +92,11 @@ def cmd_robustness(args) -> int:
         aggregate, robustness_tables, write_robustness_outputs)
     from efla.experiments.robustness.run import run_robustness  # noqa: PLC0415
 
+    provenance = harness.Provenance(command=args.command_line, device=args.device)
     console, data, opts = _prepare(args)
     res = run_robustness(data, opts, progress_factory=harness.progress_factory())
-    files = write_robustness_outputs(res, args.out, args.command_line)
+    res.update(provenance.record("transformers"))
+    files = write_robustness_outputs(res, args.out, provenance.command)
     for table in robustness_tables(res, aggregate(res)).values():
         console.print(table.rich())
     console.print("Wrote: " + ", ".join(files))
@@ -114,9 +108,11 @@ def cmd_lr_sweep(args) -> int:
     from efla.experiments.robustness.report import lr_sweep_table, write_lr_sweep_outputs  # noqa: PLC0415
     from efla.experiments.robustness.run import run_lr_sweep, sweep_lrs  # noqa: PLC0415
 
+    provenance = harness.Provenance(command=args.command_line, device=args.device)
     console, data, opts = _prepare(args)
     res = run_lr_sweep(data, opts, lrs=sweep_lrs(args.lrs, args.quick), progress_factory=harness.progress_factory())
-    files = write_lr_sweep_outputs(res, args.out, args.command_line)
+    res.update(provenance.record("transformers"))
+    files = write_lr_sweep_outputs(res, args.out, provenance.command)
     console.print(lr_sweep_table(res).rich())
     console.print("Wrote: " + ", ".join(files))
     return 0

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["versions", "command_line", "Provenance", "atomic_write", "atomic_write_json", "atomic_write_csv",
+__all__ = ["versions", "default_device", "command_line", "Provenance", "atomic_write", "atomic_write_json", "atomic_write_csv",
            "atomic_save_figure", "progress_factory", "Table"]
 
 
@@ -41,6 +41,16 @@ def versions(*extra_modules: str) -> dict:
     return found
 
 
+def default_device() -> str:
+    """``cuda`` when a GPU is usable, else ``cpu`` (the default of the experiments' ``--device``)."""
+    try:
+        import torch  # noqa: PLC0415
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except Exception:  # a broken CUDA setup must not break ``efla --help``
+        return "cpu"
+
+
 def command_line(argv: list[str] | None = None) -> str:
     """The ``efla`` command being run, from ``argv`` (default ``sys.argv[1:]``), quoted for a shell."""
     return shlex.join(["efla", *(sys.argv[1:] if argv is None else argv)])
@@ -48,15 +58,21 @@ def command_line(argv: list[str] | None = None) -> str:
 
 @dataclass
 class Provenance:
-    """What produced a result: the command actually run, the versions, and the wall time so far."""
+    """What produced a result: the command actually run, the versions, the device and the wall time.
+
+    Made when the command starts; :meth:`record` is stored with the results when they are written."""
 
     command: str = field(default_factory=command_line)
-    versions: dict = field(default_factory=versions)
+    device: str | None = None
     started: float = field(default_factory=time.time)
 
     @property
     def wall_seconds(self) -> float:
         return time.time() - self.started
+
+    def record(self, *extra_modules: str) -> dict:
+        return dict(command=self.command, versions=versions(*extra_modules), device=self.device,
+                    wall_seconds=round(self.wall_seconds, 3))
 
 
 def atomic_write(path: str, text: str) -> None:
