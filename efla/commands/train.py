@@ -18,7 +18,7 @@ The output directory is a Hugging Face model directory (config.json, model.safet
 
 
 def add_parser(subparsers) -> None:
-    from efla.experiments.lm.train import TrainConfig  # noqa: PLC0415
+    from efla.experiments.lm.config import TrainConfig  # noqa: PLC0415
 
     d = TrainConfig()
     p = subparsers.add_parser(
@@ -143,7 +143,7 @@ def _given_options(args) -> dict:
     """TrainConfig fields from the command line; when resuming, what it leaves at its default comes
     from the run's saved ``train_args.json``."""
     from efla.errors import UsageError  # noqa: PLC0415
-    from efla.experiments.lm.train import TrainConfig  # noqa: PLC0415
+    from efla.experiments.lm.config import TrainConfig  # noqa: PLC0415
 
     fields = TrainConfig.__dataclass_fields__
     given = {k: v for k, v in vars(args).items() if k in fields}
