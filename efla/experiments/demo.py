@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from efla.variants import Variant
+from efla.variants import colour, label
 
 from . import harness
 from .onestep import one_step_table
@@ -84,7 +84,7 @@ def run_mad_demo_task(quick: bool = False, epochs: int | None = None, progress_f
     out = {"task": "in-context recall (v16, L64, 1024 train)", "epochs": epochs}
     for rule in ("exact", "euler"):
         cfg = RunConfig(setting=setting, rule=rule, lr=3e-3, epochs=epochs, batch_size=64, width=64, num_heads=4)
-        bar = progress_factory(total=epochs * 16, desc=f"MAD recall {Variant.parse(rule).label}") if progress_factory else None
+        bar = progress_factory(total=epochs * 16, desc=f"MAD recall {label(rule)}") if progress_factory else None
         run = train_run(cfg, dataset=dataset, bar=bar)
         if bar:
             bar.close()
@@ -122,7 +122,7 @@ def run_demo(quick: bool = False, progress_factory=None, log=lambda msg: None, e
     for rule in ("exact", "euler"):
         cfg = TrainConfig(rule=rule, lr=3e-3, epochs=epochs, batch_size=64, width=64, seed=0)
         steps = epochs * -(-len(data.x_train) // cfg.batch_size)
-        bar = progress_factory(total=steps, desc=f"train {Variant.parse(rule).label}") if progress_factory else None
+        bar = progress_factory(total=steps, desc=f"train {label(rule)}") if progress_factory else None
         model, tr = train_classifier(data, cfg, progress=bar.update if bar else None)
         if bar:
             bar.close()
@@ -189,8 +189,8 @@ def _plots(res: dict, out_dir: str) -> list[str]:
 def _plot_one_step(rows: list, out_dir: str, plt) -> str:
     x = [r["beta_lambda"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    axes[0].plot(x, [r["euler_eigenvalue"] for r in rows], "o-", color="tab:blue", label="Euler (DeltaNet): 1 - βλ")
-    axes[0].plot(x, [r["exact_eigenvalue"] for r in rows], "o-", color="tab:red", label="exact (EFLA): exp(-βλ)")
+    axes[0].plot(x, [r["euler_eigenvalue"] for r in rows], "o-", color=colour("euler"), label="Euler (DeltaNet): 1 - βλ")
+    axes[0].plot(x, [r["exact_eigenvalue"] for r in rows], "o-", color=colour("exact"), label="exact (EFLA): exp(-βλ)")
     axes[0].axhline(-1, color="gray", ls=":", lw=1)
     axes[0].axhline(1, color="gray", ls=":", lw=1)
     axes[0].set_xscale("log")
@@ -213,9 +213,9 @@ def _plot_one_step(rows: list, out_dir: str, plt) -> str:
 def _plot_robustness(rb: dict, out_dir: str, plt) -> str:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, kind, lab in zip(axes, ("scale", "noise"), ("intensity scale (x)", "Gaussian noise std")):
-        for rule, color in (("exact", "tab:red"), ("euler", "tab:blue")):
+        for rule in ("exact", "euler"):
             ev = rb["rules"][rule]["eval"][kind]
-            ax.plot(ev["levels"], ev["accuracy"], "o-", color=color, label=Variant.parse(rule).label)
+            ax.plot(ev["levels"], ev["accuracy"], "o-", color=colour(rule), label=label(rule))
         ax.set_xlabel(lab)
         ax.set_ylabel("test accuracy")
         ax.set_ylim(0, 1)

@@ -1,1 +1,3 @@
-"""Language models: training (train.py) and evaluation (evaluate.py)."""
+"""Language models: the run settings (config.py), training (train.py) with its checkpoints
+(checkpoint.py) and process group (distributed.py), evaluation (evaluate.py) and the report of
+several runs (report.py)."""
