@@ -67,7 +67,22 @@ from .checkpoint import (
     write_checkpoint,
 )
 from .config import SIZE_DEFAULTS, TrainConfig, check_train_config
-from .distributed import Dist, full_model_state, full_optim_state, init_dist, main_ddp_cleanup, peak_memory_per_gpu, unwrap
+from .distributed import (
+    Dist,
+    full_model_state,
+    full_optim_state,
+    init_dist,
+    main_ddp_cleanup,
+    peak_memory_per_gpu,
+    unwrap,
+)
+from .schedule import (
+    hyperparameters,
+    lr_at,
+    resumed_schedule,
+    schedule_of,
+    scheduled_lr,
+)
 
 __all__ = [
     "TrainConfig",
@@ -89,27 +104,6 @@ __all__ = [
 
 class NonFiniteLossError(RuntimeError):
     """The loss (or gradient norm) of a step was NaN or infinite; the step was not applied."""
-
-
-# -- schedule ----------------------------------------------------------------------------------------
-
-def lr_at(step: int, max_steps: int, warmup_steps: int, lr: float, min_lr: float) -> float:
-    """Learning rate of update ``step`` (0-based): linear warm-up from ``min_lr`` to ``lr`` over
-    ``warmup_steps`` updates, then cosine from ``lr`` down to ``min_lr`` at the last update."""
-    if step < warmup_steps:
-        return min_lr + (lr - min_lr) * step / warmup_steps
-    span = max(1, max_steps - 1 - warmup_steps)
-    p = min(1.0, (step - warmup_steps) / span)
-    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
-
-
-def scheduled_lr(step: int, schedule: dict) -> float:
-    """Learning rate of update ``step`` under ``schedule`` (``planned_steps``, ``warmup``, ``lr``,
-    ``min_lr``): :func:`lr_at` over the planned steps, then ``min_lr`` for any steps past them (a run
-    extended with ``extend_at_min_lr``)."""
-    if step >= schedule["planned_steps"]:
-        return schedule["min_lr"]
-    return lr_at(step, schedule["planned_steps"], schedule["warmup"], schedule["lr"], schedule["min_lr"])
 
 
 # -- model / state helpers ---------------------------------------------------------------------------
@@ -175,60 +169,6 @@ def _model_config(cfg: TrainConfig, tok, eos_id: int):
     if not cfg.preset:
         raise ValueError("preset / config_file: give one")
     return get_preset_config(cfg.preset, **ids)
-
-
-# -- schedule on resume ------------------------------------------------------------------------------
-
-_OPTION_OF = {"planned_steps": "--max-steps", "warmup": "--warmup-steps", "lr": "--lr", "min_lr": "--min-lr",
-              "weight_decay": "--weight-decay", "betas": "betas", "eps": "eps", "grad_clip": "--grad-clip"}
-
-
-def _schedule_of(cfg: TrainConfig, r: dict) -> dict:
-    return dict(planned_steps=r["max_steps"], warmup=r["warmup"], lr=cfg.lr, min_lr=cfg.min_lr)
-
-
-def _hyperparameters(cfg: TrainConfig) -> dict:
-    return dict(weight_decay=cfg.weight_decay, betas=list(cfg.betas), eps=cfg.eps, grad_clip=cfg.grad_clip)
-
-
-def _saved_settings(ckpt: str, state: dict, out: str) -> dict:
-    """Schedule and optimizer settings the checkpoint was trained with (older checkpoints: from
-    ``train_args.json`` beside it)."""
-    if "schedule" in state:
-        return dict(state["schedule"], **state.get("hyperparameters", {}))
-    saved = dict(planned_steps=state.get("max_steps"))
-    args_path = os.path.join(out, "train_args.json")
-    if os.path.isfile(args_path):
-        with open(args_path) as f:
-            args = json.load(f)
-        saved.update({k: args[k] for k in ("lr", "min_lr", "weight_decay", "eps", "grad_clip") if k in args})
-        saved["betas"] = list(args.get("betas", [])) or None
-        saved["warmup"] = args.get("resolved", {}).get("warmup")
-    return {k: v for k, v in saved.items() if v is not None}
-
-
-def _resumed_schedule(cfg: TrainConfig, r: dict, ckpt: str, state: dict) -> dict:
-    """The schedule a resumed run continues: the checkpoint's own. A larger ``max_steps`` with
-    ``extend_at_min_lr`` keeps it to its planned end and trains the extra steps at ``min_lr``.
-
-    Raises:
-        UsageError: any other change of the schedule or optimizer settings (named with both values).
-    """
-    saved = _saved_settings(ckpt, state, cfg.out)
-    now = dict(_schedule_of(cfg, r), **_hyperparameters(cfg))
-    if cfg.warmup_steps is None:  # derived from the length: the saved run's own
-        now["warmup"] = saved.get("warmup", now["warmup"])
-    changed = [k for k in now if k in saved and saved[k] != now[k]]
-    extended = "planned_steps" in changed and cfg.extend_at_min_lr and now["planned_steps"] > saved["planned_steps"]
-    if extended:
-        changed.remove("planned_steps")
-    if changed:
-        what = ", ".join(f"{_OPTION_OF[k]} {saved[k]} -> {now[k]}" for k in changed)
-        hint = ("; to train longer, pass --extend-at-min-lr (the saved schedule runs to its end, the extra steps "
-                "train at --min-lr)" if changed == ["planned_steps"] and now["planned_steps"] > saved["planned_steps"]
-                else "")
-        raise UsageError(f"{ckpt} was trained with other settings ({what}); a resumed run keeps them{hint} (--resume)")
-    return {k: saved.get(k, now[k]) for k in ("planned_steps", "warmup", "lr", "min_lr")}
 
 
 # -- the loop ----------------------------------------------------------------------------------------
@@ -523,11 +463,11 @@ def _train_from(cfg: TrainConfig, dist: Dist, device, r: dict, ckpt: str | None,
 def _read_saved_schedule(run: _Session) -> None:
     cfg = run.cfg
     run.precision = cfg.precision if cfg.precision != "auto" else ("bf16" if run.device.type == "cuda" else "fp32")
-    run.schedule = _schedule_of(cfg, run.r)
+    run.schedule = schedule_of(cfg, run.r)
     if run.ckpt is not None:
         with open(os.path.join(run.ckpt, "trainer_state.json")) as f:
             run.saved = json.load(f)
-        run.schedule = _resumed_schedule(cfg, run.r, run.ckpt, run.saved)
+        run.schedule = resumed_schedule(cfg, run.r, run.ckpt, run.saved)
 
 
 def _load_tokenizer_and_data(run: _Session) -> None:
@@ -641,7 +581,7 @@ def _save_checkpoint(run: _Session, step: int, position: int) -> str | None:
     if run.dist.main:
         r, cfg = run.r, run.cfg
         trainer_state = dict(step=step, tokens=step * r["batch_tokens"], max_steps=r["max_steps"],
-                             world_size=run.dist.world, schedule=run.schedule, hyperparameters=_hyperparameters(cfg),
+                             world_size=run.dist.world, schedule=run.schedule, hyperparameters=hyperparameters(cfg),
                              data=dict(position=position, seq_len=r["seq_len"], data_seed=cfg.data_seed,
                                        n_sequences=len(run.train_data), fingerprint=run.train_data.fingerprint(),
                                        epoch=run.order.epoch_of(position)),
