@@ -50,7 +50,7 @@ def compare(name, fla_model, ref_cls, ref_cfg, ids, dtype, kind, rows):
     from transformers import AutoModelForCausalLM
 
     import efla  # noqa: F401
-    from efla.convert import convert_fla_checkpoint
+    from efla.models.convert import convert_fla_checkpoint
 
     with tempfile.TemporaryDirectory() as d:
         fla_model.save_pretrained(f"{d}/fla")

@@ -50,3 +50,19 @@ EULER = Variant(False, False, "delta_rule", "deltanet", "DeltaNet", "tab:blue")
 GATED_EFLA = Variant(True, True, "gated_efla", "gated-efla", "Gated EFLA", "tab:orange")
 GATED_EULER = Variant(False, True, "gated_delta_rule", "gated-deltanet", "Gated DeltaNet", "tab:cyan")
 VARIANTS = (EFLA, EULER, GATED_EFLA, GATED_EULER)
+
+
+def label(name: str, default: str | None = None) -> str:
+    """The display label of a rule under any of its spellings ("exact", "deltanet", "gated_efla", ...);
+    ``default`` (when given) for a name that is no rule."""
+    try:
+        return Variant.parse(name).label
+    except ValueError:
+        if default is None:
+            raise
+        return default
+
+
+def colour(name: str) -> str:
+    """The plot colour of a rule under any of its spellings."""
+    return Variant.parse(name).colour

@@ -34,14 +34,14 @@ phase() {  # phase NAME DOC_CMD [extra efla mad args...]
   for t in CR FR NR SC C M; do
     for r in exact euler; do
       python3 -m efla mad --preset quick --tasks $t --rules $r --device "$DEVICE" --threads 1 --out "$dir" "$@" $EXTRA \
-        --command-line "$doc" > "$LOGS/$name-$t-$r.log" 2>&1 &
+        > "$LOGS/$name-$t-$r.log" 2>&1 &
       pids+=($!)
     done
   done
   local fails=0
   for p in "${pids[@]}"; do wait "$p" || fails=$((fails + 1)); done
   log "$name: training processes done ($fails failed)"
-  python3 -m efla mad --preset quick --device "$DEVICE" --out "$dir" --report-only "$@" $EXTRA --command-line "$doc" \
+  python3 -m efla mad --preset quick --device "$DEVICE" --out "$dir" --report-only "$@" $EXTRA \
     > "$LOGS/$name-report.log" 2>&1
   tr '\r' '\n' < "$LOGS/$name-report.log" | grep -v 'it/s\]' | tail -25 | tee -a "$OUT/log.txt"
 }

@@ -6,11 +6,9 @@ OUT=${OUT:-/tmp/out}
 source scripts/device_env.sh
 R=/tmp/results/robustness; mkdir -p "$R"
 timeout 420 python3 -m efla robustness --data-dir .devdata/mnist --seeds 0 1 2 --paper-lr --device cuda --out "$R" \
-  --command-line "efla robustness --data-dir ../shared/data/mnist --seeds 0 1 2 --paper-lr --device cuda --out docs/results/robustness" \
   > /tmp/rob.log 2>&1 &
 P1=$!
 timeout 420 python3 -m efla lr-sweep --data-dir .devdata/mnist --seeds 0 --device cuda --out "$R" \
-  --command-line "efla lr-sweep --data-dir ../shared/data/mnist --seeds 0 --device cuda --out docs/results/robustness" \
   > /tmp/lr.log 2>&1 &
 P2=$!
 timeout 240 python3 benchmarks/convert_check.py --out "$OUT" 2>&1 | grep -v Warning

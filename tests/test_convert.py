@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import efla  # noqa: F401  (registers the model type)
 from efla.cli import main
-from efla.convert import convert_fla_checkpoint
+from efla.models.convert import convert_fla_checkpoint
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"  # saved by flash-linear-attention 0.6.0 itself
 

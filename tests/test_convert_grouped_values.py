@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import efla  # noqa: F401  (registers the model type)
-from efla.convert import convert_fla_checkpoint
+from efla.models.convert import convert_fla_checkpoint
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "fixtures" / "fla_gated_deltanet"  # saved by flash-linear-attention 0.6.0
@@ -100,7 +100,7 @@ _FLA_MODEL_SCRIPT = textwrap.dedent(
     from tests.layers.fused_checks import prepare_interpreter
     prepare_interpreter()
     from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
-    from efla.convert import convert_fla_checkpoint
+    from efla.models.convert import convert_fla_checkpoint
     from efla.models import EFLAForCausalLM
     torch.manual_seed(0)
     cfg = GatedDeltaNetConfig(hidden_size=32, num_hidden_layers=2, num_heads=2, num_v_heads=4, head_dim=8,

@@ -7,7 +7,7 @@ def cmd_convert(args) -> int:
     import torch  # noqa: PLC0415
     from rich.console import Console  # noqa: PLC0415
 
-    from efla.convert import convert_fla_checkpoint  # noqa: PLC0415
+    from efla.models.convert import convert_fla_checkpoint  # noqa: PLC0415
     from efla.experiments import arg_checks as check  # noqa: PLC0415
 
     check.existing_dir(args.src, "SRC")

@@ -1,69 +1,24 @@
 """``efla eval`` (one model: WikiText, LAMBADA, lm-evaluation-harness) and ``efla compare`` (several
 models in the paper's Table 1 layout). Argument parsing and printing only; the work is in
-:mod:`efla.experiments.lm_eval`."""
+:mod:`efla.experiments.lm.evaluate`."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shlex
 
 from rich.console import Console
 from rich.table import Table
 
 from efla.errors import UsageError
+from efla.experiments.harness import progress_factory
 
 console = Console()
 
-_DATA_FILES = {"wikitext": ("wikitext-2-raw", "wiki.test.raw"), "lambada": ("lambada", "lambada_test.jsonl")}
-
-
-def _shared_data_dirs() -> list[str]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    repo = os.path.dirname(os.path.dirname(here))
-    dirs = [os.environ.get("EFLA_DATA_DIR"), os.path.join(os.getcwd(), "..", "shared", "data"),
-            os.path.join(repo, "..", "shared", "data")]
-    return [os.path.normpath(d) for d in dirs if d]
-
-
-def default_data_file(kind: str) -> str | None:
-    """``wiki.test.raw`` / ``lambada_test.jsonl`` under ``$EFLA_DATA_DIR`` or ``../shared/data``, if present."""
-    for d in _shared_data_dirs():
-        p = os.path.join(d, *_DATA_FILES[kind])
-        if os.path.isfile(p):
-            return p
-    return None
-
-
-def _progress_factory():
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
-    return lambda total, desc: tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
-
-
-def _command_line(args) -> str:
-    """The effective command: the subcommand and every option that differs from its default
-    (rebuilt from the parsed arguments, so it is right however ``main`` was called)."""
-    parts = ["efla", args.command]
-    for action in args._parser._actions:
-        if action.dest in ("help", "command_line") or action.help == argparse.SUPPRESS:
-            continue
-        val = getattr(args, action.dest, None)
-        if val is None or val == action.default or val is False:
-            continue
-        vals = val if isinstance(val, list) else [val]
-        if not action.option_strings:  # positional
-            parts += [shlex.quote(str(v)) for v in vals]
-        elif val is True:
-            parts.append(action.option_strings[-1])
-        else:
-            parts += [action.option_strings[-1]] + [shlex.quote(str(v)) for v in vals]
-    return " ".join(parts)
-
 
 def _options(args):
-    from efla.experiments.lm_eval import EvalOptions  # noqa: PLC0415
+    from efla.data.eval_text import default_data_file  # noqa: PLC0415
+    from efla.experiments.lm.evaluate import EvalOptions  # noqa: PLC0415
 
     wikitext, lambada = args.wikitext, args.lambada
     harness = [t.strip() for t in args.harness.split(",") if t.strip()] if args.harness else None
@@ -87,7 +42,7 @@ def _options(args):
 
 def _check_eval_options(args, wikitext: str | None, lambada: str | None) -> None:
     from efla.experiments import arg_checks as check  # noqa: PLC0415
-    from efla.experiments.lm_eval import load_lambada, load_text  # noqa: PLC0415
+    from efla.data.eval_text import load_lambada, load_text  # noqa: PLC0415
 
     check.at_least(args.context, 2, "--context")
     check.at_least(args.stride, 1, "--stride")
@@ -145,14 +100,14 @@ def _print_record(rec: dict) -> None:
 
 
 def cmd_eval(args) -> int:
-    from efla.experiments.lm_eval import check_model_dir, evaluate_model, write_json  # noqa: PLC0415
+    from efla.experiments.lm.evaluate import check_model_dir, evaluate_model, write_json  # noqa: PLC0415
 
     check_model_dir(args.model)
     _setup_threads(args)
     opts = _options(args)
     out = args.out or os.path.join("results", "eval", os.path.basename(os.path.normpath(args.model)))
-    rec = evaluate_model(args.model, opts, progress_factory=_progress_factory())
-    rec["command"] = args.command_line or _command_line(args)
+    rec = evaluate_model(args.model, opts, progress_factory=progress_factory())
+    rec["command"] = args.command_line
     _print_record(rec)
     path = os.path.join(out, "eval.json")
     write_json(path, rec)
@@ -161,7 +116,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from efla.experiments.lm_eval import (  # noqa: PLC0415
+    from efla.experiments.lm.evaluate import (  # noqa: PLC0415
         check_model_dir, compare, evaluate_model, write_json, write_text)
 
     _setup_threads(args)
@@ -190,13 +145,13 @@ def cmd_compare(args) -> int:
             console.print(f"{src}: reusing {cached}")
         else:
             console.print(f"Evaluating {src} ...")
-            rec = evaluate_model(src, opts, progress_factory=_progress_factory())
-            rec["command"] = args.command_line or _command_line(args)
+            rec = evaluate_model(src, opts, progress_factory=progress_factory())
+            rec["command"] = args.command_line
             write_json(cached, rec)
         _print_record(rec)
         records.append(rec)
     md, summary = compare(records)
-    cmd = args.command_line or _command_line(args)
+    cmd = args.command_line
     md = f"# Language-model evaluation\n\nCommand: `{cmd}`\n\n" + md
     write_text(os.path.join(args.out, "table.md"), md)
     write_json(os.path.join(args.out, "eval.json"), dict(summary, command=cmd, records=records))
@@ -232,7 +187,6 @@ def _add_eval_options(p) -> None:
     p.add_argument("--harness-include", default=None, metavar="DIR", help="folder of extra lm-eval task YAMLs")
     p.add_argument("--harness-limit", type=int, default=None, help="lm-eval: examples per task (default: --limit)")
     p.add_argument("--num-fewshot", type=int, default=None, help="lm-eval: few-shot examples")
-    p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
 
 
 def add_parser(sub) -> None:
@@ -243,7 +197,7 @@ def add_parser(sub) -> None:
     e.add_argument("--model", required=True, help="model directory (config, weights and tokenizer)")
     e.add_argument("--out", default=None, help="output directory (default: results/eval/<model dir name>)")
     _add_eval_options(e)
-    e.set_defaults(func=cmd_eval, _parser=e)
+    e.set_defaults(func=cmd_eval)
 
     c = sub.add_parser("compare", help="evaluate several models; one Markdown table in the paper's Table 1 layout",
                        description="Evaluate model directories (or read eval.json files) and write table.md and "
@@ -254,4 +208,4 @@ def add_parser(sub) -> None:
     c.add_argument("--out", default=os.path.join("results", "compare"), help="output directory")
     c.add_argument("--reuse", action="store_true", help="reuse <out>/models/<name>/eval.json when present")
     _add_eval_options(c)
-    c.set_defaults(func=cmd_compare, _parser=c)
+    c.set_defaults(func=cmd_compare)

@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
-import sys
-
 from efla.experiments import arg_checks as check
+from efla.experiments.harness import default_device
 from efla.errors import UsageError
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch  # noqa: PLC0415
-
-        return torch.cuda.is_available()
-    except Exception:
-        return False
-
-
 def add_parser(subparsers) -> None:
-    from efla.data.mad import TASK_ABBR, TASKS  # noqa: PLC0415
-    from efla.experiments.mad_run import PRESETS  # noqa: PLC0415
+    from efla.data.mad_tasks import TASK_ABBR, TASKS  # noqa: PLC0415
+    from efla.experiments.mad.run import PRESETS  # noqa: PLC0415
 
     abbr = ", ".join(f"{v}={k}" for k, v in TASK_ABBR.items())
     p = subparsers.add_parser(
@@ -44,16 +33,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-steps", type=int, default=None,
                    help="override the step budget: epochs = max_steps // steps per epoch (1..epochs)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16 = autocast (MAD used bf16)")
-    p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
+    p.add_argument("--device", default=default_device())
     p.add_argument("--time-limit", type=float, default=None, help="seconds per run; a run cut short is marked")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--report-only", action="store_true", help="train nothing; aggregate the runs stored in --out")
-    p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_mad)
 
 
 def _resolve_tasks(names):
-    from efla.data.mad import TASK_ABBR, TASKS  # noqa: PLC0415
+    from efla.data.mad_tasks import TASK_ABBR, TASKS  # noqa: PLC0415
 
     inv = {v.lower(): k for k, v in TASK_ABBR.items()}
     out = []
@@ -82,13 +70,10 @@ def _check_arguments(args) -> None:
 def cmd_mad(args) -> int:
     import torch  # noqa: PLC0415
     from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
-    from tqdm.auto import tqdm  # noqa: PLC0415
 
-    from efla.data.mad import TASK_LABEL  # noqa: PLC0415
-    from efla.experiments.mad import RULE_LABEL  # noqa: PLC0415
-    from efla.experiments.mad_run import (  # noqa: PLC0415
-        PAPER, PAPER_AVERAGE, MADOptions, aggregate, run_mad, write_outputs)
+    from efla.experiments import harness  # noqa: PLC0415
+    from efla.experiments.mad.report import aggregate, scores_table, write_outputs  # noqa: PLC0415
+    from efla.experiments.mad.run import MADOptions, run_mad  # noqa: PLC0415
 
     console = Console()
     _check_arguments(args)
@@ -101,38 +86,13 @@ def cmd_mad(args) -> int:
                       num_heads=args.num_heads, lrs=args.lrs, wds=args.wds, epochs=args.epochs,
                       max_steps=args.max_steps, precision=args.precision, device=args.device,
                       time_limit=args.time_limit, train=not args.report_only)
-    command = args.command_line or ("efla " + " ".join(sys.argv[1:]))
     console.rule(f"[bold]MAD[/bold] ({preset} preset) -> {args.out}")
 
-    def progress(total, desc):
-        return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
-
-    res = run_mad(opts, args.out, progress_factory=progress, log=console.print)
-    files = write_outputs(res, args.out, command)
-    agg = aggregate(res["runs"])
-    rules = [r for r in opts.rules if r in agg]
-    tab = Table(title=f"MAD accuracy ×100 ({preset} preset; paper = full 66-setting protocol)")
-    tab.add_column("task")
-    for r in rules:
-        tab.add_column(RULE_LABEL[r], justify="right")
-    if "exact" in rules and "euler" in rules:
-        tab.add_column("EFLA − DeltaNet", justify="right")
-    tab.add_column("paper DeltaNet / EFLA", justify="right")
-    for t in opts.tasks:
-        cells = [f"{100 * agg[r][t]['score']:.1f}" if t in agg[r] else "–" for r in rules]
-        if "exact" in rules and "euler" in rules:
-            d = (100 * (agg["exact"][t]["score"] - agg["euler"][t]["score"])
-                 if t in agg["exact"] and t in agg["euler"] else None)
-            cells.append("–" if d is None else f"[{'green' if d > 0 else 'red' if d < 0 else 'white'}]{d:+.1f}[/]")
-        cells.append(f"{PAPER[t]['euler']:.1f} / {PAPER[t]['exact']:.1f}")
-        tab.add_row(TASK_LABEL[t], *cells)
-    cells = [f"{100 * agg[r]['average']:.1f}" for r in rules]
-    if "exact" in rules and "euler" in rules:
-        cells.append(f"{100 * (agg['exact']['average'] - agg['euler']['average']):+.1f}")
-    cells.append(f"{PAPER_AVERAGE['euler']:.1f} / {PAPER_AVERAGE['exact']:.1f}")
-    n_tasks = len([t for t in opts.tasks if any(t in agg[r] for r in rules)])
-    tab.add_row("Average" if n_tasks == 6 else f"Average ({n_tasks} of 6 tasks)", *cells, style="bold")
-    console.print(tab)
+    provenance = harness.Provenance(command=args.command_line, device=args.device)
+    res = run_mad(opts, args.out, progress_factory=harness.progress_factory(), log=console.print)
+    res.update(provenance.record("numpy"))
+    files = write_outputs(res, args.out, provenance.command)
+    console.print(scores_table(aggregate(res["runs"]), preset).rich())
     if res["missing"]:
         console.print(f"[yellow]{len(res['missing'])} planned runs are not stored yet[/yellow] (--report-only?).")
     console.print("Wrote: " + ", ".join(files))

@@ -1,10 +1,9 @@
-"""``efla train`` (language-model training; efla.experiments.lm_train) and ``efla lm-report``
+"""``efla train`` (language-model training; efla.experiments.lm.train) and ``efla lm-report``
 (losses JSON/CSV, loss-curve PNG and summary.md of several runs)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 _EPILOG = """\
 examples:
@@ -19,7 +18,7 @@ The output directory is a Hugging Face model directory (config.json, model.safet
 
 
 def add_parser(subparsers) -> None:
-    from efla.experiments.lm_train import TrainConfig  # noqa: PLC0415
+    from efla.experiments.lm.config import TrainConfig  # noqa: PLC0415
 
     d = TrainConfig()
     p = subparsers.add_parser(
@@ -113,7 +112,7 @@ def add_parser(subparsers) -> None:
 def cmd_train(args) -> int:
     from rich.console import Console  # noqa: PLC0415
 
-    from efla.experiments.lm_train import TrainConfig, main_ddp_cleanup, train  # noqa: PLC0415
+    from efla.experiments.lm.train import TrainConfig, main_ddp_cleanup, train  # noqa: PLC0415
 
     console = Console(stderr=True)
     cfg = TrainConfig(**_given_options(args))
@@ -144,7 +143,7 @@ def _given_options(args) -> dict:
     """TrainConfig fields from the command line; when resuming, what it leaves at its default comes
     from the run's saved ``train_args.json``."""
     from efla.errors import UsageError  # noqa: PLC0415
-    from efla.experiments.lm_train import TrainConfig  # noqa: PLC0415
+    from efla.experiments.lm.config import TrainConfig  # noqa: PLC0415
 
     fields = TrainConfig.__dataclass_fields__
     given = {k: v for k, v in vars(args).items() if k in fields}
@@ -179,7 +178,7 @@ def _saved_options(out: str, fields) -> dict | None:
 
 def cmd_lm_report(args) -> int:
     from efla.experiments import arg_checks as check  # noqa: PLC0415
-    from efla.experiments.lm_train import write_lm_report  # noqa: PLC0415
+    from efla.experiments.lm.report import write_lm_report  # noqa: PLC0415
 
     for run in args.runs:
         check.existing_dir(run, "--runs")
@@ -187,6 +186,6 @@ def cmd_lm_report(args) -> int:
     check.output_dir(args.out)
     notes = open(args.notes).read() if args.notes else ""  # noqa: SIM115
     files = write_lm_report(args.runs, args.out, title=args.title, notes=notes,
-                            command_line="efla " + " ".join(sys.argv[1:]))
+                            command_line=args.command_line)
     print("Wrote: " + ", ".join(files))
     return 0

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .shared import shared_data_dirs
+
 _MNIST_FILES = {
     "train_images": "train-images-idx3-ubyte",
     "train_labels": "train-labels-idx1-ubyte",
@@ -77,13 +79,9 @@ def find_mnist_dir(path: str | os.PathLike | None) -> pathlib.Path | None:
 
 
 def default_mnist_dir() -> pathlib.Path | None:
-    """``$EFLA_MNIST_DIR``, or ``../shared/data/mnist`` next to the repository / working dir."""
-    env = os.environ.get("EFLA_MNIST_DIR")
-    cands = [env] if env else []
-    here = pathlib.Path(__file__).resolve()
-    cands += [here.parents[2].parent / "shared" / "data" / "mnist", pathlib.Path.cwd().parent / "shared" / "data" / "mnist"]
-    for c in cands:
-        found = find_mnist_dir(c)
+    """The MNIST files in ``mnist/`` of a shared data folder (:func:`efla.data.shared.shared_data_dirs`)."""
+    for folder in shared_data_dirs():
+        found = find_mnist_dir(folder / "mnist")
         if found:
             return found
     return None

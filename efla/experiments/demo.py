@@ -9,17 +9,22 @@ an interrupted demo keeps the parts it finished.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
+from efla.variants import colour, label
+
+from . import harness
 from .onestep import one_step_table
-from .robustness import RULE_LABEL, TrainConfig, evaluate_perturbations, train_classifier
+from .robustness.model import TrainConfig, evaluate_perturbations, train_classifier
 from .timing import op_timings
 
 MEASURED_SECONDS = 50  # `efla demo` from a fresh clone on an idle 2-core x86-64 CPU, torch 2.13, 2 threads (45-49 s)
 # share of the demo's time each part takes (measured alongside MEASURED_SECONDS)
 PART_SHARE = {"one_step": 0.01, "robustness": 0.40, "mad": 0.54, "cpu_timings": 0.05}
+# Fewer epochs than this is a smoke run: the MAD part trains as few epochs and one small shape is timed.
+SMOKE_EPOCHS = 3
+SMOKE_TIMING_SHAPES = ((1, 128, 2, 32),)
 PART_TITLE = {"one_step": "(a) one step", "robustness": "(b) digits", "mad": "(c) MAD recall",
               "cpu_timings": "(d) CPU timings"}
 
@@ -69,9 +74,9 @@ DEMO_LEVELS = {"scale": [1.0, 2.0, 3.0, 5.0, 10.0], "noise": [0.0, 0.2, 0.4, 0.6
 def run_mad_demo_task(quick: bool = False, epochs: int | None = None, progress_factory=None) -> dict:
     """In-context recall at a small size (vocab 16, length 64, 1024 training sequences), EFLA vs
     DeltaNet with the MAD backbone (width 64, 4 heads) and the MAD recipe, on the CPU."""
-    from efla.data.mad import MADSetting, make_dataset  # noqa: PLC0415
+    from efla.data.mad_tasks import MADSetting, make_dataset  # noqa: PLC0415
 
-    from .mad import RunConfig, train_run  # noqa: PLC0415
+    from .mad.model import RunConfig, train_run  # noqa: PLC0415
 
     setting = MADSetting("in-context-recall", 16, 64, num_train_examples=1024, num_test_examples=256)
     dataset = make_dataset(setting)
@@ -79,7 +84,7 @@ def run_mad_demo_task(quick: bool = False, epochs: int | None = None, progress_f
     out = {"task": "in-context recall (v16, L64, 1024 train)", "epochs": epochs}
     for rule in ("exact", "euler"):
         cfg = RunConfig(setting=setting, rule=rule, lr=3e-3, epochs=epochs, batch_size=64, width=64, num_heads=4)
-        bar = progress_factory(total=epochs * 16, desc=f"MAD recall {RULE_LABEL[rule]}") if progress_factory else None
+        bar = progress_factory(total=epochs * 16, desc=f"MAD recall {label(rule)}") if progress_factory else None
         run = train_run(cfg, dataset=dataset, bar=bar)
         if bar:
             bar.close()
@@ -88,9 +93,13 @@ def run_mad_demo_task(quick: bool = False, epochs: int | None = None, progress_f
 
 
 def run_demo(quick: bool = False, progress_factory=None, log=lambda msg: None, epochs: int | None = None,
-             timing_shapes=None, mad_epochs: int | None = None, on_part_done=lambda res: None) -> dict:
+             on_part_done=lambda res: None) -> dict:
     """Runs the four parts; ``on_part_done(res)`` is called after each with the results so far."""
     from efla.data import load_digits_sequences  # noqa: PLC0415
+
+    smoke = epochs is not None and epochs < SMOKE_EPOCHS
+    mad_epochs = epochs if smoke else None
+    timing_shapes = SMOKE_TIMING_SHAPES if smoke else None
 
     t0 = time.perf_counter()
     res: dict = {"quick": quick}
@@ -113,7 +122,7 @@ def run_demo(quick: bool = False, progress_factory=None, log=lambda msg: None, e
     for rule in ("exact", "euler"):
         cfg = TrainConfig(rule=rule, lr=3e-3, epochs=epochs, batch_size=64, width=64, seed=0)
         steps = epochs * -(-len(data.x_train) // cfg.batch_size)
-        bar = progress_factory(total=steps, desc=f"train {RULE_LABEL[rule]}") if progress_factory else None
+        bar = progress_factory(total=steps, desc=f"train {label(rule)}") if progress_factory else None
         model, tr = train_classifier(data, cfg, progress=bar.update if bar else None)
         if bar:
             bar.close()
@@ -180,8 +189,8 @@ def _plots(res: dict, out_dir: str) -> list[str]:
 def _plot_one_step(rows: list, out_dir: str, plt) -> str:
     x = [r["beta_lambda"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    axes[0].plot(x, [r["euler_eigenvalue"] for r in rows], "o-", color="tab:blue", label="Euler (DeltaNet): 1 - βλ")
-    axes[0].plot(x, [r["exact_eigenvalue"] for r in rows], "o-", color="tab:red", label="exact (EFLA): exp(-βλ)")
+    axes[0].plot(x, [r["euler_eigenvalue"] for r in rows], "o-", color=colour("euler"), label="Euler (DeltaNet): 1 - βλ")
+    axes[0].plot(x, [r["exact_eigenvalue"] for r in rows], "o-", color=colour("exact"), label="exact (EFLA): exp(-βλ)")
     axes[0].axhline(-1, color="gray", ls=":", lw=1)
     axes[0].axhline(1, color="gray", ls=":", lw=1)
     axes[0].set_xscale("log")
@@ -197,23 +206,16 @@ def _plot_one_step(rows: list, out_dir: str, plt) -> str:
     axes[1].grid(alpha=0.3, which="both")
     fig.tight_layout()
     p = os.path.join(out_dir, "one_step.png")
-    _save_figure(fig, p, plt)
+    harness.atomic_save_figure(fig, p)
     return p
-
-
-def _save_figure(fig, path: str, plt) -> None:
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
 
 
 def _plot_robustness(rb: dict, out_dir: str, plt) -> str:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, kind, lab in zip(axes, ("scale", "noise"), ("intensity scale (x)", "Gaussian noise std")):
-        for rule, color in (("exact", "tab:red"), ("euler", "tab:blue")):
+        for rule in ("exact", "euler"):
             ev = rb["rules"][rule]["eval"][kind]
-            ax.plot(ev["levels"], ev["accuracy"], "o-", color=color, label=RULE_LABEL[rule])
+            ax.plot(ev["levels"], ev["accuracy"], "o-", color=colour(rule), label=label(rule))
         ax.set_xlabel(lab)
         ax.set_ylabel("test accuracy")
         ax.set_ylim(0, 1)
@@ -223,7 +225,7 @@ def _plot_robustness(rb: dict, out_dir: str, plt) -> str:
     fig.suptitle(f"Embedded 8x8 digits ({rb['n_train']} train, {rb['epochs']} epochs, 1 seed, lr {rb['lr']:g})")
     fig.tight_layout()
     p = os.path.join(out_dir, "robustness.png")
-    _save_figure(fig, p, plt)
+    harness.atomic_save_figure(fig, p)
     return p
 
 
@@ -232,18 +234,52 @@ def write_demo_outputs(res: dict, out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     files = _plots(res, out_dir)
     p = os.path.join(out_dir, "demo.json")
-    _write_text(p, json.dumps(res, indent=1))
+    harness.atomic_write_json(p, res)
     files.append(p)
     p = os.path.join(out_dir, "report.md")
-    _write_text(p, "\n".join(_report_lines(res)))
+    harness.atomic_write(p, "\n".join(_report_lines(res)))
     files.append(p)
     return files
 
 
-def _write_text(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
+def one_step_rows_table(res: dict) -> harness.Table:
+    table = harness.Table(title="(a) One step: exact flow vs Euler",
+                          columns=["β·λ", "Euler eigenvalue 1−βλ", "EFLA eigenvalue exp(−βλ)",
+                                   "‖S_exact − S_Euler‖/‖S_0‖", "Euler"], right={0, 1, 2, 3, 4})
+    for r in res["one_step"]:
+        table.add_row(f"{r['beta_lambda']:g}", f"{r['euler_eigenvalue']:+.4f}", f"{r['exact_eigenvalue']:.4f}",
+                      f"{r['one_step_rel_diff']:.2e}", "[red]expands[/red]" if r["euler_expands"] else "contracts")
+    return table
+
+
+def side_by_side_table(res: dict) -> harness.Table:
+    table = harness.Table(title="(b, c) EFLA vs DeltaNet, side by side (small CPU runs, one seed)",
+                          columns=["metric", "EFLA", "DeltaNet"], right={1, 2})
+    for row in side_by_side(res) or _mad_rows(res):
+        table.add_row(*row)
+    return table
+
+
+def timings_table(res: dict) -> harness.Table:
+    table = harness.Table(title="(d) CPU time, float32 (median ms)",
+                          columns=["[B, T, H, D]", "chunk fwd", "recurrent fwd", "chunk fwd+bwd", "recurrent fwd+bwd"],
+                          right={0, 1, 2, 3, 4})
+    for t in res["cpu_timings"]:
+        table.add_row(str(t["shape"]), f"{t['chunk_fwd_ms']:.1f}", f"{t['recurrent_fwd_ms']:.1f}",
+                      f"{t['chunk_fwd_bwd_ms']:.1f}", f"{t['recurrent_fwd_bwd_ms']:.1f}")
+    return table
+
+
+def demo_tables(res: dict) -> list[harness.Table]:
+    """The tables of the parts finished so far, for the console and report.md alike."""
+    tables = []
+    if "one_step" in res:
+        tables.append(one_step_rows_table(res))
+    if "robustness" in res or "mad" in res:
+        tables.append(side_by_side_table(res))
+    if "cpu_timings" in res:
+        tables.append(timings_table(res))
+    return tables
 
 
 def _report_lines(res: dict) -> list[str]:
@@ -252,19 +288,12 @@ def _report_lines(res: dict) -> list[str]:
              "`efla lr-sweep`, `efla mad`, `efla train` and `efla eval` (see the README).", ""]
     if "one_step" in res:
         lines += ["## One step: exact flow vs Euler", "", "![one step](one_step.png)", "",
-                  "| β·λ | Euler eigenvalue 1−βλ | EFLA eigenvalue exp(−βλ) | ‖S_exact − S_Euler‖/‖S_0‖ |",
-                  "| --- | --- | --- | --- |"]
-        lines += [f"| {r['beta_lambda']:g} | {r['euler_eigenvalue']:+.4f} | {r['exact_eigenvalue']:.4f} | "
-                  f"{r['one_step_rel_diff']:.2e} |" for r in res["one_step"]]
+                  *one_step_rows_table(res).markdown()]
     if "robustness" in res or "mad" in res:
         lines += ["", "## EFLA vs DeltaNet", ""] + (["![robustness](robustness.png)", ""] if "robustness" in res else [])
-        lines += ["| metric | EFLA | DeltaNet |", "| --- | --- | --- |"]
-        lines += [f"| {a} | {b} | {c} |" for a, b, c in side_by_side(res) or _mad_rows(res)]
+        lines += side_by_side_table(res).markdown()
     if "cpu_timings" in res:
-        lines += ["", "## CPU timings (float32, median ms)", "",
-                  "| [B, T, H, D] | chunk fwd+bwd | recurrent fwd+bwd |", "| --- | --- | --- |"]
-        lines += [f"| {t['shape']} | {t['chunk_fwd_bwd_ms']:.1f} | {t['recurrent_fwd_bwd_ms']:.1f} |"
-                  for t in res["cpu_timings"]]
+        lines += ["", "## CPU timings (float32, median ms)", "", *timings_table(res).markdown()]
     missing = [PART_TITLE[p] for p in PART_SHARE if p not in res]
     if missing:
         lines += ["", f"Not finished yet: {', '.join(missing)} (the demo was still running or was interrupted)."]

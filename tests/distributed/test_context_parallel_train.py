@@ -11,7 +11,7 @@ import pytest
 from efla.cli import build_parser
 from efla.data.text import read_documents
 from efla.data.tokenizer import train_bpe_tokenizer
-from efla.experiments.lm_train import TrainConfig, train
+from efla.experiments.lm.train import TrainConfig, train
 
 from .layer_hook import token_mixers_routed
 from .spawn import run_in_processes

@@ -1,6 +1,6 @@
 """Language-model evaluation: sliding-window WikiText perplexity, LAMBADA, lm-eval, `efla eval` / `efla compare`.
 
-Every reference value here is computed independently of efla.experiments.lm_eval: a full forward
+Every reference value here is computed independently of efla.experiments.lm.evaluate: a full forward
 over the whole sequence, a forward over exactly one token's window, and greedy decoding with
 ``model.generate`` (the recurrent cache path) for LAMBADA.
 """
@@ -15,14 +15,14 @@ import pathlib
 import pytest
 import torch
 
-from efla.experiments.lm_eval import (
+from efla.data.eval_text import load_lambada
+from efla.experiments.lm.evaluate import (
     compare,
     encode_pair,
     evaluate_lambada,
     evaluate_wikitext,
     harness_evaluate,
     lambada_split,
-    load_lambada,
     prefix_token_id,
     sliding_windows,
     write_lambada_task,

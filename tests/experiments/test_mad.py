@@ -13,9 +13,10 @@ import torch
 
 import efla.ops.api as ops_api
 from efla.cli import build_parser, main
-from efla.data import mad as D
-from efla.experiments import mad as E
-from efla.experiments import mad_run as R
+from efla.data import mad_tasks as D
+from efla.experiments.mad import model as E
+from efla.experiments.mad import report as P
+from efla.experiments.mad import run as R
 
 
 @pytest.fixture
@@ -341,11 +342,11 @@ def test_early_stop_and_best_checkpoint(monkeypatch):
 def test_tiny_preset_all_tasks_two_rules(tmp_path):
     opts = R.MADOptions(preset="tiny", rules=["exact", "euler"], num_heads=2)
     res = R.run_mad(opts, str(tmp_path))
-    files = R.write_outputs(res, str(tmp_path), "efla mad --preset tiny")
+    files = P.write_outputs(res, str(tmp_path), "efla mad --preset tiny")
     assert len(res["runs"]) == 12 and not res["missing"]
     for r in res["runs"]:
         assert 0.0 <= r["test_acc"] <= 1.0 and np.isfinite(r["test_ppl"]) and r["epochs_run"] == 2
-    agg = R.aggregate(res["runs"])
+    agg = P.aggregate(res["runs"])
     assert set(agg) == {"exact", "euler"} and all(len(agg[r]) == 7 for r in agg)  # six tasks + average
     names = {os.path.basename(f) for f in files}
     assert names == {"results.json", "runs.csv", "summary.md", "mad_scores.png"}
@@ -367,7 +368,7 @@ def test_aggregation_max_over_grid_mean_over_settings():
 
     runs = [run("compression", "a", "exact", 1e-3, 0.2), run("compression", "a", "exact", 1e-4, 0.5),
             run("compression", "b", "exact", 1e-3, 0.9), run("memorization", "m", "exact", 1e-3, 0.3)]
-    agg = R.aggregate(runs)
+    agg = P.aggregate(runs)
     assert agg["exact"]["compression"]["score"] == pytest.approx((0.5 + 0.9) / 2)
     assert agg["exact"]["compression"]["settings"]["a"]["lr"] == 1e-4
     assert agg["exact"]["average"] == pytest.approx(((0.5 + 0.9) / 2 + 0.3) / 2)

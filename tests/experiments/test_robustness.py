@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from efla.cli import main
 from efla.data import find_mnist_dir, load_digits_sequences, load_mnist_sequences
-from efla.experiments.robustness import PixelSequenceClassifier, perturb
+from efla.experiments.robustness.model import PixelSequenceClassifier, perturb
 from efla.ops import naive
 
 SHARED_MNIST = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mnist"
@@ -79,7 +79,7 @@ def test_mnist_loader_rejects_missing_folder(tmp_path):
 
 
 def test_training_learns_on_digits():
-    from efla.experiments.robustness import TrainConfig, evaluate, train_classifier
+    from efla.experiments.robustness.model import TrainConfig, evaluate, train_classifier
 
     d = load_digits_sequences()
     model, res = train_classifier(d, TrainConfig(rule="exact", lr=3e-3, epochs=6, batch_size=64, width=32))

@@ -26,7 +26,7 @@ from efla.data.text import (
 )
 from efla.data.tokenizer import train_bpe_tokenizer
 from efla.errors import UsageError
-from efla.experiments.lm_train import (
+from efla.experiments.lm.train import (
     CheckpointError,
     NonFiniteLossError,
     TrainConfig,
@@ -109,7 +109,7 @@ def test_documents_packing_order_and_sharding(corpus, tokenizer_dir):
 
 
 def test_steady_state_throughput_leaves_out_the_warm_up_steps():
-    from efla.experiments.lm_train import throughput
+    from efla.experiments.lm.train import throughput
 
     slow_start = [30.0, 4.0] + [0.5] * 8  # kernel compilation in the first steps
     t = throughput(slow_start, batch_tokens=1000)

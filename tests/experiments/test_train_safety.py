@@ -20,7 +20,7 @@ from efla.cli import main
 from efla.data.text import check_text_file, read_documents
 from efla.data.tokenizer import train_bpe_tokenizer
 from efla.errors import UsageError
-from efla.experiments.lm_train import TrainConfig, list_checkpoints, read_log, scheduled_lr, train
+from efla.experiments.lm.train import TrainConfig, list_checkpoints, read_log, scheduled_lr, train
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 _WORDS = "the cat dog bird sat ran on under a mat tree red small big and then saw".split()

@@ -22,9 +22,9 @@ Definitions (the functions below return plain dicts; nothing here prints):
 * **lm-evaluation-harness** (optional extra ``lm-eval``): :func:`harness_evaluate` runs
   ``lm_eval.simple_evaluate`` on an ``HFLM`` wrapping our model instance and tokenizer;
   :func:`write_lambada_task` writes an offline task YAML (``lambada_openai`` over a local JSONL).
-  ``python -m efla.experiments.lm_eval ARGS`` runs lm-eval's own command line with the ``efla``
+  ``python -m efla.experiments.lm.evaluate ARGS`` runs lm-eval's own command line with the ``efla``
   model type registered, e.g.
-  ``python -m efla.experiments.lm_eval run --model hf --model_args pretrained=DIR --tasks lambada_openai``.
+  ``python -m efla.experiments.lm.evaluate run --model hf --model_args pretrained=DIR --tasks lambada_openai``.
 * **Comparison** (:func:`compare`): one Markdown table in the paper's Table 1 layout (mean and
   standard deviation over seeds per variant), a per-model table, the EFLA-minus-DeltaNet
   differences (and the gated pair), and the paper's numbers in a separate block.
@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import re
 import statistics
 import time
@@ -44,9 +43,13 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from efla.data.eval_text import load_lambada, load_text
+from efla.variants import label
+
+from .. import harness
+
 __all__ = [
     "PAPER_TABLE1",
-    "VARIANT_LABEL",
     "EvalOptions",
     "compare",
     "encode_pair",
@@ -55,9 +58,7 @@ __all__ = [
     "evaluate_wikitext",
     "harness_evaluate",
     "lambada_split",
-    "load_lambada",
     "load_model",
-    "load_text",
     "model_info",
     "prefix_token_id",
     "sliding_windows",
@@ -80,69 +81,11 @@ PAPER_TABLE1 = [
     dict(scale="1.3B / 50B tokens", model="EFLA", wiki_ppl=18.30, lambada_ppl=16.54, lambada_acc=43.2, avg=51.8),
 ]
 
-VARIANT_LABEL = {"deltanet": "DeltaNet", "efla": "EFLA", "gated_deltanet": "Gated DeltaNet",
-                 "gated_efla": "Gated EFLA"}
 VARIANT_ORDER = ["deltanet", "efla", "gated_deltanet", "gated_efla"]
 PAIRS = [("efla", "deltanet"), ("gated_efla", "gated_deltanet")]
 
 
 # ----------------------------------------------------------------------------- data and models
-
-
-def load_text(spec: str) -> tuple[str, str]:
-    """``(text, source)`` from a local file, or a Hugging Face ``datasets`` name when online
-    (``NAME[:CONFIG[:SPLIT]]``, default split ``test``; rows of its ``text`` column are joined as
-    lines, e.g. ``Salesforce/wikitext:wikitext-2-raw-v1``)."""
-    if os.path.isfile(spec):
-        try:
-            with open(spec, encoding="utf-8") as f:
-                text = f.read()
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{spec}: not UTF-8 text (byte offset {e.start}) (--wikitext)") from None
-        if not text.strip():
-            raise ValueError(f"{spec}: the file is empty (--wikitext)")
-        return text, os.path.abspath(spec)
-    if os.path.exists(spec) or spec.startswith((".", "/")) or spec.endswith((".raw", ".txt", ".jsonl")):
-        raise FileNotFoundError(f"--wikitext: no such file: {spec}")
-    try:
-        import datasets  # noqa: PLC0415
-    except ImportError as e:  # pragma: no cover
-        raise FileNotFoundError(f"--wikitext: {spec!r} is not a file and the `datasets` package is not installed") from e
-    name, config, split = (spec.split(":") + [None, None])[:3]
-    ds = datasets.load_dataset(name, config, split=split or "test")
-    rows = ds["text"]
-    text = "".join(r if r.endswith("\n") else r + "\n" for r in rows)
-    return text, f"datasets:{spec}"
-
-
-def load_lambada(path: str, limit: int | None = None) -> list[str]:
-    """Passages of an OpenAI-format LAMBADA JSONL file (one ``{"text": ...}`` per line), the first ``limit``."""
-    texts = []
-    with open(path, encoding="utf-8", errors="strict") as f:
-        for i, line in enumerate(_lines_naming_file(f, path)):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i + 1}: not a JSON line ({e.msg}, column {e.colno}) (--lambada)") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise ValueError(f"{path}:{i + 1}: expected a JSON object with a string 'text' field (--lambada)")
-            texts.append(obj["text"])
-            if limit is not None and len(texts) >= limit:
-                break
-    if not texts:
-        raise ValueError(f"{path}: no passages (--lambada)")
-    return texts
-
-
-def _lines_naming_file(f, path: str):
-    n = 0
-    try:
-        for n, line in enumerate(f, 1):  # noqa: B007
-            yield line
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}:{n + 1}: not UTF-8 text ({e.reason}) (--lambada)") from None
 
 
 def check_model_dir(path: str, option: str = "--model") -> None:
@@ -235,7 +178,7 @@ def model_info(model, path: str | None = None) -> dict:
     return dict(
         path=os.path.abspath(path) if path else None, name=os.path.basename(os.path.normpath(path)) if path else None,
         training=training,
-        variant=variant, label=VARIANT_LABEL.get(variant, variant), seed=seed,
+        variant=variant, label=label(variant, variant), seed=seed,
         parameters=sum(p.numel() for p in model.parameters()),
         config={k: getattr(cfg, k, None) for k in ("model_type", "update_rule", "gated", "vocab_size", "hidden_size",
                                                     "num_hidden_layers", "num_heads", "head_dim",
@@ -500,19 +443,7 @@ class EvalOptions:
 
 
 def versions() -> dict:
-    import transformers  # noqa: PLC0415
-
-    import efla  # noqa: PLC0415
-
-    v = {"efla": efla.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
-         "python": platform.python_version(), "machine": platform.machine()}
-    try:
-        import lm_eval  # noqa: PLC0415
-
-        v["lm_eval"] = getattr(lm_eval, "__version__", "installed")
-    except ImportError:
-        pass
-    return v
+    return harness.versions("transformers", "lm_eval")
 
 
 def evaluate_model(path: str, opts: EvalOptions, progress_factory=None, model=None, tokenizer=None) -> dict:
@@ -624,7 +555,7 @@ def compare(records: list[dict]) -> tuple[str, dict]:
     for v in variants:
         rs = sorted(groups[v], key=lambda r: (r["model"]["seed"] is None, r["model"]["seed"]))
         seeds = [r["model"]["seed"] for r in rs]
-        entry = {"label": VARIANT_LABEL.get(v, v), "seeds": seeds, "n": len(rs),
+        entry = {"label": label(v, v), "seeds": seeds, "n": len(rs),
                  "parameters": rs[0]["model"]["parameters"]}
         cells = [entry["label"], f"{entry['parameters'] / 1e6:.2f}M",
                  ", ".join("?" if s is None else str(s) for s in seeds)]
@@ -657,7 +588,7 @@ def compare(records: list[dict]) -> tuple[str, dict]:
         for r in sorted(groups[v], key=lambda r: (r["model"]["seed"] is None, r["model"]["seed"])):
             m = _metrics(r)
             summary["models"].append(dict(name=r["model"]["name"], variant=v, seed=r["model"]["seed"], **m))
-            lines.append("| " + " | ".join([str(r["model"]["name"]), VARIANT_LABEL.get(v, v), str(r["model"]["seed"])]
+            lines.append("| " + " | ".join([str(r["model"]["name"]), label(v, v), str(r["model"]["seed"])]
                                           + [_fmt(fmt, m[k]) if k in m else "–" for k, _, _, fmt in present]) + " |")
 
     pair_lines = []
@@ -678,7 +609,7 @@ def compare(records: list[dict]) -> tuple[str, dict]:
                      diff_std=statistics.stdev(diffs) if len(diffs) > 1 else None,
                      a_better_on_mean=(ma > mb) if higher else (ma < mb), tie=ma == mb)
             summary["pairs"].append(p)
-            la, lb = VARIANT_LABEL.get(a, a), VARIANT_LABEL.get(b, b)
+            la, lb = label(a, a), label(b, b)
             per_seed = ", ".join(f"s{s}: {_fmt(fmt, d)}" for s, d in zip(common, diffs)) or "no paired seeds"
             pair_lines.append(f"| {la} − {lb} | {header} | {_fmt(fmt, ma)} | {_fmt(fmt, mb)} | "
                               f"{'+' if ma - mb >= 0 else ''}{_fmt(fmt, ma - mb)} | {per_seed} | "
@@ -762,19 +693,11 @@ def _verdicts(summary: dict) -> list[str]:
 
 
 def write_json(path: str, obj) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
+    harness.atomic_write_json(path, obj, indent=2)
 
 
 def write_text(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    harness.atomic_write(path, text)
 
 
 def _lm_eval_cli() -> None:  # pragma: no cover - thin wrapper

@@ -32,12 +32,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from efla.data.mad import IGNORE, MADSetting, make_dataset
+from efla.data.mad_tasks import IGNORE, MADSetting, make_dataset
 from efla.layers import EFLA, GatedEFLA, GatedMLP, RMSNorm
 from efla.variants import Variant
 
 RULES = ("exact", "euler", "gated-exact", "gated-euler")
-RULE_LABEL = {"exact": "EFLA", "euler": "DeltaNet", "gated-exact": "Gated EFLA", "gated-euler": "Gated DeltaNet"}
 EARLY_STOP = 0.999
 
 

@@ -21,7 +21,6 @@ from efla import ops
 from efla.variants import Variant
 
 RULES = ("exact", "euler", "gated-exact", "gated-euler")
-RULE_LABEL = {"exact": "EFLA", "euler": "DeltaNet", "gated-exact": "Gated EFLA", "gated-euler": "Gated DeltaNet"}
 PAPER_LR = {"exact": 3e-3, "euler": 1e-3, "gated-exact": 3e-3, "gated-euler": 1e-3}  # authors' script
 
 

@@ -1,0 +1,170 @@
+"""Services every experiment shares: run provenance, atomic writes, progress bars and tables.
+
+A table is built once from the results and rendered both to the console (rich) and to a Markdown
+summary, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["versions", "default_device", "command_line", "Provenance", "atomic_write", "atomic_write_json", "atomic_write_csv",
+           "atomic_save_figure", "progress_factory", "Table"]
+
+
+def versions(*extra_modules: str) -> dict:
+    """Versions of efla, torch, python and ``extra_modules`` (those installed), the machine and the GPU."""
+    import importlib  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    import efla  # noqa: PLC0415
+
+    found = {"efla": efla.__version__, "torch": torch.__version__}
+    for name in extra_modules:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        found[name] = getattr(module, "__version__", "installed")
+    found.update(python=platform.python_version(), machine=platform.machine(),
+                 cuda_device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+    return found
+
+
+def default_device() -> str:
+    """``cuda`` when a GPU is usable, else ``cpu`` (the default of the experiments' ``--device``)."""
+    try:
+        import torch  # noqa: PLC0415
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except Exception:  # a broken CUDA setup must not break ``efla --help``
+        return "cpu"
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The ``efla`` command being run, from ``argv`` (default ``sys.argv[1:]``), quoted for a shell."""
+    return shlex.join(["efla", *(sys.argv[1:] if argv is None else argv)])
+
+
+@dataclass
+class Provenance:
+    """What produced a result: the command actually run, the versions, the device and the wall time.
+
+    Made when the command starts; :meth:`record` is stored with the results when they are written."""
+
+    command: str = field(default_factory=command_line)
+    device: str | None = None
+    started: float = field(default_factory=time.time)
+
+    @property
+    def wall_seconds(self) -> float:
+        return time.time() - self.started
+
+    def record(self, *extra_modules: str) -> dict:
+        return dict(command=self.command, versions=versions(*extra_modules), device=self.device,
+                    wall_seconds=round(self.wall_seconds, 3))
+
+
+def atomic_write(path: str, text: str) -> None:
+    """Replaces ``path`` with ``text`` in one step: a reader sees the old file or the new one, never a part."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
+def atomic_write_json(path: str, obj, indent: int = 1) -> None:
+    atomic_write(path, json.dumps(obj, indent=indent))
+
+
+def atomic_write_csv(path: str, header: list, rows) -> None:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(header)
+    writer.writerows(rows)
+    atomic_write(path, buffer.getvalue())
+
+
+def atomic_save_figure(fig, path: str, dpi: int = 110) -> None:
+    """Saves a matplotlib figure atomically and closes it."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    root, ext = os.path.splitext(path)
+    tmp = f"{root}.{os.getpid()}.tmp{ext}"
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
+def progress_factory(**options):
+    """``factory(total, desc)`` making a tqdm bar that disappears when done; ``options`` go to tqdm."""
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    settings = dict(leave=False, dynamic_ncols=True) | options
+    return lambda total, desc, **more: tqdm(total=total, desc=desc, **(settings | more))
+
+
+@dataclass
+class Table:
+    """Rows of cells under a title; ``right`` names the columns aligned right on the console.
+
+    Cells may carry rich markup (``[red]...[/red]``); Markdown gets the plain text.
+    """
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    right: set[int] = field(default_factory=set)
+    bold_rows: set[int] = field(default_factory=set)
+
+    def add_row(self, *cells, bold: bool = False) -> None:
+        if bold:
+            self.bold_rows.add(len(self.rows))
+        self.rows.append([str(c) for c in cells])
+
+    def rich(self):
+        from rich.table import Table as RichTable  # noqa: PLC0415
+
+        table = RichTable(title=self.title)
+        for i, name in enumerate(self.columns):
+            table.add_column(name, justify="right" if i in self.right else "left")
+        for i, row in enumerate(self.rows):
+            table.add_row(*row, style="bold" if i in self.bold_rows else None)
+        return table
+
+    def markdown(self) -> list[str]:
+        """The table's lines in Markdown (no title: the caller writes the heading it wants)."""
+        from rich.text import Text  # noqa: PLC0415
+
+        def plain(cell: str) -> str:
+            return Text.from_markup(cell).plain.replace("|", "\\|")
+
+        lines = ["| " + " | ".join(plain(c) for c in self.columns) + " |",
+                 "| " + " | ".join("---" for _ in self.columns) + " |"]
+        for i, row in enumerate(self.rows):
+            cells = [plain(c) for c in row]
+            if i in self.bold_rows:
+                cells = [f"**{c}**" if c else c for c in cells]
+            lines.append("| " + " | ".join(cells) + " |")
+        return lines

@@ -1,0 +1,162 @@
+"""The settings of an ``efla train`` run (:class:`TrainConfig`, saved as ``train_args.json``) and the
+checks made on them before any work starts."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from efla.errors import UsageError
+
+from .. import arg_checks as check
+
+__all__ = ["SIZE_DEFAULTS", "TrainConfig", "check_train_config"]
+
+# Per model size: (sequence length, batch size in tokens). 340m/1.3b: the paper's 2K x 512 = 1M tokens.
+SIZE_DEFAULTS = {"tiny": (256, 16 * 256), "340m": (2048, 1 << 20), "1.3b": (2048, 1 << 20)}
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on (saved as ``train_args.json``); see ``efla train --help``."""
+
+    data: list = field(default_factory=list)
+    out: str = "runs/lm/run"
+    preset: str | None = "tiny-efla"
+    config_file: str | None = None  # an EFLAConfig JSON (instead of a preset)
+    val_data: list | None = None  # held-out files; else val_sequences are held out of data
+    tokenizer: str | None = None  # HF name/path; None or "bpe": train a byte-level BPE on the data
+    vocab_size: int = 4096  # trained tokenizer's vocabulary
+    tokenizer_train_chars: int = 50_000_000  # train the tokenizer on at most this many characters
+    text_field: str = "text"
+    gutenberg_strip: bool = True
+    cache_dir: str | None = None  # tokenized data cache (.npy); None: <out>/cache
+    seq_len: int | None = None  # None: per-size default (SIZE_DEFAULTS)
+    batch_tokens: int | None = None  # global batch in tokens; None: per-size default
+    micro_batch_size: int | None = None  # sequences per forward per rank; None: the whole per-rank batch
+    varlen: bool = False
+    max_steps: int | None = None
+    max_tokens: int | None = None  # alternative to max_steps
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int | None = None  # None: max_steps // 8
+    weight_decay: float = 0.1
+    betas: tuple = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 0  # model initialisation
+    data_seed: int = 0  # data order (same tokens in the same order for every model seed)
+    val_sequences: int = 64
+    val_every: int = 0  # 0: only at the end
+    log_every: int = 1
+    save_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 3
+    resume: bool = False
+    resume_from: str | None = None
+    resume_or_start: bool = False  # with resume: start a new run when there is no checkpoint
+    extend_at_min_lr: bool = False  # resuming with a larger max_steps: keep the schedule, then train at min_lr
+    overwrite: bool = False
+    accept_invalid_utf8: bool = False  # read bytes that are not UTF-8 as U+FFFD (reported) instead of refusing
+    device: str = "auto"
+    precision: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    grad_checkpointing: bool = False
+    fsdp: bool = False
+    context_parallel: int = 1  # ranks per sequence: each sequence split into this many contiguous parts
+    on_nonfinite: str = "stop"  # "stop" or "skip"
+    threads: int | None = None
+    progress: bool = True
+
+
+def check_train_config(cfg: TrainConfig) -> None:
+    """Every check of ``cfg`` that needs no work (ranges, presets, paths); nothing is written.
+
+    Raises:
+        UsageError: naming the option (and the file and line) at fault.
+    """
+    if not cfg.data:
+        raise UsageError("give at least one file or directory (--data)")
+    _check_ranges(cfg)
+    _check_model_choice(cfg)
+    _check_paths(cfg)
+    check.device(cfg.device)
+
+
+def _check_ranges(cfg: TrainConfig) -> None:
+    check.at_least(cfg.vocab_size, 259, "--vocab-size")
+    check.at_least(cfg.tokenizer_train_chars, 1, "--tokenizer-train-chars")
+    check.at_least(cfg.seq_len, 2, "--seq-len")
+    check.at_least(cfg.batch_tokens, 2, "--batch-tokens")
+    check.at_least(cfg.micro_batch_size, 1, "--micro-batch-size")
+    check.at_least(cfg.max_steps, 1, "--max-steps")
+    check.at_least(cfg.max_tokens, 1, "--max-tokens")
+    check.positive(cfg.lr, "--lr")
+    check.at_least(cfg.min_lr, 0, "--min-lr")
+    if cfg.min_lr > cfg.lr:
+        raise UsageError(f"--min-lr {cfg.min_lr:g} is above the peak --lr {cfg.lr:g} (--min-lr)")
+    check.at_least(cfg.warmup_steps, 0, "--warmup-steps")
+    check.at_least(cfg.weight_decay, 0, "--weight-decay")
+    check.positive(cfg.grad_clip, "--grad-clip")
+    check.at_least(cfg.val_sequences, 0, "--val-sequences")
+    check.at_least(cfg.val_every, 0, "--val-every")
+    check.at_least(cfg.log_every, 1, "--log-every")
+    check.at_least(cfg.save_every, 0, "--save-every")
+    check.at_least(cfg.keep_checkpoints, 1, "--keep-checkpoints")
+    check.at_least(cfg.threads, 1, "--threads")
+
+
+def _check_model_choice(cfg: TrainConfig) -> None:
+    from efla.models import EFLAConfig, get_preset_config  # noqa: PLC0415
+
+    if cfg.config_file:
+        check.existing_file(cfg.config_file, "--config")
+        fields = _read_config_file(cfg.config_file)
+        try:
+            model_config = EFLAConfig(**fields)
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"{cfg.config_file}: not a valid EFLAConfig ({e}) (--config)") from None
+    elif not cfg.preset:
+        raise UsageError("give a model (--preset or --config)")
+    else:
+        try:
+            model_config = get_preset_config(cfg.preset)
+        except ValueError as e:
+            raise UsageError(f"{str(e).removeprefix('name: ')} (--preset)") from None
+    if (cfg.context_parallel or 1) > 1 and model_config.attn:
+        raise UsageError("context parallelism splits only linear-attention layers; this model has softmax-attention "
+                         f"layers {model_config.attn['layers']} (--context-parallel)")
+
+
+def _read_config_file(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            fields = json.load(f)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{path}:{e.lineno}: not valid JSON ({e.msg}, column {e.colno}) (--config)") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: not a UTF-8 text file (--config)") from None
+    if not isinstance(fields, dict):
+        raise UsageError(f"{path}: expected a JSON object of EFLAConfig fields (--config)")
+    for key in ("model_type", "architectures", "transformers_version"):
+        fields.pop(key, None)
+    return fields
+
+
+def _check_paths(cfg: TrainConfig) -> None:
+    from efla.data.text import expand_paths  # noqa: PLC0415
+
+    for paths, option in ((cfg.data, "--data"), (cfg.val_data, "--val-data")):
+        try:
+            expand_paths(paths or [])
+        except FileNotFoundError as e:
+            raise UsageError(f"{str(e).removeprefix(option + ' ')} ({option})") from None
+    if cfg.tokenizer not in (None, "", "bpe") and _looks_local(cfg.tokenizer):
+        check.existing_dir(cfg.tokenizer, "--tokenizer")
+    check.existing_dir(cfg.resume_from, "--resume-from")
+    check.output_dir(cfg.out, "--out")
+    if cfg.cache_dir:
+        check.output_dir(cfg.cache_dir, "--cache-dir")
+
+
+def _looks_local(name: str) -> bool:
+    return os.path.exists(name) or name.startswith((".", "/", "~")) or os.sep + os.sep in name

@@ -1,0 +1,802 @@
+"""Language-model training (efla.md §3 recipe): one process on a CPU to many GPUs under torchrun.
+
+:func:`train` is the whole loop; ``efla train`` (efla/commands/train.py) only parses arguments.
+
+Recipe defaults (the paper's): AdamW (betas 0.9/0.95, eps 1e-8), peak lr 3e-4, linear warm-up from
+3e-5 to 3e-4 over the first 1/8 of the steps (the paper warms up over 1B of 8B tokens), cosine decay to
+3e-5 at the last step, weight decay 0.1 (on matrices and embeddings; not on norms, biases and the gate
+parameters ``A_log``/``dt_bias``), gradient clipping at 1.0. The batch is given in tokens; what does not
+fit one forward per rank is accumulated.
+
+Loss normalisation: the step loss is the mean next-token cross-entropy over every prediction of the
+global batch. Each micro-batch's mean loss is weighted by its share of the global predictions (times the
+world size, as DDP/FSDP average gradients over ranks), so 1 process with accumulation, N processes, or
+packed varlen batches all optimise the same quantity.
+
+Output directory ``out``:
+    ``config.json``, ``model.safetensors``, ``generation_config.json``, tokenizer files: a Hugging Face
+    model directory (``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` after ``import efla``);
+    ``log.jsonl``: one JSON object per logged step (loss, lr, grad norm, tokens, tokens/s, val loss);
+    ``train_args.json``, ``train_summary.json``; ``checkpoints/step-NNNNNNN/``: ``model.safetensors``,
+    ``optimizer.pt``, ``scheduler.pt``, ``rng.pt`` (every rank's RNG states; all three hold tensors and
+    plain values only and load with ``torch.load(weights_only=True)``, so a crafted pickle is refused,
+    never run), ``trainer_state.json`` (step, data position, data fingerprint, learning-rate schedule
+    and optimizer settings) and ``manifest.json`` (size and SHA-256 of every file, written last).
+    ``.efla-run.lock``: marks the directory as a run and locks it while a run uses it
+    (:mod:`efla.experiments.run_dir`). A checkpoint is written in ``checkpoints/.tmp-...`` and renamed into place, so a
+    crash never leaves a half-written checkpoint under a ``step-`` name; one whose files do not match
+    their manifest is refused (:class:`CheckpointError`, naming the newest good one).
+
+Resuming (``resume=True``) loads the newest checkpoint and continues: the data position, RNG states,
+optimizer and scheduler are restored, so on a CPU the per-step losses equal the uninterrupted run's bit
+for bit (same thread count and library versions). Without a checkpoint it stops (``resume_or_start``
+starts a new run then). The learning-rate schedule and optimizer settings are the checkpoint's: a
+change is refused, except a larger ``max_steps`` with ``extend_at_min_lr``, which finishes the saved
+schedule and trains the extra steps at ``min_lr`` (:func:`scheduled_lr`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from efla.errors import UsageError
+
+from .. import harness
+from ..run_dir import check_out_dir, claim_run_dir
+from .checkpoint import (
+    CheckpointError,
+    find_resume_checkpoint,
+    list_checkpoints,
+    load_checkpoint_state,
+    rng_state,
+    set_rng_state,
+    verify_checkpoint,
+    write_checkpoint,
+)
+from .config import SIZE_DEFAULTS, TrainConfig, check_train_config
+from .distributed import (
+    Dist,
+    full_model_state,
+    full_optim_state,
+    init_dist,
+    main_ddp_cleanup,
+    peak_memory_per_gpu,
+    unwrap,
+)
+from .schedule import (
+    hyperparameters,
+    lr_at,
+    resumed_schedule,
+    schedule_of,
+    scheduled_lr,
+)
+
+__all__ = [
+    "TrainConfig",
+    "CheckpointError",
+    "check_train_config",
+    "load_checkpoint_state",
+    "scheduled_lr",
+    "NonFiniteLossError",
+    "train",
+    "lr_at",
+    "list_checkpoints",
+    "verify_checkpoint",
+    "find_resume_checkpoint",
+    "read_log",
+    "SIZE_DEFAULTS",
+    "main_ddp_cleanup",
+]
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss (or gradient norm) of a step was NaN or infinite; the step was not applied."""
+
+
+# -- model / state helpers ---------------------------------------------------------------------------
+
+def _param_groups(model, weight_decay: float):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2 or name.endswith(("A_log", "dt_bias")):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def read_log(out: str) -> list[dict]:
+    """The entries of ``out/log.jsonl``."""
+    path = os.path.join(out, "log.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _truncate_log(out: str, step: int) -> None:
+    path = os.path.join(out, "log.jsonl")
+    if not os.path.exists(path):
+        return
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+            except (ValueError, KeyError):
+                break  # a torn last line from a crash
+    harness.atomic_write(path, "".join(keep))
+
+
+def _size_of(preset: str | None) -> str:
+    if preset is None:
+        return "tiny"
+    key = preset.strip().lower().replace("_", "-")
+    for size in SIZE_DEFAULTS:
+        if key.startswith(size + "-"):
+            return size
+    return "tiny"
+
+
+def _model_config(cfg: TrainConfig, tok, eos_id: int):
+    from efla.models import EFLAConfig, get_preset_config  # noqa: PLC0415
+
+    ids = dict(vocab_size=len(tok), eos_token_id=eos_id,
+               bos_token_id=getattr(tok, "bos_token_id", None), pad_token_id=getattr(tok, "pad_token_id", None))
+    if cfg.config_file:
+        with open(cfg.config_file) as f:
+            d = json.load(f)
+        d.pop("model_type", None)
+        d.pop("architectures", None)
+        d.update(ids)
+        return EFLAConfig(**d)
+    if not cfg.preset:
+        raise ValueError("preset / config_file: give one")
+    return get_preset_config(cfg.preset, **ids)
+
+
+# -- the loop ----------------------------------------------------------------------------------------
+
+def _resolve(cfg: TrainConfig, dist: Dist) -> dict:
+    size = _size_of(cfg.preset)
+    seq_len = cfg.seq_len or SIZE_DEFAULTS[size][0]
+    batch_tokens = cfg.batch_tokens or SIZE_DEFAULTS[size][1]
+    if batch_tokens % seq_len:
+        raise UsageError(f"{batch_tokens} tokens are not a whole number of {seq_len}-token sequences "
+                         "(--batch-tokens, --seq-len)")
+    global_seqs = batch_tokens // seq_len
+    data_world = dist.world // max(1, cfg.context_parallel)  # ranks that take different sequences
+    if global_seqs % data_world:
+        raise UsageError(f"{global_seqs} sequences per step do not split over {data_world} ranks (--batch-tokens)")
+    per_rank = global_seqs // data_world
+    mb = min(cfg.micro_batch_size or per_rank, per_rank)
+    if per_rank % mb:
+        raise UsageError(f"{mb} does not divide the {per_rank} sequences per rank and step (--micro-batch-size)")
+    if cfg.max_steps is None and cfg.max_tokens is None:
+        raise UsageError("give the length of the run (--max-steps or --max-tokens)")
+    max_steps = cfg.max_steps if cfg.max_steps is not None else max(1, cfg.max_tokens // batch_tokens)
+    if max_steps < 1:
+        raise UsageError(f"expected >= 1, got {max_steps} (--max-steps)")
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max_steps // 8
+    if cfg.on_nonfinite not in ("stop", "skip"):
+        raise UsageError(f"expected 'stop' or 'skip', got {cfg.on_nonfinite!r} (--on-nonfinite)")
+    return dict(seq_len=seq_len, batch_tokens=batch_tokens, global_seqs=global_seqs, per_rank=per_rank,
+                micro=mb, accum=per_rank // mb, max_steps=max_steps, warmup=warmup)
+
+
+def _prepare_tokenizer(cfg: TrainConfig, dist: Dist, resuming: bool):
+    from efla.data.text import read_documents  # noqa: PLC0415
+    from efla.data.tokenizer import get_tokenizer, load_tokenizer  # noqa: PLC0415
+
+    have = os.path.exists(os.path.join(cfg.out, "tokenizer_config.json"))
+    if not (resuming and have) and dist.main:
+        def texts():
+            budget = cfg.tokenizer_train_chars
+            for doc in read_documents(cfg.data, cfg.text_field, cfg.gutenberg_strip, cfg.accept_invalid_utf8):
+                if budget <= 0:
+                    return
+                yield doc[:budget]
+                budget -= len(doc)
+
+        get_tokenizer(cfg.tokenizer, texts_factory=texts, vocab_size=cfg.vocab_size, save_dir=cfg.out)
+    dist.barrier()
+    return load_tokenizer(cfg.out)
+
+
+def _load_data(cfg: TrainConfig, r: dict, tok, eos_id: int, dist: Dist):
+    from efla.data.text import load_token_stream, split_train_val  # noqa: PLC0415
+
+    cache = cfg.cache_dir or os.path.join(cfg.out, "cache")
+    # rank 0 tokenizes (and fills the cache) first; the others then read the cache
+    toks = val_toks = None
+    for turn in ((True,), (False,)):
+        if dist.main == turn[0]:
+            toks = load_token_stream(cfg.data, tok, eos_id, cache, cfg.text_field, cfg.gutenberg_strip,
+                                     cfg.accept_invalid_utf8)
+            if cfg.val_data:
+                val_toks = load_token_stream(cfg.val_data, tok, eos_id, cache, cfg.text_field, cfg.gutenberg_strip,
+                                             cfg.accept_invalid_utf8)
+        dist.barrier()
+    return split_train_val(toks, r["seq_len"], cfg.val_sequences, val_seed=1234, val_tokens=val_toks)
+
+
+def _evaluate(model, val, r: dict, dist: Dist, eos_id: int, varlen: bool, autocast) -> float | None:
+    from efla.data.text import count_targets, make_batch  # noqa: PLC0415
+
+    if val is None or len(val) == 0:
+        return None
+    n = (len(val) // dist.world) * dist.world
+    if n == 0:
+        return None
+    idx = np.arange(n)[dist.rank * (n // dist.world): (dist.rank + 1) * (n // dist.world)]
+    core = model  # the bare model (DDP) or the FSDP root (every rank takes part in its all-gathers)
+    was = core.training
+    core.eval()
+    tot = torch.zeros(2, dtype=torch.float64)
+    dev = next(core.parameters()).device
+    with torch.no_grad():
+        for s in range(0, len(idx), r["micro"]):
+            batch = make_batch(val.sequences(idx[s: s + r["micro"]]), eos_id, varlen)
+            batch = {k: v.to(dev) for k, v in batch.items()}
+            try:
+                with autocast():
+                    loss = core(**batch, use_cache=False).loss
+            except ValueError as e:  # non-finite weights (every rank has the same ones)
+                if "non-finite" not in str(e):
+                    raise
+                core.train(was)
+                return float("nan")
+            c = count_targets(batch)
+            tot += torch.tensor([loss.double().item() * c, c], dtype=torch.float64)
+    if dist.enabled:
+        t = tot.to(dev) if dev.type == "cuda" else tot
+        torch.distributed.all_reduce(t)
+        tot = t.cpu()
+    core.train(was)
+    return float(tot[0] / tot[1]) if tot[1] > 0 else None
+
+
+def _check_text(cfg: TrainConfig, dist: Dist) -> None:
+    from efla.data.text import check_text_files  # noqa: PLC0415
+
+    def warn(message: str) -> None:
+        if dist.main:
+            print(f"efla train: warning: {message}", file=sys.stderr)
+
+    check_text_files(cfg.data, cfg.accept_invalid_utf8, warn, option="--data")
+    check_text_files(cfg.val_data or [], cfg.accept_invalid_utf8, warn, option="--val-data")
+
+
+def _choose_start(cfg: TrainConfig) -> str | None:
+    """The checkpoint to resume from (``None``: a fresh start); read-only.
+
+    Raises:
+        CheckpointError: a damaged checkpoint. UsageError: nothing to resume, or a run that would be
+        clobbered.
+    """
+    if cfg.resume_from:
+        verify_checkpoint(cfg.resume_from)
+        return cfg.resume_from
+    if cfg.resume or cfg.resume_or_start:
+        ckpt = find_resume_checkpoint(cfg.out)
+        if ckpt is None and not cfg.resume_or_start:
+            raise UsageError(f"{cfg.out} has no checkpoint to resume from; pass --resume-or-start to start a new "
+                             "run when there is none (--resume)")
+        return ckpt
+    if list_checkpoints(cfg.out) and not cfg.overwrite:
+        raise UsageError(f"{cfg.out} already has checkpoints: pass --resume to continue that run, --overwrite to "
+                         "start again, or another --out (--out)")
+    return None
+
+
+def _clear_for_fresh_start(cfg: TrainConfig) -> None:
+    if cfg.overwrite:
+        shutil.rmtree(os.path.join(cfg.out, "checkpoints"), ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(cfg.out, "log.jsonl"))
+
+
+def _claim_and_choose_start(cfg: TrainConfig, dist: Dist):
+    """Rank 0 checks ``out``, locks it and picks the checkpoint; every rank gets the outcome.
+
+    Returns ``(lock or None, checkpoint or None)``; on an error the lock is released and a directory
+    created here is removed again, so a refused run leaves nothing behind."""
+    lock, ckpt, error = None, None, None
+    if dist.main:
+        existed = os.path.exists(cfg.out)
+        try:
+            check_out_dir(cfg.out, cfg.overwrite)
+            lock = claim_run_dir(cfg.out)
+            if lock.stale_holder:
+                print(f"efla train: took over the lock of a run that is no longer running "
+                      f"(pid {lock.stale_holder.get('pid')}) in {cfg.out}", file=sys.stderr)
+            ckpt = _choose_start(cfg)
+            if ckpt is None:
+                _clear_for_fresh_start(cfg)
+        except (UsageError, CheckpointError) as e:
+            error = e
+            _undo_claim(cfg.out, lock, existed)
+            lock = None
+    error, ckpt = dist.broadcast((error, ckpt))
+    if error is not None:
+        raise error
+    return lock, ckpt
+
+
+def _undo_claim(out: str, lock, existed: bool) -> None:
+    from ..run_dir import LOCK_NAME  # noqa: PLC0415
+
+    if lock is None:
+        return
+    lock.release()
+    if not existed:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(out, LOCK_NAME))
+            os.rmdir(out)
+
+
+STEADY_STATE_WARMUP = 5
+
+
+def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = None) -> dict:
+    """Train (or resume) a language model; returns the run's summary (also ``out/train_summary.json``).
+
+    ``on_step_end(step, entry)`` is called on every rank after each update (and after that step's
+    checkpoint, if any); an exception raised there ends the run as a crash would.
+
+    Everything that can be checked before work starts is checked first (:func:`check_train_config`,
+    the text files, the output directory, the checkpoint to resume); a refused run writes nothing.
+    The output directory is locked for the whole run (:mod:`efla.experiments.run_dir`).
+
+    Returns:
+        dict with ``losses`` (every step of the whole run, resumed ones included, read back from the
+        log on rank 0), ``val_loss``, ``tokens_per_s`` (steady-state training throughput of all ranks
+        together, see :func:`throughput`), ``tokens_per_s_all_steps``, ``peak_memory_gib_per_gpu`` (one
+        entry per rank; ``None`` off the GPU), ``steps``, ``tokens``, ``resumed_from``, ``out``. Each
+        ``log.jsonl`` entry carries that step's ``tokens_per_s`` and, on the GPU, ``peak_memory_gib``
+        (this rank's peak so far).
+
+    Raises:
+        UsageError: an option, path or input file is wrong; ``out`` is not an efla run, is locked by
+            another run, or has nothing to resume; a resumed run's schedule would change.
+        CheckpointError: resuming from a damaged or unsafe checkpoint (names the previous good one).
+        NonFiniteLossError: a non-finite loss with ``on_nonfinite="stop"`` (the last good checkpoint stays).
+    """
+    check_train_config(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    dev_kind = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dist = init_dist(dev_kind)
+    device = torch.device(f"cuda:{dist.local_rank}" if dev_kind == "cuda" else dev_kind)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    cp = None
+    if cfg.context_parallel > 1:
+        from efla.distributed import setup_context_parallel  # noqa: PLC0415
+
+        cp = setup_context_parallel(cfg.context_parallel, fsdp=cfg.fsdp, grad_checkpointing=cfg.grad_checkpointing)
+    r = _resolve(cfg, dist)
+    _check_text(cfg, dist)
+    lock, ckpt = _claim_and_choose_start(cfg, dist)
+    try:
+        return _train_from(cfg, dist, device, r, ckpt, on_step_end, cp)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+@dataclass
+class _Session:
+    """What the phases of one training process share: the settings, the process group, and the
+    tokenizer, data, model and optimizer built for the run."""
+
+    cfg: TrainConfig
+    dist: Dist
+    device: torch.device
+    r: dict  # the resolved sizes (:func:`_resolve`)
+    ckpt: str | None  # the checkpoint resumed from
+    cp: object = None  # the context-parallel setup, if any
+    precision: str = "fp32"
+    schedule: dict = field(default_factory=dict)
+    saved: dict | None = None  # the checkpoint's trainer_state.json
+    tok: object = None
+    eos_id: int = 0
+    train_data: object = None
+    val_data: object = None
+    order: object = None
+    mconf: object = None
+    model: object = None
+    wrapped: object = None  # the model as DDP/FSDP wrap it (the model itself on one process)
+    n_params: int = 0
+    optimizer: object = None
+    scheduler: object = None
+    start_step: int = 0
+
+    def autocast(self):
+        if self.precision == "bf16" and not self.cfg.fsdp:
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+@dataclass
+class _Progress:
+    """The loop's running totals."""
+
+    step: int
+    last_good: str | None  # the newest checkpoint written or resumed from
+    val_loss: float | None = None
+    train_time: float = 0.0
+    step_seconds: list = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+
+
+def _train_from(cfg: TrainConfig, dist: Dist, device, r: dict, ckpt: str | None, on_step_end, cp=None) -> dict:
+    run = _Session(cfg, dist, device, r, ckpt, cp)
+    _read_saved_schedule(run)
+    _load_tokenizer_and_data(run)
+    _build_model(run)
+    _wrap_for_parallel_training(run)
+    _build_optimizer(run)
+    if ckpt is not None:
+        _restore_checkpoint(run)
+    _write_train_args(run)
+    progress = _train_loop(run, on_step_end)
+    return _save_final_model(run, progress)
+
+
+def _read_saved_schedule(run: _Session) -> None:
+    cfg = run.cfg
+    run.precision = cfg.precision if cfg.precision != "auto" else ("bf16" if run.device.type == "cuda" else "fp32")
+    run.schedule = schedule_of(cfg, run.r)
+    if run.ckpt is not None:
+        with open(os.path.join(run.ckpt, "trainer_state.json")) as f:
+            run.saved = json.load(f)
+        run.schedule = resumed_schedule(cfg, run.r, run.ckpt, run.saved)
+
+
+def _load_tokenizer_and_data(run: _Session) -> None:
+    from efla.data.text import SequenceOrder  # noqa: PLC0415
+    from efla.data.tokenizer import tokenizer_eos_id  # noqa: PLC0415
+
+    run.tok = _prepare_tokenizer(run.cfg, run.dist, resuming=run.ckpt is not None)
+    run.eos_id = tokenizer_eos_id(run.tok)
+    run.train_data, run.val_data = _load_data(run.cfg, run.r, run.tok, run.eos_id, run.dist)
+    run.order = SequenceOrder(len(run.train_data), seed=run.cfg.data_seed)
+    fingerprint = run.train_data.fingerprint()
+    if run.saved is not None and run.saved["data"]["fingerprint"] != fingerprint:
+        raise CheckpointError(f"{run.ckpt}: the training data differs from the checkpoint's (fingerprint "
+                              f"{fingerprint} vs {run.saved['data']['fingerprint']}); resume with the same "
+                              "--data, tokenizer and --seq-len")
+
+
+def _build_model(run: _Session) -> None:
+    from efla.models import EFLAForCausalLM  # noqa: PLC0415
+
+    cfg = run.cfg
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    run.mconf = _model_config(cfg, run.tok, run.eos_id)
+    run.model = EFLAForCausalLM(run.mconf)
+    if run.ckpt is not None:
+        from safetensors.torch import load_file  # noqa: PLC0415
+
+        run.model.load_state_dict(load_file(os.path.join(run.ckpt, "model.safetensors")))
+    run.model.to(run.device).train()
+    if cfg.grad_checkpointing:
+        run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    run.n_params = sum(p.numel() for p in run.model.parameters())
+
+
+def _wrap_for_parallel_training(run: _Session) -> None:
+    model = run.model
+    if run.cfg.fsdp:
+        if not run.dist.enabled:
+            raise ValueError("fsdp: needs torchrun (WORLD_SIZE > 1)")
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if run.precision == "bf16" else MixedPrecisionPolicy()
+        for block in model.model.layers:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        run.wrapped = model
+    elif run.dist.enabled:
+        from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+
+        run.wrapped = DDP(model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
+    else:
+        run.wrapped = model
+
+
+def _build_optimizer(run: _Session) -> None:
+    cfg = run.cfg
+    run.optimizer = torch.optim.AdamW(_param_groups(run.model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
+                                      eps=cfg.eps)
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer,
+                                                      lambda s: scheduled_lr(s, run.schedule) / cfg.lr)
+
+
+def _restore_checkpoint(run: _Session) -> None:
+    """Optimizer, scheduler, RNG states, step and data position of the checkpoint resumed from."""
+    ckpt, state = run.ckpt, run.saved
+    osd = load_checkpoint_state(os.path.join(ckpt, "optimizer.pt"))
+    if run.cfg.fsdp:
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        set_optimizer_state_dict(run.wrapped, run.optimizer, osd, options=StateDictOptions(full_state_dict=True))
+    else:
+        run.optimizer.load_state_dict(osd)
+    run.scheduler.load_state_dict(load_checkpoint_state(os.path.join(ckpt, "scheduler.pt")))
+    rng = load_checkpoint_state(os.path.join(ckpt, "rng.pt"))
+    # the loop draws no random numbers (no dropout; the data order is a function of the position), so
+    # a different world size only loses bitwise equality with the original run, not correctness
+    set_rng_state(rng[run.dist.rank] if len(rng) == run.dist.world else rng[0])
+    run.start_step = state["step"]
+    if state["data"]["position"] != run.start_step * run.r["global_seqs"]:
+        raise CheckpointError(f"{ckpt}: saved with {state['data']['position'] // max(1, run.start_step)} sequences "
+                              f"per step, resuming with {run.r['global_seqs']}: resume with the same --batch-tokens "
+                              "and --seq-len")
+    if run.dist.main:
+        _truncate_log(run.cfg.out, run.start_step)
+
+
+def _write_train_args(run: _Session) -> None:
+    if not run.dist.main:
+        return
+    args = dataclasses.asdict(run.cfg)
+    args["resolved"] = dict(run.r, schedule=run.schedule, world_size=run.dist.world, precision=run.precision,
+                            device=str(run.device), n_params=run.n_params, vocab_size=len(run.tok),
+                            train_sequences=len(run.train_data),
+                            train_tokens_available=len(run.train_data) * run.r["seq_len"],
+                            val_sequences=len(run.val_data) if run.val_data is not None else 0)
+    harness.atomic_write_json(os.path.join(run.cfg.out, "train_args.json"), args, indent=2)
+
+
+def _save_checkpoint(run: _Session, step: int, position: int) -> str | None:
+    """Every rank gathers its part of the states; rank 0 writes the checkpoint. Its path on rank 0."""
+    msd = full_model_state(run.wrapped, run.cfg.fsdp)
+    osd = full_optim_state(run.wrapped, run.optimizer, run.cfg.fsdp)
+    rngs = run.dist.all_gather(rng_state())
+    path = None
+    if run.dist.main:
+        r, cfg = run.r, run.cfg
+        trainer_state = dict(step=step, tokens=step * r["batch_tokens"], max_steps=r["max_steps"],
+                             world_size=run.dist.world, schedule=run.schedule, hyperparameters=hyperparameters(cfg),
+                             data=dict(position=position, seq_len=r["seq_len"], data_seed=cfg.data_seed,
+                                       n_sequences=len(run.train_data), fingerprint=run.train_data.fingerprint(),
+                                       epoch=run.order.epoch_of(position)),
+                             model_config=run.mconf.to_dict())
+        path = write_checkpoint(cfg.out, step, model_state=msd, optimizer_state=osd,
+                                scheduler_state=run.scheduler.state_dict(), rng_states=rngs,
+                                trainer_state=trainer_state, keep=cfg.keep_checkpoints)
+    run.dist.barrier()
+    return path
+
+
+def _train_loop(run: _Session, on_step_end) -> _Progress:
+    cfg, r = run.cfg, run.r
+    progress = _Progress(step=run.start_step, last_good=run.ckpt)
+    bar = None
+    if run.dist.main and cfg.progress:
+        bar = harness.progress_factory(leave=True, unit="step")(
+            r["max_steps"], f"train {os.path.basename(cfg.out.rstrip('/'))}", initial=run.start_step)
+    log_f = open(os.path.join(cfg.out, "log.jsonl"), "a") if run.dist.main else None  # noqa: SIM115
+    if run.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(run.device)
+    try:
+        while progress.step < r["max_steps"]:
+            entry = _train_step(run, progress, log_f, bar)
+            _log_step(run, entry, log_f, bar, progress.val_loss)
+            step = progress.step
+            if (cfg.save_every and step % cfg.save_every == 0) or step == r["max_steps"]:
+                progress.last_good = _save_checkpoint(run, step, step * r["global_seqs"]) or progress.last_good
+            if on_step_end is not None:
+                on_step_end(step, entry)
+    finally:
+        if bar is not None:
+            bar.close()
+        if log_f:
+            log_f.close()
+    return progress
+
+
+def _train_step(run: _Session, progress: _Progress, log_f, bar) -> dict:
+    """One update (or a skipped batch): its log entry; the validation loss when due."""
+    cfg, r = run.cfg, run.r
+    t0 = time.perf_counter()
+    step_loss, forward_error = _forward_backward(run, progress.step)
+    gnorm = _clip_gradients(run) if forward_error is None else float("nan")
+    lr_used = run.optimizer.param_groups[0]["lr"]
+    skipped = _apply_update(run, progress, step_loss, gnorm, forward_error, log_f)
+    run.scheduler.step()
+    progress.step += 1
+    step = progress.step
+    dt = time.perf_counter() - t0
+    progress.train_time += dt
+    progress.step_seconds.append(dt)
+    entry = dict(step=step, loss=step_loss, lr=lr_used, grad_norm=gnorm, tokens=step * r["batch_tokens"],
+                 tokens_per_s=r["batch_tokens"] / dt if dt > 0 else 0.0, step_s=dt,
+                 epoch=run.order.epoch_of(step * r["global_seqs"]))
+    if run.device.type == "cuda":
+        entry["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.device) / 2 ** 30
+    if skipped:
+        entry["skipped"] = "non-finite"
+        if bar is not None:
+            bar.write(f"step {step}: non-finite loss/grad ({step_loss}, {gnorm}); batch skipped")
+    if (cfg.val_every and step % cfg.val_every == 0) or step == r["max_steps"]:
+        progress.val_loss = _evaluate(run.wrapped if cfg.fsdp else run.model, run.val_data, r, run.dist, run.eos_id,
+                                      cfg.varlen, run.autocast)
+        if progress.val_loss is not None:
+            entry["val_loss"] = progress.val_loss
+    return entry
+
+
+def _forward_backward(run: _Session, step: int) -> tuple[float, str | None]:
+    """Forward and backward over this rank's share of the global batch of ``step``, accumulated over
+    micro-batches. Returns the global mean loss and, if the ops refused a non-finite value, why."""
+    from efla.data.text import count_targets, make_batch, rank_slice  # noqa: PLC0415
+    from efla.distributed import context_parallel_lm_loss  # noqa: PLC0415
+
+    cfg, r, dist, cp = run.cfg, run.r, run.dist, run.cp
+    G, L = r["global_seqs"], r["seq_len"]
+    global_idx = run.order.take(step * G, G)
+    if cfg.varlen:
+        n_global = sum(count_targets(make_batch(run.train_data.sequences(global_idx[i: i + 1]), run.eos_id, True))
+                       for i in range(G))
+    else:
+        n_global = G * (L - 1)
+    data_rank, data_world = (cp.data_rank, cp.data_world) if cp else (dist.rank, dist.world)
+    mine = rank_slice(global_idx, data_rank, data_world)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    forward_error = None
+    for i in range(r["accum"]):
+        batch = make_batch(run.train_data.sequences(mine[i * r["micro"]: (i + 1) * r["micro"]]), run.eos_id,
+                           cfg.varlen)
+        n_mb = count_targets(batch)
+        batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
+        try:
+            with _gradient_sync(run, last=i == r["accum"] - 1):
+                with run.autocast():
+                    loss = (context_parallel_lm_loss(run.wrapped, batch, cp) if cp
+                            else run.wrapped(**batch, use_cache=False).loss)
+                (loss * (n_mb * dist.world / n_global)).backward()
+        except ValueError as e:  # the ops refuse non-finite inputs (always on CPU)
+            if "non-finite" not in str(e):
+                raise
+            forward_error = str(e)
+            break
+        loss_sum += loss.detach().double() * n_mb
+    if forward_error is not None:
+        loss_sum.fill_(float("nan"))
+        if dist.enabled and cfg.on_nonfinite == "skip":  # the other ranks wait in collectives: cannot skip
+            raise NonFiniteLossError(f"non-finite values in the forward at step {step + 1} on rank "
+                                     f"{dist.rank} ({forward_error}); --on-nonfinite skip needs the loss to "
+                                     "be the first non-finite value under torchrun")
+    elif dist.enabled:
+        torch.distributed.all_reduce(loss_sum)
+    return float(loss_sum.cpu() / n_global), forward_error
+
+
+def _gradient_sync(run: _Session, last: bool):
+    """Gradients are reduced across ranks on the last micro-batch of a step only."""
+    if run.cfg.fsdp:
+        run.wrapped.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    if run.dist.enabled and not last:
+        return run.wrapped.no_sync()
+    return contextlib.nullcontext()
+
+
+def _clip_gradients(run: _Session) -> float:
+    gnorm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.grad_clip)
+    if hasattr(gnorm, "full_tensor"):
+        gnorm = gnorm.full_tensor()
+    return float(gnorm)
+
+
+def _apply_update(run: _Session, progress: _Progress, step_loss: float, gnorm: float, forward_error: str | None,
+                  log_f) -> bool:
+    """Steps the optimizer; a non-finite loss or gradient norm skips the update (``skip``: returns
+    True) or ends the run (``stop``: :class:`NonFiniteLossError`, logged first)."""
+    if math.isfinite(step_loss) and math.isfinite(gnorm):
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        return False
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.cfg.on_nonfinite != "stop":
+        return True
+    step = progress.step + 1
+    last_good = progress.last_good
+    where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
+    msg = (f"non-finite {'loss' if not math.isfinite(step_loss) else 'gradient norm'} at step "
+           f"{step} (loss {step_loss}, grad norm {gnorm}"
+           + (f"; in the forward: {forward_error}" if forward_error else "")
+           + f"); the update was not applied and the run stopped; {where}. Lower --lr, or pass "
+           "--on-nonfinite skip to skip such batches.")
+    if log_f:
+        log_f.write(json.dumps(dict(step=step, loss=step_loss, grad_norm=gnorm, error="non-finite")) + "\n")
+        log_f.flush()
+    raise NonFiniteLossError(msg)
+
+
+def _log_step(run: _Session, entry: dict, log_f, bar, val_loss: float | None) -> None:
+    step, max_steps = entry["step"], run.r["max_steps"]
+    if log_f and (step % run.cfg.log_every == 0 or step == max_steps or "val_loss" in entry or "skipped" in entry):
+        log_f.write(json.dumps(entry) + "\n")
+        log_f.flush()
+    if bar is not None:
+        post = dict(loss=f"{entry['loss']:.4f}", tok_s=f"{entry['tokens_per_s']:,.0f}", lr=f"{entry['lr']:.2e}")
+        if val_loss is not None:
+            post["val"] = f"{val_loss:.4f}"
+        bar.set_postfix(post, refresh=False)
+        bar.update(1)
+
+
+def _save_final_model(run: _Session, progress: _Progress) -> dict:
+    """The Hugging Face model directory and ``train_summary.json`` (rank 0); the run's summary."""
+    cfg, r, dist = run.cfg, run.r, run.dist
+    step = progress.step
+    peak_per_gpu = peak_memory_per_gpu(run.device, dist)
+    msd = full_model_state(run.wrapped, cfg.fsdp) if cfg.fsdp else None
+    summary = None
+    if dist.main:
+        core = unwrap(run.model)
+        if msd is not None:
+            core.save_pretrained(cfg.out, state_dict=msd)
+        else:
+            core.save_pretrained(cfg.out)
+        run.tok.save_pretrained(cfg.out)
+        log = read_log(cfg.out)
+        losses = [e["loss"] for e in log if "error" not in e]
+        summary = dict(out=cfg.out, steps=step, tokens=step * r["batch_tokens"], max_steps=r["max_steps"],
+                       resumed_from=run.ckpt, final_loss=losses[-1] if losses else None, val_loss=progress.val_loss,
+                       **throughput(progress.step_seconds, r["batch_tokens"]), peak_memory_gib_per_gpu=peak_per_gpu,
+                       train_seconds_this_process=progress.train_time,
+                       wall_seconds_this_process=time.perf_counter() - progress.started,
+                       n_params=run.n_params, world_size=dist.world, device=str(run.device), precision=run.precision,
+                       threads=torch.get_num_threads(), variant=run.mconf.variant)
+        harness.atomic_write_json(os.path.join(cfg.out, "train_summary.json"), summary, indent=2)
+        summary = dict(summary, losses=losses, log=log)
+    dist.barrier()
+    return summary if summary is not None else dict(out=cfg.out, steps=step)
+
+
+def warmup_steps(n_steps: int) -> int:
+    """Steps left out of the steady-state rate: the first ones compile and autotune kernels (the first
+    GPU steps can take minutes); at most half of the steps this process ran."""
+    return min(STEADY_STATE_WARMUP, n_steps // 2)
+
+
+def throughput(step_seconds: list[float], batch_tokens: int) -> dict:
+    """``tokens_per_s``: the steady-state rate (all ranks' tokens per second over the steps after the
+    warm-up steps); ``tokens_per_s_all_steps``: the rate over every step this process ran."""
+    if not step_seconds:
+        return dict(tokens_per_s=None, tokens_per_s_all_steps=None, steady_state_steps=0)
+    steady = step_seconds[warmup_steps(len(step_seconds)):]
+    return dict(tokens_per_s=len(steady) * batch_tokens / sum(steady),
+                tokens_per_s_all_steps=len(step_seconds) * batch_tokens / sum(step_seconds),
+                steady_state_steps=len(steady))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use `efla train` (python -m efla train)")

@@ -1,0 +1,181 @@
+"""Orchestration of the MAD benchmark: presets, the lr x wd grid and resumable runs (the scores and
+output files are in :mod:`efla.experiments.mad.report`).
+
+Every finished run is stored as ``<out>/runs/<key>.json``; re-invoking with the same output
+directory skips those runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+from efla.data.mad_tasks import TASKS, MADSetting, baseline_setting, benchmark_settings, make_dataset
+from efla.variants import label
+
+from .. import harness
+from .model import RULES, RunConfig, train_run
+
+GRID_LRS = (1e-4, 5e-4, 1e-3)
+GRID_WDS = (0.0, 0.1)
+
+# tiny settings (CI): every task at a few dozen sequences of 16-32 tokens
+_TINY = {
+    "in-context-recall": MADSetting("in-context-recall", 16, 32, 96, 32),
+    "fuzzy-in-context-recall": MADSetting("fuzzy-in-context-recall", 16, 32, 96, 32, k_motif_size=3, v_motif_size=3),
+    "noisy-in-context-recall": MADSetting("noisy-in-context-recall", 32, 32, 96, 32, frac_noise=0.2,
+                                          noise_vocab_size=16),
+    "selective-copying": MADSetting("selective-copying", 16, 32, 96, 32, num_tokens_to_copy=4),
+    "compression": MADSetting("compression", 16, 16, 96, 32),
+    "memorization": MADSetting("memorization", 32, 16, 64, 32),
+}
+
+
+@dataclass
+class Preset:
+    name: str
+    description: str
+    all_settings: bool = False  # False: the baseline setting of each task
+    lrs: tuple = GRID_LRS
+    wds: tuple = GRID_WDS
+    epochs: int = 200
+    max_steps: int | None = None  # epochs = clamp(max_steps // steps_per_epoch, 1, epochs)
+    batch_size: int = 128
+    width: int = 128
+    tiny: bool = False
+
+
+PRESETS = {
+    "tiny": Preset("tiny", "CI smoke test: tiny settings, width 32, 2 epochs, one lr", lrs=(1e-3,), wds=(0.0,),
+                   epochs=2, batch_size=32, width=32, tiny=True),
+    "quick": Preset("quick", "baseline setting of each task, lr 1e-3, wd 0, a budget of 300 optimizer steps "
+                             "(3 epochs of the 12,800-example tasks, 150 of memorization)",
+                    lrs=(1e-3,), wds=(0.0,), max_steps=300),
+    "baseline": Preset("baseline", "baseline setting of each task, full 3 lr x 2 wd grid, 200 epochs"),
+    "paper": Preset("paper", "all 66 settings of the MAD protocol, full grid, 200 epochs (396 runs per rule)",
+                    all_settings=True),
+}
+
+
+@dataclass
+class MADOptions:
+    preset: str = "quick"
+    tasks: list = field(default_factory=lambda: list(TASKS))
+    rules: list = field(default_factory=lambda: ["exact", "euler"])
+    num_heads: int = 8
+    blocks: int = 2
+    lrs: list | None = None  # overrides of the preset
+    wds: list | None = None
+    epochs: int | None = None
+    max_steps: int | None = None
+    width: int | None = None
+    batch_size: int | None = None
+    precision: str = "fp32"
+    seed: int = 12345
+    device: str = "cpu"
+    time_limit: float | None = None  # seconds per run
+    train: bool = True  # False: only aggregate the stored runs
+
+
+def settings_for(preset: Preset, task: str) -> list[MADSetting]:
+    if preset.tiny:
+        return [_TINY[task]]
+    return benchmark_settings(task) if preset.all_settings else [baseline_setting(task)]
+
+
+def _epochs_for(setting: MADSetting, epochs: int, max_steps: int | None, batch_size: int) -> int:
+    if max_steps is None:
+        return epochs
+    steps_per_epoch = math.ceil(setting.num_train_examples / batch_size)
+    return max(1, min(epochs, max_steps // steps_per_epoch))
+
+
+def plan(opts: MADOptions) -> list[RunConfig]:
+    """All runs of the options, grouped by setting (so each dataset is generated once)."""
+    if opts.preset not in PRESETS:
+        raise ValueError(f"preset: expected one of {list(PRESETS)}, got {opts.preset!r}")
+    for t in opts.tasks:
+        if t not in TASKS:
+            raise ValueError(f"tasks: expected names from {TASKS}, got {t!r}")
+    for r in opts.rules:
+        if r not in RULES:
+            raise ValueError(f"rules: expected names from {RULES}, got {r!r}")
+    p = PRESETS[opts.preset]
+    lrs = opts.lrs or p.lrs
+    wds = opts.wds if opts.wds is not None else p.wds
+    bs = opts.batch_size or p.batch_size
+    width = opts.width or p.width
+    epochs = opts.epochs or p.epochs
+    max_steps = opts.max_steps if opts.max_steps is not None else (None if opts.epochs else p.max_steps)
+    runs = []
+    for task in opts.tasks:
+        for s in settings_for(p, task):
+            e = _epochs_for(s, epochs, max_steps, bs)
+            for lr in lrs:
+                for wd in wds:
+                    for rule in opts.rules:
+                        runs.append(RunConfig(setting=s, rule=rule, lr=lr, weight_decay=wd, epochs=e, batch_size=bs,
+                                              width=width, num_heads=opts.num_heads, blocks=opts.blocks,
+                                              seed=opts.seed, precision=opts.precision))
+    return runs
+
+
+def versions() -> dict:
+    return harness.versions("numpy")
+
+
+def run_path(out_dir: str, cfg: RunConfig) -> str:
+    return os.path.join(out_dir, "runs", cfg.key + ".json")
+
+
+def load_run(out_dir: str, cfg: RunConfig, time_limit: float | None = None, any_stored: bool = False) -> dict | None:
+    """The stored result of ``cfg`` if it counts as finished: complete, or truncated by a time
+    limit at least as long as ``time_limit`` (``any_stored``: every stored result counts)."""
+    p = run_path(out_dir, cfg)
+    if not os.path.exists(p):
+        return None
+    with open(p) as f:
+        res = json.load(f)
+    if res.get("truncated") and not any_stored and (time_limit is None or (res.get("time_limit") or 0) < time_limit):
+        return None
+    return res
+
+
+def run_mad(opts: MADOptions, out_dir: str, progress_factory=None, log=None) -> dict:
+    """Run (or resume) every run of ``opts``; returns ``{"runs": [...], "missing": [...], ...}``."""
+    os.makedirs(os.path.join(out_dir, "runs"), exist_ok=True)
+    cfgs = plan(opts)
+    results, missing = [], []
+    cache: dict = {}
+    report_only = not opts.train
+    todo = [c for c in cfgs if load_run(out_dir, c, opts.time_limit, report_only) is None]
+    if log:
+        log(f"{len(cfgs)} runs planned, {len(cfgs) - len(todo)} already stored in {out_dir}/runs, "
+            f"{len(todo) if opts.train else 0} to train")
+    for i, cfg in enumerate(cfgs):
+        res = load_run(out_dir, cfg, opts.time_limit, report_only)
+        if res is None and opts.train:
+            if cfg.setting.id not in cache:
+                cache.clear()
+                cache[cfg.setting.id] = make_dataset(cfg.setting, seed=cfg.seed)
+            n_steps = cfg.epochs * math.ceil(cfg.setting.num_train_examples / cfg.batch_size)
+            desc = f"[{i + 1}/{len(cfgs)}] {cfg.setting.id} {label(cfg.rule)} lr={cfg.lr:g} wd={cfg.weight_decay:g}"
+            bar = progress_factory(total=n_steps, desc=desc) if progress_factory else None
+            try:
+                res = train_run(cfg, cache[cfg.setting.id], device=opts.device, time_limit=opts.time_limit, bar=bar)
+            finally:
+                if bar is not None:
+                    bar.close()
+            harness.atomic_write(run_path(out_dir, cfg), json.dumps(res))
+            if log:
+                log(f"{desc}: test acc {res['test_acc']:.4f} (best-ppl epoch {res['best_epoch']}/{res['epochs_run']}"
+                    f"{', early stop' if res['stopped_early'] else ''}{', TRUNCATED' if res['truncated'] else ''}) "
+                    f"in {res['seconds']:.0f} s")
+        if res is None:
+            missing.append(cfg.key)
+        else:
+            results.append(res)
+    return {"options": opts.__dict__, "preset": PRESETS[opts.preset].__dict__, "runs": results, "missing": missing,
+            "versions": versions()}
