@@ -110,7 +110,7 @@ def main(argv=None):
         try:
             compare(name, cls(cfg_cls(attn_mode=mode, **kw)), cls, cfg_cls(attn_mode="fused_recurrent", **kw), ids,
                     dtype, "random", rows)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             print(f"random {name}: failed: {type(e).__name__}: {e}", flush=True)
     # 2. trained checkpoints (ours, loaded into fla's classes)
     ids_path = os.path.join(args.trained, "ids.pt")
@@ -127,7 +127,7 @@ def main(argv=None):
                 fla_model.load_state_dict(load_file(os.path.join(d, "model.safetensors")), strict=True)
                 compare(name, fla_model, cls, fla_config_from_efla(ecfg, cfg_cls, "fused_recurrent"), tids, dtype,
                         "trained", rows)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 print(f"trained {name}: failed: {type(e).__name__}: {e}", flush=True)
     else:
         print(f"no {ids_path}: trained checkpoints skipped")

@@ -82,7 +82,8 @@ def main(argv=None):
             t_hf.append(_time(_fwd_bwd_hf, inp, 1))
         mo, mh = statistics.median(t_ours), statistics.median(t_hf)
         rows.append((shape, mo, mh, mh / mo, err))
-        print(f"{shape}: chunk_efla {mo*1e3:.1f} ms, transformers {mh*1e3:.1f} ms, speed-up {mh/mo:.2f}x, max rel diff {err:.1e}", flush=True)
+        print(f"{shape}: chunk_efla {mo*1e3:.1f} ms, transformers {mh*1e3:.1f} ms, speed-up {mh/mo:.2f}x, "
+              f"max rel diff {err:.1e}", flush=True)
 
     rec_row = None
     if not args.skip_recurrent:
@@ -102,14 +103,16 @@ def main(argv=None):
         f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}; "
         f"transformers {__import__('transformers').__version__}; medians of {args.reps} alternating runs.",
         "",
-        "| [B, T, H, D] | `chunk_efla` | transformers `torch_chunk_gated_delta_rule` (g=0, beta=alpha) | speed-up | max rel. diff of outputs |",
+        "| [B, T, H, D] | `chunk_efla` | transformers `torch_chunk_gated_delta_rule` (g=0, beta=alpha) | speed-up "
+        "| max rel. diff of outputs |",
         "| --- | --- | --- | --- | --- |",
     ]
     for shape, mo, mh, sp, err in rows:
         lines.append(f"| {list(shape)} | {mo*1e3:.1f} ms | {mh*1e3:.1f} ms | {sp:.2f}x | {err:.1e} |")
     if rec_row:
         mc, mr = rec_row
-        lines += ["", f"`recurrent_efla` fwd+bwd at [1, 4096, 4, 64]: {mr*1e3:.0f} ms = {mr/mc:.1f}x `chunk_efla` ({mc*1e3:.0f} ms)."]
+        lines += ["", f"`recurrent_efla` fwd+bwd at [1, 4096, 4, 64]: {mr*1e3:.0f} ms = {mr/mc:.1f}x "
+                      f"`chunk_efla` ({mc*1e3:.0f} ms)."]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -39,8 +39,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from efla.layers import fused  # noqa: E402
-from efla.models import EFLAForCausalLM, get_preset_config  # noqa: E402
+from efla.layers import fused
+from efla.models import EFLAForCausalLM, get_preset_config
 
 GIB = 2 ** 30
 OURS = ("efla", "efla+flce", "deltanet", "gated-efla", "gated-deltanet")

@@ -33,8 +33,8 @@ import torch.nn.functional as Fn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import efla.ops as ops  # noqa: E402
-from efla.variants import Variant  # noqa: E402
+import efla.ops as ops
+from efla.variants import Variant
 
 T0 = time.time()
 LINES: list[str] = []
@@ -169,7 +169,7 @@ def try_call(f):
         f()
         torch.cuda.synchronize()
         return f, None
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         torch.cuda.synchronize()
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
@@ -299,7 +299,7 @@ def model_timing(dev, budget_s):
     emit("")
     try:
         from efla.models import EFLAForCausalLM, get_preset_config
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         emit(f"- skipped: efla.models not importable ({type(e).__name__}: {e})")
         emit("")
         return
@@ -340,7 +340,7 @@ def model_timing(dev, budget_s):
             base = res[pair[1]]
             for n in pair:
                 emit(f"| {n} | {res[n] * 1e3:.1f} | {B * T / res[n]:,.0f} | {res[n] / base:.3f}x |")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             emit(f"| {pair} | failed: {type(e).__name__}: {str(e).splitlines()[0][:150]} | | |")
             traceback.print_exc()
         del models
@@ -380,7 +380,7 @@ def main():
         import fla
 
         fla_v = getattr(fla, "__version__", "?")
-    except Exception:  # noqa: BLE001
+    except Exception:
         fla_v = "not installed"
     emit("# efla GPU ops: correctness and speed")
     emit("")
@@ -396,7 +396,7 @@ def main():
         if not args.skip_correctness:
             ok = check_correctness(dev, full=not args.quick_correctness,
                                    rules=tuple(args.rules.split(",")))
-    except Exception:  # noqa: BLE001
+    except Exception:
         traceback.print_exc()
         emit("correctness stage crashed (see log)")
         ok = False
@@ -414,7 +414,7 @@ def main():
             continue
         try:
             stage()
-        except Exception:  # noqa: BLE001
+        except Exception:
             traceback.print_exc()
             emit("stage crashed (see log)")
         emit(f"(elapsed {time.time() - T0:.0f}s)")

@@ -6,4 +6,4 @@
 
 __version__ = "0.1.0"
 
-from . import layers, models, ops  # noqa: F401,E402
+from . import layers, models, ops  # noqa: F401

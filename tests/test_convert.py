@@ -137,7 +137,7 @@ def _fla_available() -> bool:
         import fla.models  # noqa: F401
 
         return True
-    except Exception:
+    except Exception:  # noqa: BLE001  a partial fla install counts as none
         return False
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 
 def cmd_convert(args) -> int:
-    import torch  # noqa: PLC0415
-    from rich.console import Console  # noqa: PLC0415
+    import torch
+    from rich.console import Console
 
-    from efla.models.convert import convert_fla_checkpoint  # noqa: PLC0415
-    from efla.experiments import arg_checks as check  # noqa: PLC0415
+    from efla.models.convert import convert_fla_checkpoint
+    from efla.experiments import arg_checks as check
 
     check.existing_dir(args.src, "SRC")
     check.output_dir(args.dst, "DST")

@@ -9,7 +9,7 @@ from efla.experiments import arg_checks as check
 
 
 def add_parser(subparsers) -> None:
-    from efla.experiments.demo import MEASURED_SECONDS  # noqa: PLC0415
+    from efla.experiments.demo import MEASURED_SECONDS
 
     p = subparsers.add_parser(
         "demo", help=f"a CPU tour (about {MEASURED_SECONDS} s on an idle 2-core CPU): exact vs Euler, "
@@ -27,7 +27,7 @@ def add_parser(subparsers) -> None:
 
 
 def _threads(args) -> int:
-    from efla.experiments.demo import current_load, threads_for_load  # noqa: PLC0415
+    from efla.experiments.demo import current_load, threads_for_load
 
     if args.threads:
         return args.threads
@@ -35,10 +35,10 @@ def _threads(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    import torch  # noqa: PLC0415
-    from rich.console import Console  # noqa: PLC0415
+    import torch
+    from rich.console import Console
 
-    from efla.experiments import demo, harness  # noqa: PLC0415
+    from efla.experiments import demo, harness
 
     check.at_least(args.epochs, 1, "--epochs")
     check.at_least(args.threads, 1, "--threads")

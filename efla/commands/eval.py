@@ -17,8 +17,8 @@ console = Console()
 
 
 def _options(args):
-    from efla.data.eval_text import default_data_file  # noqa: PLC0415
-    from efla.experiments.lm.evaluate import EvalOptions  # noqa: PLC0415
+    from efla.data.eval_text import default_data_file
+    from efla.experiments.lm.evaluate import EvalOptions
 
     wikitext, lambada = args.wikitext, args.lambada
     harness = [t.strip() for t in args.harness.split(",") if t.strip()] if args.harness else None
@@ -41,8 +41,8 @@ def _options(args):
 
 
 def _check_eval_options(args, wikitext: str | None, lambada: str | None) -> None:
-    from efla.experiments import arg_checks as check  # noqa: PLC0415
-    from efla.data.eval_text import load_lambada, load_text  # noqa: PLC0415
+    from efla.experiments import arg_checks as check
+    from efla.data.eval_text import load_lambada, load_text
 
     check.at_least(args.context, 2, "--context")
     check.at_least(args.stride, 1, "--stride")
@@ -66,7 +66,7 @@ def _check_eval_options(args, wikitext: str | None, lambada: str | None) -> None
 
 def _setup_threads(args) -> None:
     if args.threads:
-        import torch  # noqa: PLC0415
+        import torch
 
         torch.set_num_threads(args.threads)
 
@@ -100,7 +100,7 @@ def _print_record(rec: dict) -> None:
 
 
 def cmd_eval(args) -> int:
-    from efla.experiments.lm.evaluate import check_model_dir, evaluate_model, write_json  # noqa: PLC0415
+    from efla.experiments.lm.evaluate import check_model_dir, evaluate_model, write_json
 
     check_model_dir(args.model)
     _setup_threads(args)
@@ -116,7 +116,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from efla.experiments.lm.evaluate import (  # noqa: PLC0415
+    from efla.experiments.lm.evaluate import (
         check_model_dir, compare, evaluate_model, write_json, write_text)
 
     _setup_threads(args)

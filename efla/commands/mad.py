@@ -8,8 +8,8 @@ from efla.errors import UsageError
 
 
 def add_parser(subparsers) -> None:
-    from efla.data.mad_tasks import TASK_ABBR, TASKS  # noqa: PLC0415
-    from efla.experiments.mad.run import PRESETS  # noqa: PLC0415
+    from efla.data.mad_tasks import TASK_ABBR, TASKS
+    from efla.experiments.mad.run import PRESETS
 
     abbr = ", ".join(f"{v}={k}" for k, v in TASK_ABBR.items())
     p = subparsers.add_parser(
@@ -41,7 +41,7 @@ def add_parser(subparsers) -> None:
 
 
 def _resolve_tasks(names):
-    from efla.data.mad_tasks import TASK_ABBR, TASKS  # noqa: PLC0415
+    from efla.data.mad_tasks import TASK_ABBR, TASKS
 
     inv = {v.lower(): k for k, v in TASK_ABBR.items()}
     out = []
@@ -68,12 +68,12 @@ def _check_arguments(args) -> None:
 
 
 def cmd_mad(args) -> int:
-    import torch  # noqa: PLC0415
-    from rich.console import Console  # noqa: PLC0415
+    import torch
+    from rich.console import Console
 
-    from efla.experiments import harness  # noqa: PLC0415
-    from efla.experiments.mad.report import aggregate, scores_table, write_outputs  # noqa: PLC0415
-    from efla.experiments.mad.run import MADOptions, run_mad  # noqa: PLC0415
+    from efla.experiments import harness
+    from efla.experiments.mad.report import aggregate, scores_table, write_outputs
+    from efla.experiments.mad.run import MADOptions, run_mad
 
     console = Console()
     _check_arguments(args)

@@ -24,7 +24,8 @@ def _add_pixel_args(p, default_out):
     p.add_argument("--quick", action="store_true", help="a subset of the data (6000 train / 2000 test) and fewer settings")
     p.add_argument("--out", default=default_out, help=f"output directory (default: {default_out})")
     p.add_argument("--dataset", default="auto", choices=["auto", "mnist", "digits"],
-                   help="auto: MNIST if found (--data-dir, or mnist/ under $EFLA_DATA_DIR or ../shared/data), else embedded digits")
+                   help="auto: MNIST if found (--data-dir, or mnist/ under $EFLA_DATA_DIR or ../shared/data), "
+                        "else embedded digits")
     p.add_argument("--data-dir", default=None, help="folder with the four MNIST idx(.gz) files (or MNIST/raw)")
     p.add_argument("--rules", nargs="+", default=["exact", "euler"],
                    choices=["exact", "euler", "gated-exact", "gated-euler"], help="update rules to compare")
@@ -57,7 +58,7 @@ def _check_pixel_args(args) -> None:
 
 
 def _load_pixels(args, console):
-    from efla.data import load_pixel_data  # noqa: PLC0415
+    from efla.data import load_pixel_data
 
     data = load_pixel_data(args.dataset, args.data_dir)
     how = "found" if args.dataset == "auto" and data.name == "mnist" else "selected"
@@ -72,9 +73,9 @@ def _load_pixels(args, console):
 
 def _prepare(args):
     """Checks the arguments, loads the data and resolves the options: (console, data, options)."""
-    from rich.console import Console  # noqa: PLC0415
+    from rich.console import Console
 
-    from efla.experiments.robustness.run import RobustnessOptions  # noqa: PLC0415
+    from efla.experiments.robustness.run import RobustnessOptions
 
     _check_pixel_args(args)
     console = Console()
@@ -87,10 +88,10 @@ def _prepare(args):
 
 
 def cmd_robustness(args) -> int:
-    from efla.experiments import harness  # noqa: PLC0415
-    from efla.experiments.robustness.report import (  # noqa: PLC0415
+    from efla.experiments import harness
+    from efla.experiments.robustness.report import (
         aggregate, robustness_tables, write_robustness_outputs)
-    from efla.experiments.robustness.run import run_robustness  # noqa: PLC0415
+    from efla.experiments.robustness.run import run_robustness
 
     provenance = harness.Provenance(command=args.command_line, device=args.device)
     console, data, opts = _prepare(args)
@@ -104,9 +105,9 @@ def cmd_robustness(args) -> int:
 
 
 def cmd_lr_sweep(args) -> int:
-    from efla.experiments import harness  # noqa: PLC0415
-    from efla.experiments.robustness.report import lr_sweep_table, write_lr_sweep_outputs  # noqa: PLC0415
-    from efla.experiments.robustness.run import run_lr_sweep, sweep_lrs  # noqa: PLC0415
+    from efla.experiments import harness
+    from efla.experiments.robustness.report import lr_sweep_table, write_lr_sweep_outputs
+    from efla.experiments.robustness.run import run_lr_sweep, sweep_lrs
 
     provenance = harness.Provenance(command=args.command_line, device=args.device)
     console, data, opts = _prepare(args)

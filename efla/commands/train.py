@@ -18,7 +18,7 @@ The output directory is a Hugging Face model directory (config.json, model.safet
 
 
 def add_parser(subparsers) -> None:
-    from efla.experiments.lm.config import TrainConfig  # noqa: PLC0415
+    from efla.experiments.lm.config import TrainConfig
 
     d = TrainConfig()
     p = subparsers.add_parser(
@@ -110,9 +110,9 @@ def add_parser(subparsers) -> None:
 
 
 def cmd_train(args) -> int:
-    from rich.console import Console  # noqa: PLC0415
+    from rich.console import Console
 
-    from efla.experiments.lm.train import TrainConfig, main_ddp_cleanup, train  # noqa: PLC0415
+    from efla.experiments.lm.train import TrainConfig, main_ddp_cleanup, train
 
     console = Console(stderr=True)
     cfg = TrainConfig(**_given_options(args))
@@ -142,8 +142,8 @@ def _peak_memory_text(per_gpu: list[float] | None) -> str:
 def _given_options(args) -> dict:
     """TrainConfig fields from the command line; when resuming, what it leaves at its default comes
     from the run's saved ``train_args.json``."""
-    from efla.errors import UsageError  # noqa: PLC0415
-    from efla.experiments.lm.config import TrainConfig  # noqa: PLC0415
+    from efla.errors import UsageError
+    from efla.experiments.lm.config import TrainConfig
 
     fields = TrainConfig.__dataclass_fields__
     given = {k: v for k, v in vars(args).items() if k in fields}
@@ -160,10 +160,10 @@ def _given_options(args) -> dict:
 
 
 def _saved_options(out: str, fields) -> dict | None:
-    import json  # noqa: PLC0415
-    import os  # noqa: PLC0415
+    import json
+    import os
 
-    from efla.errors import UsageError  # noqa: PLC0415
+    from efla.errors import UsageError
 
     path = os.path.join(out, "train_args.json")
     if not os.path.isfile(path):
@@ -177,14 +177,14 @@ def _saved_options(out: str, fields) -> dict | None:
 
 
 def cmd_lm_report(args) -> int:
-    from efla.experiments import arg_checks as check  # noqa: PLC0415
-    from efla.experiments.lm.report import write_lm_report  # noqa: PLC0415
+    from efla.experiments import arg_checks as check
+    from efla.experiments.lm.report import write_lm_report
 
     for run in args.runs:
         check.existing_dir(run, "--runs")
     check.existing_file(args.notes, "--notes")
     check.output_dir(args.out)
-    notes = open(args.notes).read() if args.notes else ""  # noqa: SIM115
+    notes = open(args.notes).read() if args.notes else ""
     files = write_lm_report(args.runs, args.out, title=args.title, notes=notes,
                             command_line=args.command_line)
     print("Wrote: " + ", ".join(files))

@@ -35,7 +35,7 @@ def load_text(spec: str) -> tuple[str, str]:
     if os.path.exists(spec) or spec.startswith((".", "/")) or spec.endswith((".raw", ".txt", ".jsonl")):
         raise FileNotFoundError(f"--wikitext: no such file: {spec}")
     try:
-        import datasets  # noqa: PLC0415
+        import datasets
     except ImportError as e:  # pragma: no cover
         raise FileNotFoundError(f"--wikitext: {spec!r} is not a file and the `datasets` package is not installed") from e
     name, config, split = (spec.split(":") + [None, None])[:3]

@@ -105,7 +105,7 @@ def load_mnist_sequences(path) -> PixelData:
 
 def load_digits_sequences(test_fraction: float = 0.25, seed: int = 0) -> PixelData:
     """scikit-learn's bundled 8x8 digits (1797 images, no download) as length-64 sequences."""
-    from sklearn.datasets import load_digits  # noqa: PLC0415
+    from sklearn.datasets import load_digits
 
     d = load_digits()
     x = torch.from_numpy(d.images.reshape(len(d.images), -1).astype(np.float32) / 16.0)

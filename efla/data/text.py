@@ -173,7 +173,7 @@ def check_text_files(paths: list[str], accept_invalid_utf8: bool = False, warn=N
 
 def _read_hf(spec: str, text_field: str) -> Iterator[str]:
     try:
-        import datasets  # noqa: PLC0415
+        import datasets
     except ImportError as e:  # pragma: no cover - optional dependency
         raise ImportError(f"{spec}: Hugging Face datasets need `pip install datasets` (and network)") from e
     name, _, split = spec[3:].partition("@")

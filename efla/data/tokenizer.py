@@ -24,7 +24,7 @@ SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 
 def _wrap(tok_obj):
     """A transformers fast tokenizer around a ``tokenizers.Tokenizer`` with our special tokens."""
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(tokenizer_object=tok_obj, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                    unk_token=None, model_max_length=1_000_000_000)
@@ -48,7 +48,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 4096, save_dir: 
     Raises:
         ValueError: ``vocab_size`` < 259.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if not isinstance(vocab_size, int) or vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size: expected an int >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens), "
@@ -69,7 +69,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 4096, save_dir: 
 def load_tokenizer(name_or_path: str):
     """``AutoTokenizer.from_pretrained(name_or_path)`` (a local directory, or a Hub name when online).
     A tokenizer without an end-of-sequence token is refused: packing separates documents with it."""
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(name_or_path)
     if tokenizer_eos_id(tok) is None:

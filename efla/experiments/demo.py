@@ -74,9 +74,9 @@ DEMO_LEVELS = {"scale": [1.0, 2.0, 3.0, 5.0, 10.0], "noise": [0.0, 0.2, 0.4, 0.6
 def run_mad_demo_task(quick: bool = False, epochs: int | None = None, progress_factory=None) -> dict:
     """In-context recall at a small size (vocab 16, length 64, 1024 training sequences), EFLA vs
     DeltaNet with the MAD backbone (width 64, 4 heads) and the MAD recipe, on the CPU."""
-    from efla.data.mad_tasks import MADSetting, make_dataset  # noqa: PLC0415
+    from efla.data.mad_tasks import MADSetting, make_dataset
 
-    from .mad.model import RunConfig, train_run  # noqa: PLC0415
+    from .mad.model import RunConfig, train_run
 
     setting = MADSetting("in-context-recall", 16, 64, num_train_examples=1024, num_test_examples=256)
     dataset = make_dataset(setting)
@@ -95,7 +95,7 @@ def run_mad_demo_task(quick: bool = False, epochs: int | None = None, progress_f
 def run_demo(quick: bool = False, progress_factory=None, log=lambda msg: None, epochs: int | None = None,
              on_part_done=lambda res: None) -> dict:
     """Runs the four parts; ``on_part_done(res)`` is called after each with the results so far."""
-    from efla.data import load_digits_sequences  # noqa: PLC0415
+    from efla.data import load_digits_sequences
 
     smoke = epochs is not None and epochs < SMOKE_EPOCHS
     mad_epochs = epochs if smoke else None
@@ -173,10 +173,10 @@ def _mad_rows(res: dict) -> list[tuple[str, str, str]]:
 
 
 def _plots(res: dict, out_dir: str) -> list[str]:
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     files = []
     if "one_step" in res:
@@ -297,6 +297,7 @@ def _report_lines(res: dict) -> list[str]:
     missing = [PART_TITLE[p] for p in PART_SHARE if p not in res]
     if missing:
         lines += ["", f"Not finished yet: {', '.join(missing)} (the demo was still running or was interrupted)."]
-    lines += ["", f"{'Time so far' if missing else 'Total time'}: {res.get('seconds', 0):.0f} s. One seed on a tiny dataset: read it as an illustration, "
+    lines += ["", f"{'Time so far' if missing else 'Total time'}: {res.get('seconds', 0):.0f} s. "
+              "One seed on a tiny dataset: read it as an illustration, "
               "not as evidence; `docs/results/` holds the recorded runs.", ""]
     return lines

@@ -23,11 +23,11 @@ __all__ = ["versions", "default_device", "command_line", "Provenance", "atomic_w
 
 def versions(*extra_modules: str) -> dict:
     """Versions of efla, torch, python and ``extra_modules`` (those installed), the machine and the GPU."""
-    import importlib  # noqa: PLC0415
+    import importlib
 
-    import torch  # noqa: PLC0415
+    import torch
 
-    import efla  # noqa: PLC0415
+    import efla
 
     found = {"efla": efla.__version__, "torch": torch.__version__}
     for name in extra_modules:
@@ -44,10 +44,10 @@ def versions(*extra_modules: str) -> dict:
 def default_device() -> str:
     """``cuda`` when a GPU is usable, else ``cpu`` (the default of the experiments' ``--device``)."""
     try:
-        import torch  # noqa: PLC0415
+        import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
-    except Exception:  # a broken CUDA setup must not break ``efla --help``
+    except Exception:  # noqa: BLE001  a broken CUDA setup must not break ``efla --help``
         return "cpu"
 
 
@@ -104,7 +104,7 @@ def atomic_write_csv(path: str, header: list, rows) -> None:
 
 def atomic_save_figure(fig, path: str, dpi: int = 110) -> None:
     """Saves a matplotlib figure atomically and closes it."""
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     root, ext = os.path.splitext(path)
     tmp = f"{root}.{os.getpid()}.tmp{ext}"
@@ -119,7 +119,7 @@ def atomic_save_figure(fig, path: str, dpi: int = 110) -> None:
 
 def progress_factory(**options):
     """``factory(total, desc)`` making a tqdm bar that disappears when done; ``options`` go to tqdm."""
-    from tqdm.auto import tqdm  # noqa: PLC0415
+    from tqdm.auto import tqdm
 
     settings = dict(leave=False, dynamic_ncols=True) | options
     return lambda total, desc, **more: tqdm(total=total, desc=desc, **(settings | more))
@@ -144,7 +144,7 @@ class Table:
         self.rows.append([str(c) for c in cells])
 
     def rich(self):
-        from rich.table import Table as RichTable  # noqa: PLC0415
+        from rich.table import Table as RichTable
 
         table = RichTable(title=self.title)
         for i, name in enumerate(self.columns):
@@ -155,7 +155,7 @@ class Table:
 
     def markdown(self) -> list[str]:
         """The table's lines in Markdown (no title: the caller writes the heading it wants)."""
-        from rich.text import Text  # noqa: PLC0415
+        from rich.text import Text
 
         def plain(cell: str) -> str:
             return Text.from_markup(cell).plain.replace("|", "\\|")

@@ -67,7 +67,7 @@ class RunLock:
     stale_holder: dict | None = None
 
     def release(self) -> None:
-        import fcntl  # noqa: PLC0415
+        import fcntl
 
         if self.fd < 0:
             return
@@ -93,7 +93,7 @@ def claim_run_dir(path: str, command: str | None = None) -> RunLock:
     Raises:
         UsageError: another live process holds the lock (the message names it).
     """
-    import fcntl  # noqa: PLC0415
+    import fcntl
 
     os.makedirs(path, exist_ok=True)
     fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)

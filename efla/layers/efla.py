@@ -262,9 +262,9 @@ class EFLA(nn.Module):
         recurrent = self.mode == "recurrent" or (T == 1 and cu_seqlens is None)
         initial_state = last_state.get("recurrent_state") if last_state is not None else None
         q_l2, k_l2 = self._l2_in_op()
-        o, state = context_parallel_aware(self._op(recurrent))(q, k, v, beta, initial_state=initial_state, output_final_state=use_cache,
-                                       cu_seqlens=cu_seqlens, use_q_l2norm_in_kernel=q_l2,
-                                       use_qk_l2norm_in_kernel=k_l2)
+        op = context_parallel_aware(self._op(recurrent))
+        o, state = op(q, k, v, beta, initial_state=initial_state, output_final_state=use_cache,
+                      cu_seqlens=cu_seqlens, use_q_l2norm_in_kernel=q_l2, use_qk_l2norm_in_kernel=k_l2)
         if self.record_stats:
             k_seen = per_value_head(l2_normalize(k) if k_l2 else k, self.num_v_heads)
             self.stats = stiffness_stats(k_seen, beta, None, self.update_rule)

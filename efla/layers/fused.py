@@ -46,7 +46,7 @@ def _importable() -> bool:
                 swiglu_linear=swiglu_linear, CrossEntropyLoss=FusedCrossEntropyLoss,
                 LinearCrossEntropyLoss=FusedLinearCrossEntropyLoss,
             )
-        except Exception:  # no triton / no fla / a broken install: the PyTorch code serves
+        except Exception:  # noqa: BLE001  no triton / no fla / a broken install: the PyTorch code serves
             _kernels = False
     return _kernels is not False
 

@@ -240,9 +240,9 @@ class GatedEFLA(nn.Module):
         recurrent = self.mode == "recurrent" or (T == 1 and cu_seqlens is None)
         initial_state = last_state.get("recurrent_state") if last_state is not None else None
         euler = self.update_rule == "euler"
-        o, state = context_parallel_aware(self._op(recurrent))(q, k, v, g, beta, initial_state=initial_state, output_final_state=use_cache,
-                                       cu_seqlens=cu_seqlens, use_q_l2norm_in_kernel=True,
-                                       use_qk_l2norm_in_kernel=euler)
+        op = context_parallel_aware(self._op(recurrent))
+        o, state = op(q, k, v, g, beta, initial_state=initial_state, output_final_state=use_cache,
+                      cu_seqlens=cu_seqlens, use_q_l2norm_in_kernel=True, use_qk_l2norm_in_kernel=euler)
         if self.record_stats:
             k_seen = per_value_head(l2_normalize(k) if euler else k, self.num_v_heads)
             self.stats = stiffness_stats(k_seen, beta, g, self.update_rule)

@@ -27,8 +27,6 @@ uses raw keys). CUDA tensors go to the GPU backend when it is installed
 
 from __future__ import annotations
 
-import torch
-
 from .api import run as _run
 from .coefficients import efla_coefficient, gated_efla_coefficients
 from .normalize import l2_normalize

@@ -22,10 +22,10 @@ def _cuda_importable() -> bool:
     global _cuda_backend
     if _cuda_backend is None:
         try:
-            from . import cuda as backend  # noqa: PLC0415
+            from . import cuda as backend
 
             _cuda_backend = backend
-        except Exception:  # any failure (no triton, no fla, broken install) -> PyTorch path
+        except Exception:  # noqa: BLE001  any failure (no triton, no fla, broken install) -> PyTorch path
             _cuda_backend = False
     return _cuda_backend is not False
 
@@ -113,7 +113,7 @@ def _engines(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_st
         qc, kc, vc, a, w = (_to_padded(x, cu) for x in (qc, kc, vc, a, w))
         if gamma is not None:
             gamma = _to_padded(gamma, cu)
-    Bp, Tp = kc.shape[0], kc.shape[1]
+    Bp = kc.shape[0]
 
     if initial_state is None:
         h0 = torch.zeros(Bp * H, K, V, dtype=cdt, device=q.device)

@@ -15,8 +15,8 @@ and after each step the read-out ``o_t = S_t^T (scale q_t)``. The exact coeffici
 ``efla_coefficient`` and ``gated_efla_coefficients``. Each function here takes the arguments of
 the op of the same name in ``efla.ops`` (``recurrent_efla`` and so on: the keywords ``scale``,
 ``initial_state``, ``output_final_state``, ``cu_seqlens``, ``use_q_l2norm_in_kernel`` and
-``use_qk_l2norm_in_kernel``, and grouped value heads) and returns the same ``(o, final_state)``; they are slow (one Python step per token) and exist to be read and to be
-the tests' reference.
+``use_qk_l2norm_in_kernel``, and grouped value heads) and returns the same ``(o, final_state)``;
+they are slow (one Python step per token) and exist to be read and to be the tests' reference.
 """
 
 from __future__ import annotations

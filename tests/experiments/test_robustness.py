@@ -7,7 +7,6 @@ import pathlib
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from efla.cli import main
 from efla.data import find_mnist_dir, load_digits_sequences, load_mnist_sequences

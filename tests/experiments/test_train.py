@@ -83,7 +83,8 @@ def _cfg(corpus, tokenizer_dir, out, **kw) -> TrainConfig:
 def test_documents_packing_order_and_sharding(corpus, tokenizer_dir):
     docs = list(read_documents([str(corpus)]))
     assert len(docs) == 3 + 40  # 3 text files + 40 JSONL lines, directory expanded in sorted order
-    g = "header\r\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\r\nbody line\r\n*** END OF THE PROJECT GUTENBERG EBOOK X ***\r\nlicence"
+    g = ("header\r\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\r\nbody line\r\n"
+         "*** END OF THE PROJECT GUTENBERG EBOOK X ***\r\nlicence")
     assert strip_gutenberg(g.replace("\r\n", "\n")) == "body line\n"
 
     tokens = np.arange(1000, dtype=np.int32)

@@ -17,7 +17,8 @@ TINY32 = torch.finfo(torch.float32).tiny  # smallest normal float32
 
 def test_alpha_closed_form_float64():
     gen = torch.Generator().manual_seed(0)
-    k = torch.randn(3, 50, 4, 16, generator=gen, dtype=torch.float64) * torch.logspace(-4, 2, 50, dtype=torch.float64)[None, :, None, None]
+    scales = torch.logspace(-4, 2, 50, dtype=torch.float64)[None, :, None, None]
+    k = torch.randn(3, 50, 4, 16, generator=gen, dtype=torch.float64) * scales
     beta = torch.rand(3, 50, 4, generator=gen, dtype=torch.float64) * 3
     lam = (k * k).sum(-1)
     want = -torch.expm1(-beta * lam) / lam  # (1 - e^{-beta lambda}) / lambda without cancellation
@@ -57,7 +58,8 @@ def test_phi_value_and_gradient_across_scales(dtype):
 
 def test_alpha_gradient_matches_finite_differences():
     gen = torch.Generator().manual_seed(1)
-    k = (torch.randn(20, 6, generator=gen, dtype=torch.float64) * torch.logspace(-3, 1, 20, dtype=torch.float64)[:, None]).requires_grad_(True)
+    scales = torch.logspace(-3, 1, 20, dtype=torch.float64)[:, None]
+    k = (torch.randn(20, 6, generator=gen, dtype=torch.float64) * scales).requires_grad_(True)
     beta = (torch.rand(20, generator=gen, dtype=torch.float64) + 0.1).requires_grad_(True)
     assert torch.autograd.gradcheck(efla_coefficient, (beta, k))
 

@@ -104,7 +104,9 @@ def test_grouped_value_head_reads_its_query_key_head(rule):
     q, k, v, beta, g, h0 = inputs(rule, H=2, HV=6, seed=7)
     o, S = run(rule, q, k, v, beta, g, initial_state=h0)
     for i in range(6):  # value head i alone, with q/k head i // 3
-        one = lambda x: x[:, :, i:i + 1]  # noqa: E731
+        def one(x, i=i):
+            return x[:, :, i:i + 1]
+
         qk = [x[:, :, i // 3:i // 3 + 1] for x in (q, k)]
         oi, Si = run(rule, *qk, one(v), one(beta), one(g), initial_state=h0[:, i:i + 1])
         assert torch.equal(o[:, :, i:i + 1], oi) and torch.equal(S[:, i:i + 1], Si)

@@ -158,7 +158,7 @@ def load_checkpoint_state(path: str):
     Raises:
         CheckpointError: the file holds anything else (a crafted pickle, or an object that needs code).
     """
-    import pickle  # noqa: PLC0415
+    import pickle
 
     try:
         with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):  # RNG states of checkpoints before 0.1.1
@@ -177,7 +177,7 @@ _NUMPY_ARRAY_GLOBALS = [_NUMPY_CORE.multiarray._reconstruct, np.ndarray, np.dtyp
 def write_checkpoint(out: str, step: int, *, model_state: dict, optimizer_state: dict, scheduler_state: dict,
                      rng_states: list, trainer_state: dict, keep: int) -> str:
     """Writes ``out/checkpoints/step-<step>`` atomically and keeps only the newest ``keep`` checkpoints."""
-    from safetensors.torch import save_file  # noqa: PLC0415
+    from safetensors.torch import save_file
 
     root = os.path.join(out, "checkpoints")
     os.makedirs(root, exist_ok=True)

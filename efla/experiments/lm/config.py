@@ -106,7 +106,7 @@ def _check_ranges(cfg: TrainConfig) -> None:
 
 
 def _check_model_choice(cfg: TrainConfig) -> None:
-    from efla.models import EFLAConfig, get_preset_config  # noqa: PLC0415
+    from efla.models import EFLAConfig, get_preset_config
 
     if cfg.config_file:
         check.existing_file(cfg.config_file, "--config")
@@ -143,7 +143,7 @@ def _read_config_file(path: str) -> dict:
 
 
 def _check_paths(cfg: TrainConfig) -> None:
-    from efla.data.text import expand_paths  # noqa: PLC0415
+    from efla.data.text import expand_paths
 
     for paths, option in ((cfg.data, "--data"), (cfg.val_data, "--val-data")):
         try:

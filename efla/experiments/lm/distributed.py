@@ -61,7 +61,7 @@ def unwrap(model):
 
 def full_model_state(model, fsdp: bool) -> dict:
     if fsdp:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {k: v.detach().to("cpu") for k, v in unwrap(model).state_dict().items()}
@@ -69,7 +69,7 @@ def full_model_state(model, fsdp: bool) -> dict:
 
 def full_optim_state(model, optimizer, fsdp: bool) -> dict:
     if fsdp:
-        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+        from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_optimizer_state_dict,
         )

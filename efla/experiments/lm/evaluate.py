@@ -110,8 +110,8 @@ def check_model_dir(path: str, option: str = "--model") -> None:
 
 def load_model(path: str, device: str = "cpu", dtype: str = "float32"):
     """``(model, tokenizer)`` from a saved model directory (``import efla`` registers the model type)."""
-    import efla  # noqa: F401,PLC0415
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    import efla  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = _torch_dtype(dtype)
     tok = AutoTokenizer.from_pretrained(path)
@@ -232,7 +232,7 @@ def score_windows(model, ids: torch.Tensor, windows, batch_size: int = 8, device
             x = torch.stack([ids[b:e] for b, e, _ in ws]).to(device)
             keep = max(e - f for _, e, f in ws) + 1
             logits = model(input_ids=x, use_cache=False, logits_to_keep=keep).logits.float()
-            for j, (b, e, f) in enumerate(ws):
+            for j, (_, e, f) in enumerate(ws):
                 k = e - f
                 lg = logits[j, keep - k - 1: keep - 1]
                 nll[f:e] = F.cross_entropy(lg, ids[f:e].to(lg.device), reduction="none").double().cpu()
@@ -363,7 +363,7 @@ def evaluate_lambada(model, tokenizer, texts: list[str], max_length: int = 1024,
 
 def _require_lm_eval():
     try:
-        import lm_eval  # noqa: F401,PLC0415
+        import lm_eval  # noqa: F401
     except ImportError as e:
         raise ImportError("lm-evaluation-harness is not installed: pip install 'efla[eval]' (or pip install lm-eval)") from e
 
@@ -406,9 +406,9 @@ def harness_evaluate(model, tokenizer, tasks: list[str], include_path: str | Non
     ``tokenizer`` (instances, not paths). ``include_path``: a folder of extra task YAMLs.
     Returns ``{task: {metric: value}}`` (lm-eval's ``results`` with ``",none"`` filter suffixes removed)."""
     _require_lm_eval()
-    from lm_eval import simple_evaluate  # noqa: PLC0415
-    from lm_eval.models.huggingface import HFLM  # noqa: PLC0415
-    from lm_eval.tasks import TaskManager  # noqa: PLC0415
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length, device=device)
     tm = TaskManager(include_path=include_path) if include_path else TaskManager()
@@ -474,7 +474,7 @@ def evaluate_model(path: str, opts: EvalOptions, progress_factory=None, model=No
         if "lambada_openai_local" in tasks and not include:
             if not opts.lambada:
                 raise ValueError("--harness lambada_openai_local needs --lambada FILE")
-            import tempfile  # noqa: PLC0415
+            import tempfile
 
             include = write_lambada_task(opts.lambada, tempfile.mkdtemp(prefix="efla-lm-eval-"))
         rec["harness"] = harness_evaluate(model, tokenizer, tasks, include_path=include,
@@ -703,8 +703,8 @@ def write_text(path: str, text: str) -> None:
 def _lm_eval_cli() -> None:  # pragma: no cover - thin wrapper
     """lm-eval's command line with the ``efla`` model type registered (``import efla``)."""
     _require_lm_eval()
-    import efla  # noqa: F401,PLC0415
-    from lm_eval.__main__ import cli_evaluate  # noqa: PLC0415
+    import efla  # noqa: F401
+    from lm_eval.__main__ import cli_evaluate
 
     cli_evaluate()
 

@@ -60,10 +60,10 @@ def _csv_rows(rows: list[dict]):
 
 
 def plot_loss_curves(rows: list[dict], title: str, path: str) -> None:
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in rows:

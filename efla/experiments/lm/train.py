@@ -155,7 +155,7 @@ def _size_of(preset: str | None) -> str:
 
 
 def _model_config(cfg: TrainConfig, tok, eos_id: int):
-    from efla.models import EFLAConfig, get_preset_config  # noqa: PLC0415
+    from efla.models import EFLAConfig, get_preset_config
 
     ids = dict(vocab_size=len(tok), eos_token_id=eos_id,
                bos_token_id=getattr(tok, "bos_token_id", None), pad_token_id=getattr(tok, "pad_token_id", None))
@@ -201,8 +201,8 @@ def _resolve(cfg: TrainConfig, dist: Dist) -> dict:
 
 
 def _prepare_tokenizer(cfg: TrainConfig, dist: Dist, resuming: bool):
-    from efla.data.text import read_documents  # noqa: PLC0415
-    from efla.data.tokenizer import get_tokenizer, load_tokenizer  # noqa: PLC0415
+    from efla.data.text import read_documents
+    from efla.data.tokenizer import get_tokenizer, load_tokenizer
 
     have = os.path.exists(os.path.join(cfg.out, "tokenizer_config.json"))
     if not (resuming and have) and dist.main:
@@ -220,7 +220,7 @@ def _prepare_tokenizer(cfg: TrainConfig, dist: Dist, resuming: bool):
 
 
 def _load_data(cfg: TrainConfig, r: dict, tok, eos_id: int, dist: Dist):
-    from efla.data.text import load_token_stream, split_train_val  # noqa: PLC0415
+    from efla.data.text import load_token_stream, split_train_val
 
     cache = cfg.cache_dir or os.path.join(cfg.out, "cache")
     # rank 0 tokenizes (and fills the cache) first; the others then read the cache
@@ -237,7 +237,7 @@ def _load_data(cfg: TrainConfig, r: dict, tok, eos_id: int, dist: Dist):
 
 
 def _evaluate(model, val, r: dict, dist: Dist, eos_id: int, varlen: bool, autocast) -> float | None:
-    from efla.data.text import count_targets, make_batch  # noqa: PLC0415
+    from efla.data.text import count_targets, make_batch
 
     if val is None or len(val) == 0:
         return None
@@ -273,7 +273,7 @@ def _evaluate(model, val, r: dict, dist: Dist, eos_id: int, varlen: bool, autoca
 
 
 def _check_text(cfg: TrainConfig, dist: Dist) -> None:
-    from efla.data.text import check_text_files  # noqa: PLC0415
+    from efla.data.text import check_text_files
 
     def warn(message: str) -> None:
         if dist.main:
@@ -340,7 +340,7 @@ def _claim_and_choose_start(cfg: TrainConfig, dist: Dist):
 
 
 def _undo_claim(out: str, lock, existed: bool) -> None:
-    from ..run_dir import LOCK_NAME  # noqa: PLC0415
+    from ..run_dir import LOCK_NAME
 
     if lock is None:
         return
@@ -388,7 +388,7 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
         torch.cuda.set_device(device)
     cp = None
     if cfg.context_parallel > 1:
-        from efla.distributed import setup_context_parallel  # noqa: PLC0415
+        from efla.distributed import setup_context_parallel
 
         cp = setup_context_parallel(cfg.context_parallel, fsdp=cfg.fsdp, grad_checkpointing=cfg.grad_checkpointing)
     r = _resolve(cfg, dist)
@@ -471,8 +471,8 @@ def _read_saved_schedule(run: _Session) -> None:
 
 
 def _load_tokenizer_and_data(run: _Session) -> None:
-    from efla.data.text import SequenceOrder  # noqa: PLC0415
-    from efla.data.tokenizer import tokenizer_eos_id  # noqa: PLC0415
+    from efla.data.text import SequenceOrder
+    from efla.data.tokenizer import tokenizer_eos_id
 
     run.tok = _prepare_tokenizer(run.cfg, run.dist, resuming=run.ckpt is not None)
     run.eos_id = tokenizer_eos_id(run.tok)
@@ -486,7 +486,7 @@ def _load_tokenizer_and_data(run: _Session) -> None:
 
 
 def _build_model(run: _Session) -> None:
-    from efla.models import EFLAForCausalLM  # noqa: PLC0415
+    from efla.models import EFLAForCausalLM
 
     cfg = run.cfg
     torch.manual_seed(cfg.seed)
@@ -495,7 +495,7 @@ def _build_model(run: _Session) -> None:
     run.mconf = _model_config(cfg, run.tok, run.eos_id)
     run.model = EFLAForCausalLM(run.mconf)
     if run.ckpt is not None:
-        from safetensors.torch import load_file  # noqa: PLC0415
+        from safetensors.torch import load_file
 
         run.model.load_state_dict(load_file(os.path.join(run.ckpt, "model.safetensors")))
     run.model.to(run.device).train()
@@ -509,7 +509,7 @@ def _wrap_for_parallel_training(run: _Session) -> None:
     if run.cfg.fsdp:
         if not run.dist.enabled:
             raise ValueError("fsdp: needs torchrun (WORLD_SIZE > 1)")
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if run.precision == "bf16" else MixedPrecisionPolicy()
@@ -518,7 +518,7 @@ def _wrap_for_parallel_training(run: _Session) -> None:
         fully_shard(model, mp_policy=mp)
         run.wrapped = model
     elif run.dist.enabled:
-        from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
         run.wrapped = DDP(model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
     else:
@@ -538,7 +538,7 @@ def _restore_checkpoint(run: _Session) -> None:
     ckpt, state = run.ckpt, run.saved
     osd = load_checkpoint_state(os.path.join(ckpt, "optimizer.pt"))
     if run.cfg.fsdp:
-        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+        from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_optimizer_state_dict,
         )
@@ -600,7 +600,7 @@ def _train_loop(run: _Session, on_step_end) -> _Progress:
     if run.dist.main and cfg.progress:
         bar = harness.progress_factory(leave=True, unit="step")(
             r["max_steps"], f"train {os.path.basename(cfg.out.rstrip('/'))}", initial=run.start_step)
-    log_f = open(os.path.join(cfg.out, "log.jsonl"), "a") if run.dist.main else None  # noqa: SIM115
+    log_f = open(os.path.join(cfg.out, "log.jsonl"), "a") if run.dist.main else None
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
     try:
@@ -654,8 +654,8 @@ def _train_step(run: _Session, progress: _Progress, log_f, bar) -> dict:
 def _forward_backward(run: _Session, step: int) -> tuple[float, str | None]:
     """Forward and backward over this rank's share of the global batch of ``step``, accumulated over
     micro-batches. Returns the global mean loss and, if the ops refused a non-finite value, why."""
-    from efla.data.text import count_targets, make_batch, rank_slice  # noqa: PLC0415
-    from efla.distributed import context_parallel_lm_loss  # noqa: PLC0415
+    from efla.data.text import count_targets, make_batch, rank_slice
+    from efla.distributed import context_parallel_lm_loss
 
     cfg, r, dist, cp = run.cfg, run.r, run.dist, run.cp
     G, L = r["global_seqs"], r["seq_len"]

@@ -114,8 +114,8 @@ def summary_markdown(results: dict, agg: dict, command: str) -> str:
         wins = [t for t in tasks if t in agg[a] and t in agg[b] and agg[a][t]["score"] > agg[b][t]["score"]]
         losses = [t for t in tasks if t in agg[a] and t in agg[b] and agg[a][t]["score"] < agg[b][t]["score"]]
         ties = [t for t in tasks if t in agg[a] and t in agg[b] and agg[a][t]["score"] == agg[b][t]["score"]]
-        fmt = lambda ts: ", ".join(f"{TASK_LABEL[t]} ({100 * (agg[a][t]['score'] - agg[b][t]['score']):+.1f})"  # noqa: E731
-                                   for t in ts) or "none"
+        def fmt(ts, a=a, b=b):
+            return ", ".join(f"{TASK_LABEL[t]} ({100 * (agg[a][t]['score'] - agg[b][t]['score']):+.1f})" for t in ts) or "none"
         lines += [f"- {label(a)} above {label(b)}: {fmt(wins)}.",
                   f"- {label(a)} below {label(b)}: {fmt(losses)}.",
                   f"- equal: {', '.join(TASK_LABEL[t] for t in ties) or 'none'}.", ""]
@@ -161,10 +161,10 @@ def summary_markdown(results: dict, agg: dict, command: str) -> str:
 
 
 def plot_scores(agg: dict, path: str, title: str) -> None:
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     rules = [r for r in RULES if r in agg]
     tasks = _tasks_in(agg)

@@ -74,10 +74,10 @@ def _title(results) -> str:
 
 
 def plot_robustness(results: dict, agg: dict, out_dir: str) -> list[str]:
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     written = []
     for setting, by_rule in agg.items():
@@ -187,10 +187,10 @@ def lr_sweep_table(results: dict) -> harness.Table:
 
 
 def plot_lr_sweep(results: dict, path: str) -> None:
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for rule, by_lr in _lr_sweep_means(results).items():

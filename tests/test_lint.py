@@ -1,0 +1,16 @@
+"""The code passes the linter configured in pyproject.toml ([tool.ruff])."""
+
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff not installed (it is in the test extra)")
+def test_ruff_check_is_clean():
+    result = subprocess.run(["ruff", "check", "--no-cache", "efla", "tests", "benchmarks", "scripts"],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
