@@ -1,4 +1,4 @@
-"""GPU check of `efla convert` (issue 9): fla's own DeltaNet / Gated DeltaNet vs the converted efla
+"""GPU check of `efla convert`: fla's own DeltaNet / Gated DeltaNet vs the converted efla
 model (update_rule="euler"), same weights, logits on CUDA. Needs flash-linear-attention.
 
 Two kinds of checkpoints:

@@ -1,4 +1,4 @@
-"""GPU fast path of efla.ops (issue 4): correctness against the CPU float64 reference, then timings.
+"""GPU fast path of efla.ops: correctness against the CPU float64 reference, then timings.
 
 One device call runs everything:
 
@@ -10,7 +10,7 @@ One device call runs everything:
 2. timings (``triton.testing.do_bench`` medians, methods measured alternately, median over rounds)
    of fwd and fwd+bwd for EFLA, Gated EFLA and, when flash-linear-attention is installed, its
    DeltaNet (``chunk_delta_rule(..., use_qk_l2norm_in_kernel=True)``) and Gated DeltaNet on the
-   same inputs, at the six [B, T, H] shapes of issue 4 (K = V = 128, bf16); a decoding step at
+   same inputs, at the six [B, T, H] shapes of the model benchmarks (K = V = 128, bf16); a decoding step at
    B = 32; and the model-level fwd+bwd tokens/s of the 340M preset stacks (exact vs euler).
 
 Usage (on the GPU machine): ``python benchmarks/gpu_ops.py [--quick] [--out DIR]``.
@@ -355,7 +355,7 @@ def main():
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--shapes", default=None,
-                    help="chunk-timing shapes 'B,T,H;B,T,H' (default: the six of issue 4)")
+                    help="chunk-timing shapes 'B,T,H;B,T,H' (default: the six [B, T, H] shapes)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick-correctness", action="store_true", help="one non-varlen case at H=16")
     ap.add_argument("--rules", default="efla,gated_efla,delta_rule,gated_delta_rule")

@@ -1,4 +1,4 @@
-"""The exact-vs-Euler one-step picture (efla.md §1), computed through the ops."""
+"""The exact-vs-Euler one-step picture, computed through the ops."""
 
 from __future__ import annotations
 

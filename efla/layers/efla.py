@@ -2,7 +2,7 @@
 
 Architecture and parameter names follow flash-linear-attention's ``DeltaNet`` layer, so its
 checkpoints load one-to-one; ``update_rule`` only changes how ``q``/``k`` are normalised and
-which op integrates the state (docs/efla.md §1).
+which op integrates the state.
 """
 
 from __future__ import annotations

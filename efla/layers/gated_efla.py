@@ -2,7 +2,7 @@
 
 Architecture and parameter names follow flash-linear-attention's ``GatedDeltaNet`` layer
 (``a_proj``, ``A_log``, ``dt_bias``, ``b_proj``, short convolutions, gated output norm), so its
-checkpoints load one-to-one (docs/efla.md §2).
+checkpoints load one-to-one.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class GatedEFLA(nn.Module):
     Log gate ``g_t = -exp(A_log) * softplus(a_proj(x_t) + dt_bias) <= 0`` per value head, gate
     ``a_t = exp(g_t)``, ``beta_t = sigmoid(b_proj(x_t))``, ``lambda_t = ||k_t||^2``:
 
-    - ``update_rule="exact"``: the exact flow of Gated DeltaNet's ODE (efla.md §2),
+    - ``update_rule="exact"``: the exact flow of Gated DeltaNet's ODE,
       ``S_t = e^{-delta} (I - c_t k k^T) S_{t-1} + beta (1 - e^{-eta}) / eta k v^T`` with
       ``delta = 1 - a``, ``c = (1 - e^{-a beta lambda}) / lambda``, ``eta = delta + a beta lambda``;
       queries L2-normalised, keys raw.

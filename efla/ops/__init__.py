@@ -12,7 +12,7 @@ op                            recurrence per head (``lambda = ||k||^2``)
 ============================  =========================================================
 ``*_efla``                    ``S = (I - alpha k k^T) S + alpha k v^T``, exact flow,
                               ``alpha = (1 - exp(-beta lambda)) / lambda``
-``*_gated_efla``              exact flow of Gated DeltaNet (efla.md §2)
+``*_gated_efla``              exact flow of Gated DeltaNet
 ``*_delta_rule``              DeltaNet (Euler): ``S = (I - beta k k^T) S + beta k v^T``
 ``*_gated_delta_rule``        Gated DeltaNet: ``S = e^g (I - beta k k^T) S + beta k v^T``
 ============================  =========================================================

@@ -1,4 +1,4 @@
-"""Chunkwise WY/UT form of the generic recurrence (efla.md §1), pure PyTorch, any device.
+"""Chunkwise WY/UT form of the generic recurrence, pure PyTorch, any device.
 
 Per chunk of C tokens with in-chunk cumulative log-decay ``G_t`` (``Gam_t = exp(G_t)``) and
 start state ``S``, the corrections ``r_t`` of ``recurrent.py`` solve a unit lower-triangular

@@ -1,4 +1,4 @@
-"""Language-model training (issue 7): data packing, the training loop, checkpoints, resume,
+"""Language-model training: data packing, the training loop, checkpoints, resume,
 torchrun/DDP, and the self-contained model directory. Tiny sizes, one thread, CPU only, no network."""
 
 from __future__ import annotations

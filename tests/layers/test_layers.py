@@ -103,7 +103,7 @@ def test_bad_arguments():
         layer(torch.randn(2, 5, D), past_key_values=object(), use_cache=True)
 
 
-# -- acceptance 5: only update_rule changes, and exactly as the ops predict ---------------------------
+# -- only update_rule changes, and exactly as the ops predict ---------------------------
 
 def _manual_features(layer, x):
     """q, k (raw, after conv + SiLU), v, beta, g from the weights, independently of the layer code."""

@@ -1,4 +1,4 @@
-"""EFLAForCausalLM: incremental decoding, generate, left padding, packed input (acceptance 1)."""
+"""EFLAForCausalLM: incremental decoding, generate, left padding, packed input."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Presets and parameter counts (acceptance 3). Large models are built on the meta device."""
+"""Presets and parameter counts. Large models are built on the meta device."""
 
 import pytest
 import torch

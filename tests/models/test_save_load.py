@@ -1,4 +1,4 @@
-"""save_pretrained / Auto* reload: safetensors only, identical logits, no pickle (acceptance 2)."""
+"""save_pretrained / Auto* reload: safetensors only, identical logits, no pickle."""
 
 import pickle
 

@@ -1,4 +1,4 @@
-"""Training on the tiny preset (acceptance 4): finite loss and gradients, and it learns."""
+"""Training on the tiny preset: finite loss and gradients, and it learns."""
 
 import math
 

@@ -6,7 +6,7 @@ S_new = E11 S + E12 where E = matrix_exp(h M). This uses nothing from ``efla.ops
 ``efla.ops.naive`` (the tests' reference for every rule) and, for stiff inputs, the ops directly.
 
 - EFLA:        A = k k^T,                     b = k v^T,      h = beta
-- Gated EFLA:  A = (1 - e^g) I + e^g beta k k^T, b = beta k v^T, h = 1   (efla.md §2)
+- Gated EFLA:  A = (1 - e^g) I + e^g beta k k^T, b = beta k v^T, h = 1
 
 Grouped values (``v [B, T, HV, V]``, ``HV`` a multiple of the ``H`` q/k heads): value head ``i``
 runs the recurrence above with query/key head ``i // (HV // H)``.

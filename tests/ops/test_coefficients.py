@@ -1,4 +1,4 @@
-"""The exact-flow coefficient and the paper's one-step picture (efla.md §1)."""
+"""The exact-flow coefficient and the paper's one-step picture."""
 
 from __future__ import annotations
 

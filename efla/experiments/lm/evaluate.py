@@ -67,7 +67,7 @@ __all__ = [
 
 LN2 = math.log(2.0)
 
-# The paper's Table 1 (efla.md §3): SlimPajama, Mistral tokenizer. "wiki_ppl" is lm-eval's WikiText
+# The paper's Table 1: SlimPajama, Mistral tokenizer. "wiki_ppl" is lm-eval's WikiText
 # word perplexity; "avg" averages the zero-shot accuracies (PIQA, HellaSwag, WinoGrande, ARC-e, ARC-c,
 # BoolQ, OBQA, SciQ).
 PAPER_TABLE1 = [

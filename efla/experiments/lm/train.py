@@ -1,4 +1,4 @@
-"""Language-model training (efla.md §3 recipe): one process on a CPU to many GPUs under torchrun.
+"""Language-model training (the paper's recipe): one process on a CPU to many GPUs under torchrun.
 
 :func:`train` is the whole loop; ``efla train`` (efla/commands/train.py) only parses arguments.
 

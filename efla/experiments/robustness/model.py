@@ -1,4 +1,4 @@
-"""Pixel-sequence robustness (efla.md §3, paper Fig. 1) and the learning-rate sweep (Fig. 2).
+"""Pixel-sequence robustness (paper Fig. 1) and the learning-rate sweep (Fig. 2).
 
 The classifier is the paper's one-layer linear-attention model: pixel -> Linear(1, d) + learned
 position embedding -> GELU -> q, k, v projections and ``beta = sigmoid(Linear(d, H))`` (bias -2)

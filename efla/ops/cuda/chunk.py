@@ -11,8 +11,8 @@ autograd Functions below and under ``torch.compile`` through the custom ops of `
 
 Gated backward: fla's ``chunk_gated_delta_rule`` refuses to run its backward on Hopper with
 Triton in [3.4.0, 3.7.1) because one kernel (``chunk_bwd_dqkwg`` with a gate) is miscompiled
-there (fla issue #640: a transpose of a matrix-unit result). We therefore compose the gated
-backward from fla's other stages and our own ``gated_dqkwg_kernel`` for that stage.
+there (a transpose of a matrix-unit result). We therefore compose the gated backward from fla's
+other stages and our own ``gated_dqkwg_kernel`` for that stage.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 * ``recurrent_kernel``: fused per-token scan for decoding / inference, all four rules, the
   coefficient computed in-kernel, state kept in registers.
 
-Math (efla.md §1-2), with ``phi(x) = (1 - e^-x)/x`` and ``lambda = ||k||^2``:
+Math, with ``phi(x) = (1 - e^-x)/x`` and ``lambda = ||k||^2``:
 EFLA ``alpha = beta phi(beta lambda)``; Gated EFLA with ``a = e^g``, ``rho = a beta``,
 ``x1 = rho lambda``: decay log ``expm1(g)``, erase ``c = rho phi(x1)``, write
 ``w = beta phi(eta)`` with ``eta = -expm1(g) + x1``.
