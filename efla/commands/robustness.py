@@ -35,6 +35,8 @@ def _add_pixel_args(p, default_out):
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--num-heads", type=int, default=1)
+    p.add_argument("--authors-model", action="store_true",
+                   help="the authors' model: no bias on the pixel projection, xavier-uniform q/k/v weights")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default: 0)")
     p.add_argument("--train-limit", type=int, default=None, help="use only the first N training examples")
     p.add_argument("--test-limit", type=int, default=None, help="use only the first N test examples")
@@ -83,7 +85,8 @@ def _prepare(args):
     opts = RobustnessOptions.for_data(
         data.name, quick=args.quick, epochs=args.epochs, seeds=args.seeds, train_limit=args.train_limit,
         test_limit=args.test_limit, rules=args.rules, lr=args.lr, paper_lr=getattr(args, "paper_lr", False),
-        batch_size=args.batch_size, width=args.width, num_heads=args.num_heads, device=args.device)
+        batch_size=args.batch_size, width=args.width, num_heads=args.num_heads, authors_model=args.authors_model,
+        device=args.device)
     return console, data, opts
 
 

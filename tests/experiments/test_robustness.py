@@ -77,6 +77,16 @@ def test_mnist_loader_rejects_missing_folder(tmp_path):
         load_mnist_sequences(tmp_path)
 
 
+def test_authors_model_has_no_input_bias_and_xavier_projections():
+    torch.manual_seed(0)
+    ours, theirs = PixelSequenceClassifier(width=64), PixelSequenceClassifier(width=64, authors_model=True)
+    assert ours.inp.bias is not None and theirs.inp.bias is None
+    xavier_bound, default_bound = (6 / 128) ** 0.5, 1 / 64 ** 0.5
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert getattr(ours, name).weight.abs().max() <= default_bound
+        assert default_bound < getattr(theirs, name).weight.abs().max() <= xavier_bound
+
+
 def test_training_learns_on_digits():
     from efla.experiments.robustness.model import TrainConfig, evaluate, train_classifier
 
@@ -102,8 +112,9 @@ def test_robustness_and_lr_sweep_commands_tiny(tmp_path):
         assert (out / name).stat().st_size > 100, name
     assert "EFLA" in (out / "summary.md").read_text()
     out2 = tmp_path / "lr"
-    assert main(["lr-sweep", "--quick", "--out", str(out2), *args]) == 0
+    assert main(["lr-sweep", "--quick", "--authors-model", "--out", str(out2), *args]) == 0
     sweep = json.loads((out2 / "lr_sweep.json").read_text())
+    assert sweep["options"]["authors_model"] is True and res["options"]["authors_model"] is False
     assert sorted({r["lr"] for r in sweep["rows"]}) == [1e-3, 1e-2]
     for name in ["lr_sweep.csv", "lr_sweep.png", "lr_sweep.md"]:
         assert (out2 / name).stat().st_size > 100, name

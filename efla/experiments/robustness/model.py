@@ -33,18 +33,22 @@ class PixelSequenceClassifier(nn.Module):
     """One-layer (gated) delta-rule classifier over a sequence of scalar pixels."""
 
     def __init__(self, rule: str = "exact", seq_len: int = 784, width: int = 64, num_heads: int = 1,
-                 num_classes: int = 10):
+                 num_classes: int = 10, authors_model: bool = False):
         super().__init__()
         if rule not in RULES:
             raise ValueError(f"rule: expected one of {RULES}, got {rule!r}")
         if width % num_heads:
             raise ValueError(f"num_heads: must divide width {width}, got {num_heads}")
         self.rule, self.seq_len, self.width, self.num_heads = rule, seq_len, width, num_heads
-        self.inp = nn.Linear(1, width)
+        # the authors' script: no bias on the pixel projection, xavier-uniform q/k/v weights
+        self.inp = nn.Linear(1, width, bias=not authors_model)
         self.pos = nn.Parameter(torch.randn(seq_len, width) * 0.02)
         self.q_proj = nn.Linear(width, width, bias=False)
         self.k_proj = nn.Linear(width, width, bias=False)
         self.v_proj = nn.Linear(width, width, bias=False)
+        if authors_model:
+            for proj in (self.q_proj, self.k_proj, self.v_proj):
+                nn.init.xavier_uniform_(proj.weight)
         self.b_proj = nn.Linear(width, num_heads)
         nn.init.constant_(self.b_proj.bias, -2.0)
         self.gated = Variant.parse(rule).gated
@@ -123,6 +127,7 @@ class TrainConfig:
     seed: int = 0
     width: int = 64
     num_heads: int = 1
+    authors_model: bool = False  # the authors' initialisation (see PixelSequenceClassifier)
     train_limit: int | None = None  # use only the first N training examples
     device: str = "cpu"
 
@@ -140,7 +145,8 @@ def train_classifier(data, cfg: TrainConfig, progress=None):
     """Train one classifier; returns (model, TrainResult). ``progress(n)`` is called per step."""
     torch.manual_seed(cfg.seed)
     dev = torch.device(cfg.device)
-    model = PixelSequenceClassifier(cfg.rule, data.seq_len, cfg.width, cfg.num_heads).to(dev)
+    model = PixelSequenceClassifier(cfg.rule, data.seq_len, cfg.width, cfg.num_heads,
+                                    authors_model=cfg.authors_model).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     x_all, y_all = data.x_train, data.y_train
     if cfg.train_limit:

@@ -34,6 +34,7 @@ class RobustnessOptions:
     batch_size: int = 128
     width: int = 64
     num_heads: int = 1
+    authors_model: bool = False
     quick: bool = False
     train_limit: int | None = None
     test_limit: int | None = None
@@ -76,8 +77,8 @@ def run_robustness(data, opts: RobustnessOptions, progress_factory=None) -> dict
         for rule in opts.rules:
             for seed in opts.seeds:
                 cfg = TrainConfig(rule=rule, lr=lrs[rule], epochs=opts.epochs, batch_size=opts.batch_size, seed=seed,
-                                  width=opts.width, num_heads=opts.num_heads, train_limit=opts.train_limit,
-                                  device=opts.device)
+                                  width=opts.width, num_heads=opts.num_heads, authors_model=opts.authors_model,
+                                  train_limit=opts.train_limit, device=opts.device)
                 desc = f"{setting} {label(rule)} lr={lrs[rule]:g} seed={seed}"
                 bar = progress_factory(total=steps_per_run, desc="train " + desc) if progress_factory else None
                 model, tr = train_classifier(data, cfg, progress=bar.update if bar else None)
@@ -105,8 +106,8 @@ def run_lr_sweep(data, opts: RobustnessOptions, lrs=None, progress_factory=None)
         for lr in lrs:
             for seed in opts.seeds:
                 cfg = TrainConfig(rule=rule, lr=lr, epochs=opts.epochs, batch_size=opts.batch_size, seed=seed,
-                                  width=opts.width, num_heads=opts.num_heads, train_limit=opts.train_limit,
-                                  device=opts.device)
+                                  width=opts.width, num_heads=opts.num_heads, authors_model=opts.authors_model,
+                                  train_limit=opts.train_limit, device=opts.device)
                 bar = progress_factory(total=steps, desc=f"lr-sweep {label(rule)} lr={lr:g} seed={seed}") \
                     if progress_factory else None
                 model, tr = train_classifier(data, cfg, progress=bar.update if bar else None)
