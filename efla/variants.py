@@ -27,6 +27,16 @@ class Variant:
         """Experiment key: "exact", "euler", "gated-exact", "gated-euler"."""
         return ("gated-" if self.gated else "") + self.update_rule
 
+    @property
+    def model_name(self) -> str:
+        """A model config's variant: "efla", "deltanet", "gated_efla", "gated_deltanet"."""
+        return self.preset_suffix.replace("-", "_")
+
+    @property
+    def euler_counterpart(self) -> Variant:
+        """The Euler rule this one is compared with (itself for the Euler rules)."""
+        return Variant.of("euler", self.gated)
+
     def spellings(self) -> set[str]:
         names = {self.key, self.op_name, self.preset_suffix, self.op_name.replace("_", "-")}
         return {n.lower() for n in names}
@@ -50,6 +60,7 @@ EULER = Variant(False, False, "delta_rule", "deltanet", "DeltaNet", "tab:blue")
 GATED_EFLA = Variant(True, True, "gated_efla", "gated-efla", "Gated EFLA", "tab:orange")
 GATED_EULER = Variant(False, True, "gated_delta_rule", "gated-deltanet", "Gated DeltaNet", "tab:cyan")
 VARIANTS = (EFLA, EULER, GATED_EFLA, GATED_EULER)
+EXPERIMENT_KEYS = tuple(v.key for v in VARIANTS)  # "exact", "euler", "gated-exact", "gated-euler"
 
 
 def label(name: str, default: str | None = None) -> str:

@@ -2,7 +2,7 @@
 # Waits (at most WAIT seconds) for a background device visit to finish, then packs its results into
 # $OUT/results.tar.gz, so every call brings back what is done so far. Start a visit in its own session
 # so that it outlives the call that started it:
-#   setsid nohup bash scripts/device_two_gpus.sh > /tmp/visit.log 2>&1 < /dev/null &
+#   setsid nohup bash scripts/device_model_speed_and_distributed.sh > /tmp/visit.log 2>&1 < /dev/null &
 #   WAIT=560 bash scripts/device_collect.sh      # in this call and, for a long visit, in the next
 RESULTS=${RESULTS:-/tmp/results}
 WAIT=${WAIT:-560}

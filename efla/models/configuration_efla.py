@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from ..variants import Variant
 from .hybrid import parse_attn_spec
 
 __all__ = ["EFLAConfig"]
@@ -188,5 +189,4 @@ class EFLAConfig(PretrainedConfig):
     @property
     def variant(self) -> str:
         """``"efla"``, ``"gated_efla"``, ``"deltanet"`` or ``"gated_deltanet"``."""
-        base = "efla" if self.update_rule == "exact" else "deltanet"
-        return f"gated_{base}" if self.gated else base
+        return Variant.of(self.update_rule, self.gated).model_name

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from efla.data.eval_text import load_lambada, load_text
-from efla.variants import label
+from efla.variants import VARIANTS, label
 
 from .. import harness
 
@@ -81,8 +81,8 @@ PAPER_TABLE1 = [
     dict(scale="1.3B / 50B tokens", model="EFLA", wiki_ppl=18.30, lambada_ppl=16.54, lambada_acc=43.2, avg=51.8),
 ]
 
-VARIANT_ORDER = ["deltanet", "efla", "gated_deltanet", "gated_efla"]
-PAIRS = [("efla", "deltanet"), ("gated_efla", "gated_deltanet")]
+VARIANT_ORDER = [v.model_name for v in sorted(VARIANTS, key=lambda v: (v.gated, v.exact))]
+PAIRS = [(v.model_name, v.euler_counterpart.model_name) for v in VARIANTS if v.exact]
 
 
 # ----------------------------------------------------------------------------- data and models

@@ -34,9 +34,9 @@ import torch.nn.functional as F
 
 from efla.data.mad_tasks import IGNORE, MADSetting, make_dataset
 from efla.layers import EFLA, GatedEFLA, GatedMLP, RMSNorm
-from efla.variants import Variant
+from efla.variants import EXPERIMENT_KEYS, Variant
 
-RULES = ("exact", "euler", "gated-exact", "gated-euler")
+RULES = EXPERIMENT_KEYS
 EARLY_STOP = 0.999
 
 

@@ -9,7 +9,7 @@ import os
 import statistics
 
 from efla.data.mad_tasks import TASK_LABEL, TASKS
-from efla.variants import colour, label
+from efla.variants import VARIANTS, Variant, colour, label
 
 from .. import harness
 from .model import RULES
@@ -51,7 +51,8 @@ def aggregate(runs: list[dict]) -> dict:
 
 
 def _pairs(rules) -> list[tuple[str, str]]:
-    return [(a, b) for a, b in (("exact", "euler"), ("gated-exact", "gated-euler")) if a in rules and b in rules]
+    pairs = [(v.key, v.euler_counterpart.key) for v in VARIANTS if v.exact]
+    return [(a, b) for a, b in pairs if a in rules and b in rules]
 
 
 def _tasks_in(agg: dict) -> list[str]:
@@ -174,7 +175,7 @@ def plot_scores(agg: dict, path: str, title: str) -> None:
         if r in rules:
             series.append((f"{label(r)} (paper)", [PAPER[t][r] for t in tasks] + [PAPER_AVERAGE[r]],
                            colour(r), 0.35, "//"))
-    for r in sorted(rules, key=lambda r: ("euler", "exact", "gated-euler", "gated-exact").index(r)):
+    for r in sorted(rules, key=lambda r: (Variant.parse(r).gated, Variant.parse(r).exact)):
         series.append((f"{label(r)} (ours)", [100 * agg[r][t]["score"] if t in agg[r] else float("nan")
                                                   for t in tasks] + [100 * agg[r]["average"]], colour(r), 1.0, None))
     n = len(series)

@@ -18,10 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from efla import ops
-from efla.variants import Variant
+from efla.variants import EXPERIMENT_KEYS, VARIANTS, Variant
 
-RULES = ("exact", "euler", "gated-exact", "gated-euler")
-PAPER_LR = {"exact": 3e-3, "euler": 1e-3, "gated-exact": 3e-3, "gated-euler": 1e-3}  # authors' script
+RULES = EXPERIMENT_KEYS
+PAPER_LR = {v.key: 3e-3 if v.exact else 1e-3 for v in VARIANTS}  # the authors' script
 
 
 def _op(rule: str, mode: str):

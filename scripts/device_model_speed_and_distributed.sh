@@ -9,7 +9,7 @@
 # Carry: .whl (fla wheels) and .devdata (text/: a few Gutenberg books, tok/: a 32k BPE tokenizer
 # trained on them, gutenberg_ids.npy). Results: $RESULTS/<run>/ (log.jsonl, train_summary.json,
 # train_args.json, console logs) and $RESULTS/<benchmark>/; scripts/device_collect.sh packs them.
-#   PHASES="single two" bash scripts/device_two_gpus.sh     (PHASES=single also runs on one GPU)
+#   PHASES="single two" bash scripts/device_model_speed_and_distributed.sh     (PHASES=single also runs on one GPU)
 set -uo pipefail
 RESULTS=${RESULTS:-/tmp/results}
 WORK=${WORK:-/tmp/work}
