@@ -266,7 +266,7 @@ _SCRIPT = textwrap.dedent(
     prepare_interpreter()
     import efla.ops as ops
     from efla.ops.api import expand_query_key_heads
-    from efla.ops.cuda import chunk as C
+    from efla.ops.cuda import custom_ops as C
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
     gen = torch.Generator().manual_seed(0)
     B, T, H, HV, K, V = 1, 70, 2, 4, 16, 16
