@@ -197,6 +197,7 @@ def test_demo_estimates_the_time_left_from_finished_parts():
     from efla.experiments.demo import PART_SHARE, remaining_seconds
 
     assert sum(PART_SHARE.values()) == pytest.approx(1.0)
+    # a pure function of the parts finished and an elapsed time given here: no clock is read
     done = {"one_step": [], "robustness": {}}
     share = PART_SHARE["one_step"] + PART_SHARE["robustness"]
     assert remaining_seconds(done, 46.0) == pytest.approx(46.0 * (1 - share) / share)

@@ -18,6 +18,16 @@ from efla.models.convert import convert_fla_checkpoint
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"  # saved by flash-linear-attention 0.6.0 itself
 
 
+def assert_same_tensors_and_runs(model, original: dict) -> None:
+    """Every tensor of the fla checkpoint, and no other, in the model; and the model runs."""
+    ours = model.state_dict()
+    assert set(ours) == set(original)
+    for k, v in original.items():
+        assert torch.equal(ours[k], v), k
+    logits = model(torch.randint(0, 64, (2, 11))).logits
+    assert logits.shape == (2, 11, 64) and torch.isfinite(logits).all()
+
+
 @pytest.mark.parametrize("name,gated", [("fla_delta_net", False), ("fla_gated_deltanet", True)])
 @pytest.mark.parametrize("rule", ["euler", "exact"])
 def test_convert_fla_checkpoint_every_parameter_equal(tmp_path, name, gated, rule):
@@ -27,12 +37,7 @@ def test_convert_fla_checkpoint_every_parameter_equal(tmp_path, name, gated, rul
     model = AutoModelForCausalLM.from_pretrained(dst)
     assert model.config.model_type == "efla" and model.config.gated is gated and model.config.update_rule == rule
     original = load_file(str(src / "model.safetensors"))
-    ours = model.state_dict()
-    assert set(ours) == set(original)
-    for k, v in original.items():
-        assert torch.equal(ours[k], v), k
-    logits = model(torch.randint(0, 64, (2, 11))).logits
-    assert logits.shape == (2, 11, 64) and torch.isfinite(logits).all()
+    assert_same_tensors_and_runs(model, original)
 
 
 def test_euler_and_exact_conversions_differ_only_in_the_rule(tmp_path):
@@ -117,12 +122,7 @@ def test_convert_fla_hybrid_checkpoint(tmp_path, capsys, as_list):
     assert model.config.attn == FLA_HYBRID_ATTN
     attention = model.model.layers[1].attn
     assert (type(attention).__name__, attention.num_heads, attention.num_kv_heads) == ("Attention", 4, 2)
-    ours = model.state_dict()
-    assert set(ours) == set(original)
-    for k, v in original.items():
-        assert torch.equal(ours[k], v), k
-    logits = model(torch.randint(0, 64, (2, 11))).logits
-    assert logits.shape == (2, 11, 64) and torch.isfinite(logits).all()
+    assert_same_tensors_and_runs(model, original)
 
 
 def test_convert_hybrid_refuses_attention_tensors_of_the_wrong_shape(tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -17,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import efla  # noqa: F401  (registers the model type)
 from efla.models.convert import convert_fla_checkpoint
+from tests.interpreter import interpreter_ready
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "fixtures" / "fla_gated_deltanet"  # saved by flash-linear-attention 0.6.0
@@ -79,18 +79,7 @@ def test_convert_refuses_value_heads_not_a_multiple_of_heads(tmp_path):
 
 
 # ------------------------------------------------------- against fla's own model (Triton interpreter)
-def _interpreter_ready():
-    for pkg in ("triton", "fla"):
-        if importlib.util.find_spec(pkg) is None:
-            return False, f"{pkg} not installed (GPU extra; CI does not install it)"
-    import numpy as np
-
-    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3):
-        return False, f"Triton's interpreter fails with NumPy {np.__version__} (needs < 2.3)"
-    return True, ""
-
-
-_READY, _WHY = _interpreter_ready()
+_READY, _WHY = interpreter_ready()
 
 # fla's Gated DeltaNet with 4 value heads on 2 q/k heads, run by fla's own kernels, against the
 # converted Euler model: equal logits only if both pair value and q/k heads the same way.

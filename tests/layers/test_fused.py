@@ -9,7 +9,6 @@ Triton's interpreter. The CPU tests always run.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -22,24 +21,14 @@ from efla.layers import EFLA, GatedEFLA, RMSNorm, fused
 from efla.models import EFLAForCausalLM, get_preset_config
 
 from . import fused_checks
+from tests.interpreter import interpreter_ready
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _interpreter_ready():
-    for pkg in ("triton", "fla"):
-        if importlib.util.find_spec(pkg) is None:
-            return False, f"{pkg} not installed (GPU extra; CI does not install it)"
-    import numpy as np
-
-    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3):
-        return False, f"Triton's interpreter fails with NumPy {np.__version__} (needs < 2.3)"
-    return True, ""
-
-
-_READY, _WHY = _interpreter_ready()
+_READY, _WHY = interpreter_ready()
 
 
 # ----------------------------------------------------------------------------- CPU, always

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import efla.ops as ops
+from tests.interpreter import interpreter_ready
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (GPU fast path)")
@@ -160,17 +160,7 @@ def test_gpu_declines_float32_and_big_heads():
 
 
 # ----------------------------------------------------------------------------- interpreter
-def _interpreter_ok():
-    if importlib.util.find_spec("triton") is None:
-        return False, "triton not installed (GPU-only extra; CI does not install it)"
-    import numpy as np
-
-    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3):
-        return False, f"Triton's interpreter fails with NumPy {np.__version__} (needs < 2.3)"
-    return True, ""
-
-
-_OK, _WHY = _interpreter_ok()
+_OK, _WHY = interpreter_ready(packages=("triton",))
 
 _SCRIPT = textwrap.dedent(
     """

@@ -9,7 +9,6 @@ installs neither) or NumPy is too new for Triton's interpreter.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -17,22 +16,12 @@ import sys
 import pytest
 
 from . import custom_op_checks
+from tests.interpreter import interpreter_ready
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _interpreter_ready():
-    for pkg in ("triton", "fla"):
-        if importlib.util.find_spec(pkg) is None:
-            return False, f"{pkg} not installed (GPU extra; CI does not install it)"
-    import numpy as np
-
-    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3):
-        return False, f"Triton's interpreter fails with NumPy {np.__version__} (needs < 2.3)"
-    return True, ""
-
-
-_READY, _WHY = _interpreter_ready()
+_READY, _WHY = interpreter_ready()
 
 # per kind and input case: 2 opchecks (float32, bfloat16) and 1 comparison; per kind: a backward
 # opcheck and a compiled comparison

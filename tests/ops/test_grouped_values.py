@@ -7,7 +7,6 @@ and k repeated per group, forward and backward, in both modes, with states and v
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import subprocess
@@ -20,6 +19,7 @@ import torch
 import efla.ops as ops
 from efla.ops import api
 from efla.ops import naive
+from tests.interpreter import interpreter_ready
 
 RULES = ["efla", "gated_efla", "delta_rule", "gated_delta_rule"]
 MODES = ["chunk", "recurrent"]
@@ -241,18 +241,7 @@ def test_gpu_grouped_values_match_reference(rule, varlen):
 
 
 # ----------------------------------------------------------------------------- Triton interpreter (CPU)
-def _interpreter_ready():
-    for pkg in ("triton", "fla"):
-        if importlib.util.find_spec(pkg) is None:
-            return False, f"{pkg} not installed (GPU extra; CI does not install it)"
-    import numpy as np
-
-    if tuple(int(x) for x in np.__version__.split(".")[:2]) >= (2, 3):
-        return False, f"Triton's interpreter fails with NumPy {np.__version__} (needs < 2.3)"
-    return True, ""
-
-
-_READY, _WHY = _interpreter_ready()
+_READY, _WHY = interpreter_ready()
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
 
 # 1. flash-linear-attention's own grouped kernel (value head i reads q/k head i // (HV // H))
