@@ -13,7 +13,11 @@ Models: ``fla``: ``fla.models.DeltaNetForCausalLM`` with its default fused setti
 sizes (same parameter count); ours: the ``<size>-efla``, ``-deltanet``, ``-gated-efla`` and
 ``-gated-deltanet`` presets as they are, ``efla+flce`` (``fuse_linear_cross_entropy=True``) and
 ``<preset>+compile`` (the preset under ``torch.compile(dynamic=False)``: one graph per shape, built in
-the warm-up; a compile failure is that model's failed row).
+the warm-up; a compile failure is that model's failed row) and ``<preset>-no-output-gate`` (a gated
+preset with ``use_gate=False``: the plain layer's architecture plus the decay gate).
+
+``--profile`` adds, per shape, one profiled step of every model (``torch.profiler``): its GPU kernel
+time and the kernels that take most of it, to see where two models differ.
 
 A second stage (``--loss-curve``) trains a preset for a few steps on real tokens twice from the same
 initialisation, once with the fused GPU modules and once with the PyTorch modules
@@ -44,6 +48,7 @@ from efla.models import EFLAForCausalLM, get_preset_config
 
 GIB = 2 ** 30
 OURS = ("efla", "efla+flce", "deltanet", "gated-efla", "gated-deltanet")
+NO_OUTPUT_GATE = "-no-output-gate"  # e.g. gated-efla-no-output-gate: the gated preset without its SiLU output gate
 LINES: list[str] = []
 
 
@@ -74,6 +79,9 @@ def build(kind: str, size: str):
             model = build_fla(size)
         elif kind == "efla+flce":
             model = EFLAForCausalLM(get_preset_config(f"{size}-efla", fuse_linear_cross_entropy=True))
+        elif kind.removesuffix("+compile").endswith(NO_OUTPUT_GATE):
+            preset = kind.removesuffix("+compile").removesuffix(NO_OUTPUT_GATE)
+            model = EFLAForCausalLM(get_preset_config(f"{size}-{preset}", use_gate=False))
         else:
             model = EFLAForCausalLM(get_preset_config(f"{size}-{kind.removesuffix('+compile')}"))
     model = model.to(torch.bfloat16).train()
@@ -115,7 +123,8 @@ def train_step(model, opt, ids) -> tuple[float, int, float]:
     return seconds, torch.cuda.max_memory_allocated() - before, loss.item()
 
 
-def bench_size(size: str, kinds, shapes, warmup: int, steps: int, out_dir: str, on_shape=lambda rows: None) -> list[dict]:
+def bench_size(size: str, kinds, shapes, warmup: int, steps: int, out_dir: str, on_shape=lambda rows: None,
+               profile: int = 0) -> list[dict]:
     """Rows of every model at every shape; ``on_shape(rows)`` after each shape (keeps partial runs)."""
     models = {}
     for kind in kinds:
@@ -157,10 +166,42 @@ def bench_size(size: str, kinds, shapes, warmup: int, steps: int, out_dir: str, 
                              step_s_median=med, step_s_all=times[kind], tokens_per_s=B * T / med,
                              peak_gib=(state_bytes(model, opt) + peaks[kind]) / GIB, last_loss=losses[kind]))
         emit_shape(out_dir, size, T, B, [r for r in rows if r["T"] == T and r["size"] == size])
+        if profile:
+            for kind, (model, opt) in models.items():
+                if kind not in failed:
+                    rows.append(dict(size=size, model=kind, T=T, B=B, profile=profile_step(model, opt, ids)))
+            emit_profiles(out_dir, size, T, B, [r for r in rows if r["T"] == T and "profile" in r], profile)
         on_shape(rows)
     del models
     torch.cuda.empty_cache()
     return rows
+
+
+def profile_step(model, opt, ids) -> dict:
+    """GPU kernel time of one training step: ``{"total_ms": ..., "kernels": {name: [ms, calls]}}``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        train_step(model, opt, ids)
+    kernels = {}
+    for e in prof.key_averages():
+        ms = getattr(e, "self_device_time_total", 0) / 1e3
+        if ms > 0:
+            kernels[e.key] = [ms, e.count]
+    return dict(total_ms=sum(ms for ms, _ in kernels.values()), kernels=kernels)
+
+
+def emit_profiles(out_dir, size, T, B, rows, top: int):
+    emit(out_dir, f"Profile of one step, {size}, {T} x {B}: GPU kernel time per model, then its {top} largest "
+                  "kernels (ms, calls)")
+    emit(out_dir, "")
+    for r in rows:
+        p = r["profile"]
+        emit(out_dir, f"- {r['model']}: {p['total_ms']:.1f} ms of GPU kernels")
+        ranked = sorted(p["kernels"].items(), key=lambda kv: -kv[1][0])[:top]
+        for name, (ms, calls) in ranked:
+            emit(out_dir, f"  - {ms:8.2f} ms x{calls:<4d} {name[:110]}")
+    emit(out_dir, "")
 
 
 def emit_shape(out_dir, size, T, B, rows):
@@ -254,6 +295,7 @@ def main() -> int:
     ap.add_argument("--models", default="fla," + ",".join(OURS))
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--profile", type=int, default=0, help="profile one step per model; list this many kernels")
     ap.add_argument("--loss-curve", default=None, help="token ids (.npy) for the fused-vs-PyTorch loss curves")
     ap.add_argument("--loss-curve-variants", default="efla,gated-efla")
     ap.add_argument("--loss-curve-steps", type=int, default=50)
@@ -275,7 +317,8 @@ def main() -> int:
             json.dump(result, open(json_path, "w"), indent=1)
 
         try:
-            bench_size(size, kinds, parse_shapes(args.shapes), args.warmup, args.steps, args.out, on_shape=save)
+            bench_size(size, kinds, parse_shapes(args.shapes), args.warmup, args.steps, args.out, on_shape=save,
+                       profile=args.profile)
         except Exception:
             traceback.print_exc()
     if args.loss_curve:

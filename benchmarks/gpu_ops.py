@@ -174,23 +174,24 @@ def try_call(f):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
-def timing(dev, shapes, rounds, fla_ok):
-    emit("## Chunk timings (ms, medians; K = V = 128, bf16; the layers' calls: fla DeltaNet/GDN with "
+def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
+    dims_text = "K = V = 128" if dims == ((128, 128),) else "head dims K, V as given"
+    emit(f"## Chunk timings (ms, medians; {dims_text}, bf16; the layers' calls: fla DeltaNet/GDN with "
          "`use_qk_l2norm_in_kernel=True`, EFLA/Gated EFLA with `use_q_l2norm_in_kernel=True`, gates in float32)")
     emit("")
     if fla_ok:
         from fla.ops.delta_rule import chunk_delta_rule as fla_dn
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
-    K = V = 128
     hdr = ("| [B, T, H] | DeltaNet fwd | EFLA fwd | ratio | DeltaNet fwd+bwd | EFLA fwd+bwd | ratio "
            "| fla kernel alone fwd+bwd (floor) | GDN fwd | Gated EFLA fwd | ratio | GDN fwd+bwd (fla) "
            "| GDN fwd+bwd (ours) | Gated EFLA fwd+bwd | vs EFLA | vs GDN (ours) |")
     emit(hdr)
     emit("|" + " --- |" * (hdr.count("|") - 1))
     notes = []
-    for (B, T, H) in shapes:
+    for (B, T, H), (K, V) in ((sh, d) for d in dims for sh in shapes):
+        label = f"{B}, {T}, {H}" + ("" if (K, V) == (128, 128) else f"; K={K}, V={V}")
         if time.time() - T0 > BUDGET[0]:
-            emit(f"| {B}, {T}, {H} | skipped (time budget) |")
+            emit(f"| {label} | skipped (time budget) |")
             continue
         q, k, v, beta, g, _ = make_inputs(B, T, H, K, V, B, dev, stiff=True, seed=1)
         qn, kn = q, k  # DeltaNet normalises inside (use_qk_l2norm_in_kernel=True)
@@ -230,13 +231,13 @@ def timing(dev, shapes, rounds, fla_ok):
             for n, f in fwd.items():
                 fwd_ok[n], err = try_call(f) if f is not None else (None, "fla missing")
                 if err:
-                    notes.append(f"{(B, T, H)} fwd {n}: {err}")
+                    notes.append(f"({label}) fwd {n}: {err}")
         fb_ok = {}
         for n, f in fwdbwd.items():
             fb_ok[n], err = try_call(f) if f is not None else (None, "fla missing")
             gnone()
             if err:
-                notes.append(f"{(B, T, H)} fwd+bwd {n}: {err}")
+                notes.append(f"({label}) fwd+bwd {n}: {err}")
         with torch.no_grad():
             tf = bench_alternating(fwd_ok, rounds)
         tb = bench_alternating({n: (lambda f=f: (f(), gnone())) if f else None for n, f in fb_ok.items()}, rounds)
@@ -247,7 +248,7 @@ def timing(dev, shapes, rounds, fla_ok):
         def m(x):
             return f"{x:.3f}" if x else "n/a"
 
-        emit(f"| {B}, {T}, {H} | {m(tf['dn'])} | {m(tf['efla'])} | {r(tf['efla'], tf['dn'])} | {m(tb['dn'])} "
+        emit(f"| {label} | {m(tf['dn'])} | {m(tf['efla'])} | {r(tf['efla'], tf['dn'])} | {m(tb['dn'])} "
              f"| {m(tb['efla'])} | {r(tb['efla'], tb['dn'])} | {m(tb['floor'])} | {m(tf['gdn'])} "
              f"| {m(tf['gefla'])} | {r(tf['gefla'], tf['gdn'])} | {m(tb['gdn'])} | {m(tb['gdn_ours'])} "
              f"| {m(tb['gefla'])} | {r(tb['gefla'], tb['efla'])} | {r(tb['gefla'], tb['gdn_ours'])} |")
@@ -356,6 +357,7 @@ def main():
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--shapes", default=None,
                     help="chunk-timing shapes 'B,T,H;B,T,H' (default: the six [B, T, H] shapes)")
+    ap.add_argument("--head-dims", default="128x128", help="chunk-timing head dims 'KxV,KxV'")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick-correctness", action="store_true", help="one non-varlen case at H=16")
     ap.add_argument("--rules", default="efla,gated_efla,delta_rule,gated_delta_rule")
@@ -406,10 +408,11 @@ def main():
         shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shapes.split(";")]
     if args.quick:
         shapes = shapes[:1]
+    dims = tuple(tuple(int(x) for x in d.split("x")) for d in args.head_dims.split(","))
     # the model stage runs before the chunk timings: the H = 96 shape's autotuning is the slowest part
     for stage in ((None if args.skip_decode else lambda: decode_timing(dev, 1 if args.quick else args.rounds, fla_ok)),
                   (None if args.skip_model else lambda: model_timing(dev, args.budget)),
-                  lambda: timing(dev, shapes, 1 if args.quick else args.rounds, fla_ok)):
+                  lambda: timing(dev, shapes, 1 if args.quick else args.rounds, fla_ok, dims)):
         if stage is None:
             continue
         try:

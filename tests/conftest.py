@@ -10,3 +10,18 @@ def _single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_configure(config):
+    """``EFLA_TEST_FIRST_CONFIG=1``: every autotuned Triton kernel runs its first launch setting
+    without benchmarking the others. The GPU tests check results, which every setting must get
+    right, and autotuning each new head dim, head count and kernel costs minutes per case on a fresh
+    machine. (Timings must not share this process's Triton cache: give it its own TRITON_CACHE_DIR.)"""
+    import os
+
+    if os.environ.get("EFLA_TEST_FIRST_CONFIG") == "1":
+        try:
+            import triton.runtime.autotuner as autotuner
+        except ImportError:
+            return
+        autotuner.Autotuner._bench = lambda self, *args, **kwargs: [1.0, 1.0, 1.0]

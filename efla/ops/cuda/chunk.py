@@ -109,23 +109,24 @@ def coef_bwd(k, beta, derase, dk, g=None, v=None, dgl=None, dvin=None):
     return (dbeta, dg, dv) if gated else dbeta
 
 
-def gated_dqkwg(q, k, v_new, g, h, do, dh, dv, scale, cu_seqlens, chunk_indices):
+def gated_dqkwg(q, k, v_new, g, h, do, dh, dv, scale, cu_seqlens, chunk_indices, launch=None):
+    """``launch``: fixed settings ``dict(BV=, num_warps=, num_stages=)`` instead of the autotuned ones
+    (benchmarks compare them)."""
     B, T, H, K = k.shape
     V = v_new.shape[-1]
     BT = CHUNK
     NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
     BK = min(triton.next_power_of_2(K), 128)
-    BV = min(triton.next_power_of_2(V), 64)
     NK = triton.cdiv(K, BK)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dw = torch.empty_like(k)
     dg = torch.empty(NK, B, T, H, device=k.device, dtype=torch.float32)
-    kn.gated_dqkwg_kernel[(NK, NT, B * H)](
+    kernel = kn.gated_dqkwg_kernel if launch is None else kn.gated_dqkwg_kernel.fn
+    kernel[(NK, NT, B * H)](
         q, k, v_new, g, h, do, dh, dv, dq, dk, dw, dg,
         cu_seqlens, chunk_indices, scale, T, B * T,
-        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, IS_VARLEN=cu_seqlens is not None,
-        num_warps=4, num_stages=2,
+        H=H, K=K, V=V, BT=BT, BK=BK, IS_VARLEN=cu_seqlens is not None, **(launch or {}),
     )
     return dq, dk, dw, (dg[0] if NK == 1 else dg.sum(0))
 
@@ -179,7 +180,7 @@ def delta_bwd(q, q_rstd, k, k_rstd, v, beta, alpha, A, h0, cu_seqlens, do, dht, 
     )
     if exact:
         dk = dk.contiguous()
-        dbeta = coef_bwd(k, beta, dalpha.float().contiguous(), dk)
+        dbeta = coef_bwd(k, beta, dalpha.contiguous(), dk)
     else:
         dbeta = dalpha
     dq, dk = l2norm_grads(q, q_rstd, dq, k, k_rstd, dk)
@@ -226,7 +227,7 @@ def gated_bwd(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens, 
     dgc.add_(dg2)
     dgl = F["chunk_local_cumsum"](dgc, chunk_size=CHUNK, reverse=True, cu_seqlens=cu, chunk_indices=ci)
     if exact:
-        dbeta, dg, dv_out = coef_bwd(k, beta, dc.float().contiguous(), dk, g=g, v=v,
+        dbeta, dg, dv_out = coef_bwd(k, beta, dc.contiguous(), dk, g=g, v=v,
                                      dgl=dgl.contiguous(), dvin=dvp.contiguous())
     else:
         dbeta, dg, dv_out = dc.to(beta.dtype), dgl.to(g.dtype), dvp

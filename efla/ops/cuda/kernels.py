@@ -145,7 +145,7 @@ def coef_fwd_kernel(
 @triton.jit
 def coef_bwd_kernel(
     k, v, beta, g,  # inputs as in the forward
-    derase, dgl, dvin,  # grads of erase [R] f32, of gl [R] f32 (gated), of vout [R, V] (gated)
+    derase, dgl, dvin,  # grads of erase [R] (the erase's dtype), of gl [R] f32 (gated), of vout [R, V] (gated)
     dk,  # [R, K]: grad of k from the chunk kernels; updated in place
     dbeta, dg, dv,  # outputs: dbeta [R], dg [R] (gated), dv [R, V] (gated; may alias dvin)
     R,
@@ -206,7 +206,22 @@ def coef_bwd_kernel(
 # --------------------------------------------------------------------------------------------
 # gated chunk backward: dq, dk, dw, dg of one chunk (replaces the piece fla refuses on Hopper)
 # --------------------------------------------------------------------------------------------
-@triton.jit
+def _autotune_kwargs() -> dict:
+    """Keep autotuning results on disk where this Triton can (as flash-linear-attention does)."""
+    import inspect
+
+    return {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+
+
+# Launch settings chosen per (H, K, V) on the first call; the one fixed setting of earlier versions
+# (BV 64, 4 warps, 2 stages) is among them.
+DQKWG_CONFIGS = [
+    triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv in (64, 128) for w in (2, 4, 8) for s in (2, 3)
+]
+
+
+@triton.autotune(configs=DQKWG_CONFIGS, key=["H", "K", "V", "BT", "BK", "IS_VARLEN"], **_autotune_kwargs())
+@triton.jit(do_not_specialize=["T", "TOT"])
 def gated_dqkwg_kernel(
     q, k, v, g, h, do, dh, dv,  # v = v_new [B,T,H,V]; g = chunk-local cumsum (log2) [B,T,H] f32
     dq, dk, dw, dg,  # outputs; dg [NK, B, T, H] f32 (per position, before the reverse cumsum)

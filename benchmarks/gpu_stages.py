@@ -1,0 +1,212 @@
+"""Where the GPU chunk ops spend their time: every stage of EFLA's and Gated EFLA's forward and
+backward, timed alone, next to what flash-linear-attention's DeltaNet / Gated DeltaNet run in its
+place.
+
+For each [B, T, H] shape (K = V = 128, bf16, stiff keys as in ``gpu_ops.py``) it prints one table of
+stage times (``triton.testing.do_bench`` medians, alternated, median over rounds):
+
+* EFLA: the query L2 norm, the coefficient pass, fla's ``chunk_delta_rule_fwd`` / ``_bwd``, the
+  coefficient backward and the query norm's backward, beside the key L2 norm (and its backward)
+  that DeltaNet runs where EFLA runs its coefficient passes;
+* Gated EFLA: the coefficient pass, fla's gated forward, then each backward stage; the one stage
+  fla refuses on Hopper with Triton < 3.7.1 (``chunk_bwd_dqkwg`` with a gate) is timed three ways:
+  ours autotuned (the default), ours at the single launch setting of earlier versions, and fla's own
+  kernel forced to run (its results may be wrong there; only its time is of interest);
+* the whole op's fwd+bwd through autograd, against the sum of its stages (the rest is launch and
+  Python overhead).
+
+Usage (GPU machine): ``python benchmarks/gpu_stages.py --shapes "8,2048,16;2,16384,16" --out DIR``;
+writes ``DIR/gpu_stages.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import efla.ops as ops
+from gpu_ops import make_inputs
+
+LINES: list[str] = []
+OLD_DQKWG_LAUNCH = dict(BV=64, num_warps=4, num_stages=2)
+
+
+def emit(out: str, s: str = "") -> None:
+    print(s, flush=True)
+    LINES.append(s)
+    with open(os.path.join(out, "gpu_stages.md"), "w") as fh:
+        fh.write("\n".join(LINES) + "\n")
+
+
+def bench(fns: dict, rounds: int, rep: float) -> dict:
+    from triton.testing import do_bench
+
+    res = {n: [] for n in fns}
+    for _ in range(rounds):
+        for n, f in fns.items():
+            res[n].append(do_bench(f, warmup=10, rep=rep, return_mode="median"))
+    return {n: statistics.median(v) for n, v in res.items()}
+
+
+def efla_stages(ch, F, q, k, v, beta, do, scale):
+    """name -> callable for each EFLA stage (inputs prepared by running the forward once)."""
+    o, ht, A, alpha, qn, q_rstd, _, _ = ch.delta_fwd(q, k, v, beta, None, scale, False, None, True, True, False)
+    kn, k_rstd = F["l2norm_fwd"](k)
+    dq, dk, _, dalpha, _ = F["chunk_delta_rule_bwd"](q=qn, k=k, v=v, beta=alpha, A=A, scale=scale,
+                                                    initial_state=None, do=do, dht=None)
+    dk = dk.contiguous()
+    return {
+        "q l2norm fwd": lambda: F["l2norm_fwd"](q),
+        "coefficient fwd": lambda: ch.coef_fwd(k, beta),
+        "(DeltaNet: k l2norm fwd)": lambda: F["l2norm_fwd"](k),
+        "fla chunk_delta_rule_fwd": lambda: F["chunk_delta_rule_fwd"](q=qn, k=k, v=v, beta=alpha, scale=scale,
+                                                                     initial_state=None, output_final_state=False),
+        "fla chunk_delta_rule_bwd": lambda: F["chunk_delta_rule_bwd"](q=qn, k=k, v=v, beta=alpha, A=A, scale=scale,
+                                                                     initial_state=None, do=do, dht=None),
+        "coefficient bwd": lambda: ch.coef_bwd(k, beta, dalpha, dk),
+        "q l2norm bwd": lambda: F["l2norm_bwd"](qn, q_rstd, dq),
+        "(DeltaNet: k l2norm bwd)": lambda: F["l2norm_bwd"](kn, k_rstd, dk),
+    }
+
+
+def gated_stages(ch, F, q, k, v, g, beta, do, scale):
+    import fla.ops.common.chunk_o as fla_chunk_o
+
+    o, ht, A, gcum, c, vp, qn, q_rstd, _, _ = ch.gated_fwd(q, k, v, g, beta, None, scale, False, None, True, True,
+                                                           False)
+    w, u = F["recompute_w_u_fwd"](k=k, v=vp, beta=c, A=A, g=gcum)
+    h, v_new, _ = F["chunk_gated_delta_rule_fwd_h"](k=k, w=w, u=u, g=gcum, initial_state=None,
+                                                    output_final_state=False, chunk_size=ch.CHUNK)
+    dv = F["chunk_bwd_dv_local"](q=qn, k=k, do=do, g=gcum, scale=scale, chunk_size=ch.CHUNK)
+    dh, _, dv = F["chunk_gated_delta_rule_bwd_dhu"](q=qn, k=k, w=w, do=do, dv=dv, g=gcum, h0=None, dht=None,
+                                                    scale=scale, chunk_size=ch.CHUNK)
+    dq, dk, dw, dgc = ch.gated_dqkwg(qn, k, v_new, gcum, h, do, dh, dv, scale, None, None)
+    dk2, dvp, dc, dg2 = F["prepare_wy_repr_bwd"](k=k, v=vp, beta=c, A=A, dw=dw, du=dv, g=gcum)
+    dgl = F["chunk_local_cumsum"](dgc, chunk_size=ch.CHUNK, reverse=True)
+
+    def fla_dqkwg():  # fla refuses this stage on Hopper with Triton < 3.7.1; forced here for its time only
+        before = fla_chunk_o.TRITON_ABOVE_3_7_1
+        fla_chunk_o.TRITON_ABOVE_3_7_1 = True
+        try:
+            return fla_chunk_o.chunk_bwd_dqkwg(q=qn, k=k, v=v_new, w=w, g=gcum, h=h, dv=dv, do=do, dh=dh,
+                                               scale=scale, chunk_size=ch.CHUNK)
+        finally:
+            fla_chunk_o.TRITON_ABOVE_3_7_1 = before
+
+    return {
+        "q l2norm fwd": lambda: F["l2norm_fwd"](q),
+        "coefficient fwd (gated)": lambda: ch.coef_fwd(k, beta, g=g, v=v),
+        "fla chunk_gated_delta_rule_fwd": lambda: F["chunk_gated_delta_rule_fwd"](
+            q=qn, k=k, v=vp, g=ch.coef_fwd(k, beta, g=g, v=v)[1], beta=c, scale=scale, initial_state=None,
+            output_final_state=False, chunk_size=ch.CHUNK),
+        "bwd: recompute_w_u_fwd": lambda: F["recompute_w_u_fwd"](k=k, v=vp, beta=c, A=A, g=gcum),
+        "bwd: chunk_gated_delta_rule_fwd_h": lambda: F["chunk_gated_delta_rule_fwd_h"](
+            k=k, w=w, u=u, g=gcum, initial_state=None, output_final_state=False, chunk_size=ch.CHUNK),
+        "bwd: chunk_bwd_dv_local": lambda: F["chunk_bwd_dv_local"](q=qn, k=k, do=do, g=gcum, scale=scale,
+                                                                   chunk_size=ch.CHUNK),
+        "bwd: chunk_gated_delta_rule_bwd_dhu": lambda: F["chunk_gated_delta_rule_bwd_dhu"](
+            q=qn, k=k, w=w, do=do, dv=dv, g=gcum, h0=None, dht=None, scale=scale, chunk_size=ch.CHUNK),
+        "bwd: dqkwg, ours autotuned": lambda: ch.gated_dqkwg(qn, k, v_new, gcum, h, do, dh, dv, scale, None, None),
+        "bwd: dqkwg, ours fixed (BV 64, 4 warps, 2 stages)": lambda: ch.gated_dqkwg(
+            qn, k, v_new, gcum, h, do, dh, dv, scale, None, None, launch=OLD_DQKWG_LAUNCH),
+        "(bwd: dqkwg, fla's kernel forced)": fla_dqkwg,
+        "bwd: prepare_wy_repr_bwd": lambda: F["prepare_wy_repr_bwd"](k=k, v=vp, beta=c, A=A, dw=dw, du=dv, g=gcum),
+        "bwd: reverse cumsum of dg": lambda: F["chunk_local_cumsum"](dgc, chunk_size=ch.CHUNK, reverse=True),
+        "bwd: coefficient bwd (gated)": lambda: ch.coef_bwd(k, beta, dc, dk, g=g, v=v, dgl=dgl, dvin=dvp),
+        "bwd: q l2norm bwd": lambda: F["l2norm_bwd"](qn, q_rstd, dq),
+    }
+
+
+def whole_op(fn, leaves, do):
+    def run():
+        fn()[0].backward(do)
+        for x in leaves:
+            x.grad = None
+    return run
+
+
+def one_shape(out, ch, F, B, T, H, rounds, rep):
+    import triton
+
+    from efla.ops.cuda import kernels as kn
+
+    q, k, v, beta, g, _ = make_inputs(B, T, H, 128, 128, B, torch.device("cuda"), stiff=True, seed=1)
+    g = g.float()
+    do = torch.randn_like(v)
+    scale = 128 ** -0.5
+    with torch.no_grad():
+        rows = [("EFLA", efla_stages(ch, F, q, k, v, beta, do, scale)),
+                ("Gated EFLA", gated_stages(ch, F, q, k, v, g, beta, do, scale))]
+    leaves = [x.requires_grad_() for x in (q, k, v, beta, g)]
+    from fla.ops.delta_rule import chunk_delta_rule
+
+    whole = {
+        "EFLA fwd+bwd (autograd)": whole_op(lambda: ops.chunk_efla(q, k, v, beta, use_q_l2norm_in_kernel=True),
+                                            leaves, do),
+        "DeltaNet fwd+bwd (fla, qk l2norm in kernel)": whole_op(
+            lambda: chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True), leaves, do),
+        "Gated EFLA fwd+bwd (autograd)": whole_op(
+            lambda: ops.chunk_gated_efla(q, k, v, g, beta, use_q_l2norm_in_kernel=True), leaves, do),
+    }
+    for f in whole.values():
+        f()
+    emit(out, f"### [B, T, H] = [{B}, {T}, {H}], K = V = 128")
+    emit(out, "")
+    emit(out, "| op | stage | ms |")
+    emit(out, "| --- | --- | --- |")
+    for label, stages in rows:
+        with torch.no_grad():
+            for f in stages.values():
+                f()
+            times = bench(stages, rounds, rep)
+        for name, t in times.items():
+            emit(out, f"| {label} | {name} | {t:.3f} |")
+        counted = sum(t for n, t in times.items() if not n.startswith("(") and "fixed" not in n)
+        emit(out, f"| {label} | sum of its stages | {counted:.3f} |")
+    for name, t in bench(whole, rounds, rep).items():
+        emit(out, f"| whole op | {name} | {t:.3f} |")
+    cfg = getattr(kn.gated_dqkwg_kernel, "best_config", None)
+    emit(out, "")
+    emit(out, f"dqkwg autotuned choice: {cfg} (triton {triton.__version__})")
+    emit(out, "")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="8,2048,16;2,16384,16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rep", type=float, default=50.0, help="do_bench rep (ms)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    from efla.ops.cuda import chunk as ch
+
+    F = ch.load()
+    import fla
+    import triton
+
+    emit(args.out, "# Stage times of the GPU chunk ops")
+    emit(args.out, "")
+    emit(args.out, f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; "
+                   f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
+                   f"flash-linear-attention {getattr(fla, '__version__', '?')}")
+    emit(args.out, f"- `python benchmarks/gpu_stages.py --shapes \"{args.shapes}\" --rounds {args.rounds} "
+                   f"--rep {args.rep}`; do_bench medians, alternated, median of {args.rounds} rounds")
+    emit(args.out, "")
+    for sh in args.shapes.split(";"):
+        B, T, H = (int(x) for x in sh.split(","))
+        one_shape(args.out, ch, F, B, T, H, args.rounds, args.rep)
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One H200 visit: where the GPU op and model time goes, then the records that need a GPU.
+# Phases (PHASES, in order; each stops at its own time limit and the visit at DEADLINE seconds):
+#   stages   benchmarks/gpu_stages.py: every stage of the EFLA and Gated EFLA ops alone, the gated
+#            dqkwg stage autotuned vs its old fixed launch vs fla's kernel;
+#   model13  1.3B fla DeltaNet vs efla at 8K x 2 and 16K x 1, 16 steps, plus one profiled step each;
+#   ops      the layer-level op table (benchmarks/gpu_ops.py) at the five H = 16 shapes;
+#   tests    the GPU tests (-m gpu) of ops, head dims, grouped values, hybrids, compile, fused
+#            modules, first launch setting of each autotuned kernel (own Triton cache);
+#   model340 340M efla, gated-efla, gated-efla without its output gate, efla under torch.compile;
+#   ops96    the op table at (1, 8192, 96);
+#   dims     the op table at (4, 4096, 16) with head dims 32, 64 and 256.
+# Carry: .whl (fla wheels); optionally .devcache/autotune.tgz (the autotuning results of an earlier
+# visit: fla's and our kernels then skip their autotuning). Results in $RESULTS/<phase>/ and
+# $RESULTS/autotune.tgz; scripts/device_collect.sh packs them.
+#   PHASES="stages model13 ops tests" bash scripts/device_speed_diagnosis.sh
+set -uo pipefail
+RESULTS=${RESULTS:-/tmp/results}
+PHASES=${PHASES-"stages model13 ops tests model340 ops96 dims"}
+DEADLINE=${DEADLINE:-1500}
+mkdir -p "$RESULTS"
+source scripts/device_env.sh
+export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .devcache/autotune.tgz ] && tar -xzf .devcache/autotune.tgz -C "$TRITON_CACHE_DIR" && echo "autotuning results restored"
+stamp() { echo "== $* at ${SECONDS}s"; }
+
+left() {  # seconds left before the deadline, at most $1
+  local rest=$((DEADLINE - SECONDS))
+  [ "$rest" -lt "$1" ] && echo "$rest" || echo "$1"
+}
+
+run_phase() {  # run_phase NAME LIMIT COMMAND...
+  local name=$1 limit; limit=$(left "$2"); shift 2
+  if [ "$limit" -lt 30 ]; then echo "== $name skipped (deadline)"; return; fi
+  stamp "$name (limit ${limit}s)"
+  mkdir -p "$RESULTS/$name"
+  timeout "$limit" "$@" > "$RESULTS/$name/console.txt" 2>&1
+  echo "exit $?" >> "$RESULTS/$name/console.txt"
+  grep -v Warning "$RESULTS/$name/console.txt" | tail -40
+}
+
+for phase in $PHASES; do
+  case $phase in
+    stages) run_phase stages 300 python3 benchmarks/gpu_stages.py --shapes "8,2048,16;2,16384,16;1,16384,16" \
+              --rounds 3 --out "$RESULTS/stages" ;;
+    model13) run_phase model13 330 python3 benchmarks/gpu_model.py --sizes 1.3b --shapes 8192x2,16384x1 \
+               --models fla,efla --warmup 3 --steps 16 --profile 25 --out "$RESULTS/model13" ;;
+    ops) run_phase ops 240 python3 benchmarks/gpu_ops.py --skip-correctness --skip-decode --skip-model \
+           --shapes "8,2048,16;4,4096,16;2,8192,16;1,16384,16;2,16384,16" --rounds 3 --budget 220 \
+           --out "$RESULTS/ops" ;;
+    tests) run_phase tests 420 env EFLA_TEST_FIRST_CONFIG=1 TRITON_CACHE_DIR=/tmp/triton-cache-tests \
+             python3 -m pytest -v -m gpu -p no:cacheprovider -rfs tests/ops/test_cuda.py \
+             tests/ops/test_grouped_values.py tests/models/test_hybrid.py tests/models/test_compile.py \
+             tests/layers/test_fused.py $(python3 -c "import hypothesis" 2>/dev/null && echo tests/test_properties.py) ;;
+    model340) run_phase model340 330 python3 benchmarks/gpu_model.py --sizes 340m --shapes 2048x8,16384x1 \
+                --models efla,gated-efla,gated-efla-no-output-gate,efla+compile --warmup 3 --steps 8 \
+                --out "$RESULTS/model340" ;;
+    ops96) run_phase ops96 260 python3 benchmarks/gpu_ops.py --skip-correctness --skip-decode --skip-model \
+             --shapes "1,8192,96" --rounds 3 --budget 240 --out "$RESULTS/ops96" ;;
+    dims) run_phase dims 300 python3 benchmarks/gpu_ops.py --skip-correctness --skip-decode --skip-model \
+            --shapes "4,4096,16" --head-dims 64x64,32x32,256x256 --rounds 3 --budget 280 --out "$RESULTS/dims" ;;
+    *) echo "unknown phase $phase" ;;
+  esac
+done
+(cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$RESULTS/autotune.tgz" -T -)
+echo "visit done in ${SECONDS}s"
+touch "$RESULTS/visit.done"
