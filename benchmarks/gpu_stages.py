@@ -13,7 +13,8 @@ stage times (``triton.testing.do_bench`` medians, alternated, median over rounds
   ours autotuned (the default), ours at the single launch setting of earlier versions, and fla's own
   kernel forced to run (its results may be wrong there; only its time is of interest);
 * the whole op's fwd+bwd through autograd, against the sum of its stages (the rest is launch and
-  Python overhead).
+  Python overhead);
+* at the first shape, the coefficient kernels at other launch settings (rows per program, warps).
 
 Usage (GPU machine): ``python benchmarks/gpu_stages.py --shapes "8,2048,16;2,16384,16" --out DIR``;
 writes ``DIR/gpu_stages.md``.
@@ -125,6 +126,37 @@ def gated_stages(ch, F, q, k, v, g, beta, do, scale):
     }
 
 
+COEF_LAUNCHES = [(br, w) for br in (8, 16, 32, 64) for w in (2, 4, 8)]
+
+
+def coef_sweep(out, ch, F, q, k, v, g, beta, do, scale, rounds, rep):
+    """The coefficient kernels at other (rows per program, warps) settings than the default."""
+    with torch.no_grad():
+        o, ht, A, alpha, *_ = ch.delta_fwd(q, k, v, beta, None, scale, False, None, True, True, False)
+        dk = torch.randn_like(k)
+        dalpha = torch.randn_like(alpha)
+        c, gl, vp = ch.coef_fwd(k, beta, g=g, v=v)
+        dc, dgl, dvp = torch.randn_like(c), torch.randn_like(gl), torch.randn_like(vp)
+        kernels = {
+            "fwd": lambda lc: ch.coef_fwd(k, beta, launch=lc),
+            "bwd": lambda lc: ch.coef_bwd(k, beta, dalpha, dk, launch=lc),
+            "gated fwd": lambda lc: ch.coef_fwd(k, beta, g=g, v=v, launch=lc),
+            "gated bwd": lambda lc: ch.coef_bwd(k, beta, dc, dk, g=g, v=v, dgl=dgl, dvin=dvp, launch=lc),
+        }
+        emit(out, "| coefficient kernel | default | best (rows, warps) | best ms | all (rows, warps): ms |")
+        emit(out, "| --- | --- | --- | --- | --- |")
+        for name, f in kernels.items():
+            fns = {None: lambda f=f: f(None)}
+            fns.update({lc: (lambda f=f, lc=lc: f(lc)) for lc in COEF_LAUNCHES})
+            for fn in fns.values():
+                fn()
+            times = bench(fns, rounds, rep)
+            best = min((lc for lc in times if lc is not None), key=times.get)
+            every = ", ".join(f"{lc[0]}/{lc[1]}: {t:.3f}" for lc, t in times.items() if lc is not None)
+            emit(out, f"| {name} | {times[None]:.3f} | {best} | {times[best]:.3f} | {every} |")
+    emit(out, "")
+
+
 def whole_op(fn, leaves, do):
     def run():
         fn()[0].backward(do)
@@ -133,7 +165,7 @@ def whole_op(fn, leaves, do):
     return run
 
 
-def one_shape(out, ch, F, B, T, H, rounds, rep):
+def one_shape(out, ch, F, B, T, H, rounds, rep, sweep):
     import triton
 
     from efla.ops.cuda import kernels as kn
@@ -145,6 +177,8 @@ def one_shape(out, ch, F, B, T, H, rounds, rep):
     with torch.no_grad():
         rows = [("EFLA", efla_stages(ch, F, q, k, v, beta, do, scale)),
                 ("Gated EFLA", gated_stages(ch, F, q, k, v, g, beta, do, scale))]
+    if sweep:
+        coef_sweep(out, ch, F, q, k, v, g, beta, do, scale, rounds, rep / 5)
     leaves = [x.requires_grad_() for x in (q, k, v, beta, g)]
     from fla.ops.delta_rule import chunk_delta_rule
 
@@ -184,6 +218,7 @@ def main():
     ap.add_argument("--shapes", default="8,2048,16;2,16384,16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=float, default=50.0, help="do_bench rep (ms)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the coefficient kernels' launch-setting sweep")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -201,9 +236,9 @@ def main():
     emit(args.out, f"- `python benchmarks/gpu_stages.py --shapes \"{args.shapes}\" --rounds {args.rounds} "
                    f"--rep {args.rep}`; do_bench medians, alternated, median of {args.rounds} rounds")
     emit(args.out, "")
-    for sh in args.shapes.split(";"):
+    for i, sh in enumerate(args.shapes.split(";")):
         B, T, H = (int(x) for x in sh.split(","))
-        one_shape(args.out, ch, F, B, T, H, args.rounds, args.rep)
+        one_shape(args.out, ch, F, B, T, H, args.rounds, args.rep, sweep=i == 0 and not args.no_sweep)
         torch.cuda.empty_cache()
     return 0
 

@@ -73,12 +73,14 @@ def _rows_cfg(K, V):
     return BK, BV, BR, (4 if width <= 128 else 8)
 
 
-def coef_fwd(k, beta, g=None, v=None):
-    """EFLA: alpha [B,T,H] f32. Gated: (c f32, gl f32, v' like v)."""
+def coef_fwd(k, beta, g=None, v=None, launch=None):
+    """EFLA: alpha [B,T,H] f32. Gated: (c f32, gl f32, v' like v). ``launch``: ``(BR, num_warps)``
+    instead of the default rows per program and warps (benchmarks compare them)."""
     B, T, H, K = k.shape
     R = B * T * H
     V = v.shape[-1] if v is not None else K
     BK, BV, BR, nw = _rows_cfg(K, V)
+    BR, nw = launch or (BR, nw)
     # bf16 inputs: the coefficient is stored in bf16, exactly like fla DeltaNet's beta (same kernel
     # specialisations, no extra autotuning); fp16 keeps float32 (alpha ~ 1/lambda underflows fp16).
     erase = torch.empty(B, T, H, device=k.device, dtype=COEF_DTYPE.get(k.dtype, torch.float32))
@@ -92,13 +94,14 @@ def coef_fwd(k, beta, g=None, v=None):
     return (erase, gl, vout) if gated else erase
 
 
-def coef_bwd(k, beta, derase, dk, g=None, v=None, dgl=None, dvin=None):
+def coef_bwd(k, beta, derase, dk, g=None, v=None, dgl=None, dvin=None, launch=None):
     """Fold coefficient grads into dk (in place); return dbeta (, dg, dv) in the inputs' dtypes."""
     B, T, H, K = k.shape
     R = B * T * H
     gated = g is not None
     V = v.shape[-1] if gated else K
     BK, BV, BR, nw = _rows_cfg(K, V)
+    BR, nw = launch or (BR, nw)
     dbeta = torch.empty_like(beta)
     dg = torch.empty_like(g) if gated else None
     dv = torch.empty_like(v) if gated else None
