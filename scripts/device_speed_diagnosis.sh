@@ -2,11 +2,13 @@
 # One H200 visit: where the GPU op and model time goes, then the records that need a GPU.
 # Phases (PHASES, in order; each stops at its own time limit and the visit at DEADLINE seconds):
 #   stages   benchmarks/gpu_stages.py: every stage of the EFLA and Gated EFLA ops alone, the gated
-#            dqkwg stage autotuned vs its old fixed launch vs fla's kernel;
+#            dqkwg stage autotuned vs its old fixed launch vs fla's kernel, the coefficient kernels'
+#            launch settings swept (stages2: two shapes, no sweep);
 #   model13  1.3B fla DeltaNet vs efla at 8K x 2 and 16K x 1, 16 steps, plus one profiled step each;
 #   ops      the layer-level op table (benchmarks/gpu_ops.py) at the five H = 16 shapes;
 #   tests    the GPU tests (-m gpu) of ops, head dims, grouped values, hybrids, compile, fused
-#            modules, first launch setting of each autotuned kernel (own Triton cache);
+#            modules, first launch setting of each autotuned kernel (own Triton cache); tests2: the
+#            hybrid, compile and fused-module ones, the coefficient gradients and the ops' reference check;
 #   model340 340M efla, gated-efla, gated-efla without its output gate, efla under torch.compile;
 #   ops96    the op table at (1, 8192, 96);
 #   dims     the op table at (4, 4096, 16) with head dims 32, 64 and 256.
@@ -44,6 +46,8 @@ for phase in $PHASES; do
   case $phase in
     stages) run_phase stages 300 python3 benchmarks/gpu_stages.py --shapes "8,2048,16;2,16384,16;1,16384,16" \
               --rounds 3 --out "$RESULTS/stages" ;;
+    stages2) run_phase stages2 150 python3 benchmarks/gpu_stages.py --shapes "8,2048,16;2,16384,16" --no-sweep \
+               --rounds 3 --out "$RESULTS/stages2" ;;
     model13) run_phase model13 330 python3 benchmarks/gpu_model.py --sizes 1.3b --shapes 8192x2,16384x1 \
                --models fla,efla --warmup 3 --steps 16 --profile 25 --out "$RESULTS/model13" ;;
     ops) run_phase ops 240 python3 benchmarks/gpu_ops.py --skip-correctness --skip-decode --skip-model \
@@ -53,7 +57,12 @@ for phase in $PHASES; do
              python3 -m pytest -v -m gpu -p no:cacheprovider -rfs tests/ops/test_cuda.py \
              tests/ops/test_grouped_values.py tests/models/test_hybrid.py tests/models/test_compile.py \
              tests/layers/test_fused.py $(python3 -c "import hypothesis" 2>/dev/null && echo tests/test_properties.py) ;;
-    model340) run_phase model340 330 python3 benchmarks/gpu_model.py --sizes 340m --shapes 2048x8,16384x1 \
+    tests2) run_phase tests2 240 env EFLA_TEST_FIRST_CONFIG=1 TRITON_CACHE_DIR=/tmp/triton-cache-tests \
+              python3 -m pytest -v -m gpu -p no:cacheprovider -rfs tests/models/test_hybrid.py \
+              tests/models/test_compile.py tests/layers/test_fused.py \
+              "tests/ops/test_cuda.py::test_coefficient_gradients_float32_accurate_on_gpu" \
+              "tests/ops/test_cuda.py::test_gpu_matches_reference" ;;
+    model340) run_phase model340 330 python3 benchmarks/gpu_model.py --sizes 340m --shapes "${SHAPES340:-2048x8,16384x1}" \
                 --models efla,gated-efla,gated-efla-no-output-gate,efla+compile --warmup 3 --steps 8 \
                 --out "$RESULTS/model340" ;;
     ops96) run_phase ops96 260 python3 benchmarks/gpu_ops.py --skip-correctness --skip-decode --skip-model \

@@ -259,6 +259,15 @@ class EFLAModel(EFLAPreTrainedModel):
         return [layer.attn.stats for layer in self.layers]
 
 
+@torch.compiler.disable
+def _fused_cross_entropy(kernels, logits, target, reduction, inplace_backward):
+    """fla's fused cross-entropy of ``[B, T, V]`` logits, flattened here, outside any compiled graph:
+    a graph that returned the logits together with a flattened view of them was replayed with a
+    corrupt view shape from torch 2.11's AOTAutograd cache."""
+    loss_fn = kernels.CrossEntropyLoss(reduction=reduction, inplace_backward=inplace_backward)
+    return loss_fn(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
 class EFLAForCausalLM(EFLAPreTrainedModel, GenerationMixin):
     """``EFLAModel`` plus a linear LM head; ``labels`` give the next-token cross-entropy
     (``labels`` are the inputs; the shift happens inside; ``-100`` is ignored).
@@ -396,14 +405,13 @@ class EFLAForCausalLM(EFLAPreTrainedModel, GenerationMixin):
                                                                      self.lm_head.bias)
         else:
             logits = self.lm_head(hidden_states)
-            flat_logits, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
             if fused is not None:
                 # a training step writes the logits' gradient over the logits (one logits-sized buffer
                 # less, as in fla's models): the returned logits are valid until backward
-                loss = fused.CrossEntropyLoss(reduction=reduction, inplace_backward=training_step)(flat_logits,
-                                                                                                   flat_target)
+                loss = _fused_cross_entropy(fused, logits, target, reduction, inplace_backward=training_step)
             else:
-                loss = F.cross_entropy(flat_logits.float(), flat_target, ignore_index=-100, reduction=reduction)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
+                                       ignore_index=-100, reduction=reduction)
         if num_items_in_batch is not None:
             loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device, dtype=loss.dtype)
         return logits, loss

@@ -24,7 +24,9 @@ from . import fused_checks
 from tests.interpreter import interpreter_ready
 
 CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def needs_cuda(test):
+    """A GPU test: skipped without a CUDA device, selected by ``pytest -m gpu``."""
+    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs a CUDA device")(test))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

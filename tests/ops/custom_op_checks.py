@@ -154,6 +154,26 @@ def _loss_and_grads(fn, xs):
     return [value] + [g for g in torch.autograd.grad(value, leaves, allow_unused=True) if g is not None]
 
 
+def dqkwg_launch_settings_agree() -> float:
+    """Our gated backward stage (dq, dk, dw, dg of a chunk) at each launch setting the GPU autotunes
+    over, against the first: the largest relative difference."""
+    from efla.ops.cuda import chunk
+    from efla.ops.cuda import kernels as kn
+
+    g = torch.Generator().manual_seed(3)
+    B, T, H, K, V = 1, 128, 2, 16, 128  # two chunks; V = 128 takes one or two value blocks
+    NT = T // chunk.CHUNK
+    q, k = (torch.randn(B, T, H, K, generator=g) for _ in range(2))
+    v_new, do, dv = (torch.randn(B, T, H, V, generator=g) for _ in range(3))
+    h, dh = (torch.randn(B * NT, H, K, V, generator=g) for _ in range(2))
+    gcum = -torch.rand(B, NT, chunk.CHUNK, H, generator=g).cumsum(2).view(B, T, H)
+    args = (q, k, v_new, gcum, h, do, dh, dv, 0.25, None, None)
+    settings = [dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages) for cfg in kn.DQKWG_CONFIGS]
+    first = chunk.gated_dqkwg(*args, launch=settings[0])
+    return max(fused_checks.rel(a, b) for launch in settings[1:] for a, b in zip(chunk.gated_dqkwg(*args, launch=launch),
+                                                                                  first))
+
+
 # (varlen, q_l2norm, k_l2norm, output_final_state)
 CASES = ((False, True, False, True), (True, True, True, True), (False, False, False, False))
 
@@ -174,6 +194,7 @@ def main() -> int:
                 print(f"custom op vs eager {name}\t{custom_op_vs_function(rule, *case):.3e}")
         print(f"opcheck backward {rule}\t{opcheck_backward(rule, varlen=True)}")
         print(f"compiled vs eager {rule}\t{compiled_vs_eager(rule):.3e}")
+    print(f"dqkwg launch settings agree\t{dqkwg_launch_settings_agree():.3e}")
     return 0
 
 

@@ -26,7 +26,7 @@ _READY, _WHY = interpreter_ready()
 # per kind and input case: 2 opchecks (float32, bfloat16) and 1 comparison; per kind: a backward
 # opcheck and a compiled comparison
 _CASES = len(custom_op_checks.CASES)
-_EXPECTED_LINES = len(custom_op_checks.RULES) * (_CASES * 3 + 2)
+_EXPECTED_LINES = len(custom_op_checks.RULES) * (_CASES * 3 + 2) + 1
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +69,9 @@ def test_deltanet_custom_op_matches_the_float64_scan(results):
 def test_compiled_chunk_forward_matches_eager_without_recompiling(results):
     for name, err in _with_prefix(results, "compiled vs eager").items():
         assert float(err) < 1e-6, (name, err)
+
+
+@pytest.mark.skipif(not _READY, reason=_WHY)
+def test_gated_backward_stage_agrees_at_every_launch_setting(results):
+    (err,) = _with_prefix(results, "dqkwg launch settings agree").values()
+    assert float(err) < 1e-5, err

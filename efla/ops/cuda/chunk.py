@@ -95,20 +95,23 @@ def coef_fwd(k, beta, g=None, v=None, launch=None):
 
 
 def coef_bwd(k, beta, derase, dk, g=None, v=None, dgl=None, dvin=None, launch=None):
-    """Fold coefficient grads into dk (in place); return dbeta (, dg, dv) in the inputs' dtypes."""
+    """Fold coefficient grads into dk (in place); return dbeta (, dg, dv) in the inputs' dtypes.
+    ``launch``: ``(BR, num_warps)`` instead of the autotuned setting (benchmarks compare them)."""
     B, T, H, K = k.shape
     R = B * T * H
     gated = g is not None
     V = v.shape[-1] if gated else K
-    BK, BV, BR, nw = _rows_cfg(K, V)
-    BR, nw = launch or (BR, nw)
+    BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
     dbeta = torch.empty_like(beta)
     dg = torch.empty_like(g) if gated else None
     dv = torch.empty_like(v) if gated else None
-    kn.coef_bwd_kernel[(triton.cdiv(R, BR),)](
-        k, v, beta, g, derase, dgl, dvin, dk, dbeta, dg, dv, R,
-        K=K, V=V, BK=BK, BV=BV, BR=BR, GATED=gated, G_MIN=kn.G_FLOOR, num_warps=nw,
-    )
+    args = (k, v, beta, g, derase, dgl, dvin, dk, dbeta, dg, dv, R)
+    consts = dict(K=K, V=V, BK=BK, BV=BV, GATED=gated, G_MIN=kn.G_FLOOR)
+    if launch is None:
+        kn.coef_bwd_kernel[lambda meta: (triton.cdiv(R, meta["BR"]),)](*args, **consts)
+    else:
+        BR, nw = launch
+        kn.coef_bwd_kernel.fn[(triton.cdiv(R, BR),)](*args, **consts, BR=BR, num_warps=nw)
     return (dbeta, dg, dv) if gated else dbeta
 
 
