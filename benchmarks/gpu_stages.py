@@ -10,8 +10,9 @@ stage times (``triton.testing.do_bench`` medians, alternated, median over rounds
   that DeltaNet runs where EFLA runs its coefficient passes;
 * Gated EFLA: the coefficient pass, fla's gated forward, then each backward stage; the one stage
   fla refuses on Hopper with Triton < 3.7.1 (``chunk_bwd_dqkwg`` with a gate) is timed three ways:
-  ours autotuned (the default), ours at the single launch setting of earlier versions, and fla's own
-  kernel forced to run (its results may be wrong there; only its time is of interest);
+  ours autotuned (the default), ours at the single launch setting of earlier versions, and (with
+  ``--with-fla-dqkwg``) fla's own kernel forced to run (its results may be wrong there; only its time
+  is of interest);
 * the whole op's fwd+bwd through autograd, against the sum of its stages (the rest is launch and
   Python overhead);
 * at the first shape, the coefficient kernels at other launch settings (rows per program, warps).
@@ -38,6 +39,7 @@ from gpu_ops import make_inputs
 
 LINES: list[str] = []
 OLD_DQKWG_LAUNCH = dict(BV=64, num_warps=4, num_stages=2)
+WITH_FLA_DQKWG = False  # --with-fla-dqkwg (its autotuning takes a minute on a fresh machine)
 
 
 def emit(out: str, s: str = "") -> None:
@@ -118,7 +120,7 @@ def gated_stages(ch, F, q, k, v, g, beta, do, scale):
         "bwd: dqkwg, ours autotuned": lambda: ch.gated_dqkwg(qn, k, v_new, gcum, h, do, dh, dv, scale, None, None),
         "bwd: dqkwg, ours fixed (BV 64, 4 warps, 2 stages)": lambda: ch.gated_dqkwg(
             qn, k, v_new, gcum, h, do, dh, dv, scale, None, None, launch=OLD_DQKWG_LAUNCH),
-        "(bwd: dqkwg, fla's kernel forced)": fla_dqkwg,
+        **({"(bwd: dqkwg, fla's kernel forced)": fla_dqkwg} if WITH_FLA_DQKWG else {}),
         "bwd: prepare_wy_repr_bwd": lambda: F["prepare_wy_repr_bwd"](k=k, v=vp, beta=c, A=A, dw=dw, du=dv, g=gcum),
         "bwd: reverse cumsum of dg": lambda: F["chunk_local_cumsum"](dgc, chunk_size=ch.CHUNK, reverse=True),
         "bwd: coefficient bwd (gated)": lambda: ch.coef_bwd(k, beta, dc, dk, g=g, v=v, dgl=dgl, dvin=dvp),
@@ -175,8 +177,8 @@ def one_shape(out, ch, F, B, T, H, rounds, rep, sweep):
     do = torch.randn_like(v)
     scale = 128 ** -0.5
     with torch.no_grad():
-        rows = [("EFLA", efla_stages(ch, F, q, k, v, beta, do, scale)),
-                ("Gated EFLA", gated_stages(ch, F, q, k, v, g, beta, do, scale))]
+        rows = [("Gated EFLA", gated_stages(ch, F, q, k, v, g, beta, do, scale)),
+                ("EFLA", efla_stages(ch, F, q, k, v, beta, do, scale))]
     if sweep:
         coef_sweep(out, ch, F, q, k, v, g, beta, do, scale, rounds, rep / 5)
     leaves = [x.requires_grad_() for x in (q, k, v, beta, g)]
@@ -219,9 +221,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=float, default=50.0, help="do_bench rep (ms)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the coefficient kernels' launch-setting sweep")
+    ap.add_argument("--with-fla-dqkwg", action="store_true", help="also time fla's refused gated dqkwg kernel")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    global WITH_FLA_DQKWG
+    WITH_FLA_DQKWG = args.with_fla_dqkwg
     from efla.ops.cuda import chunk as ch
 
     F = ch.load()

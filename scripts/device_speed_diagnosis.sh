@@ -9,7 +9,8 @@
 #   tests    the GPU tests (-m gpu) of ops, head dims, grouped values, hybrids, compile, fused
 #            modules, first launch setting of each autotuned kernel (own Triton cache); tests2: the
 #            hybrid, compile and fused-module ones, the coefficient gradients and the ops' reference check;
-#   model340 340M efla, gated-efla, gated-efla without its output gate, efla under torch.compile;
+#   model340 340M fla DeltaNet, efla, gated-efla and gated-efla without its output gate;
+#   compile340  340M efla eager against efla under torch.compile;
 #   ops96    the op table at (1, 8192, 96);
 #   dims     the op table at (4, 4096, 16) with head dims 32, 64 and 256.
 # Carry: .whl (fla wheels); optionally .devcache/autotune.tgz (the autotuning results of an earlier
@@ -18,7 +19,7 @@
 #   PHASES="stages model13 ops tests" bash scripts/device_speed_diagnosis.sh
 set -uo pipefail
 RESULTS=${RESULTS:-/tmp/results}
-PHASES=${PHASES-"stages model13 ops tests model340 ops96 dims"}
+PHASES=${PHASES-"stages2 model340 compile340 ops96 dims"}
 DEADLINE=${DEADLINE:-1500}
 mkdir -p "$RESULTS"
 source scripts/device_env.sh
@@ -63,8 +64,10 @@ for phase in $PHASES; do
               "tests/ops/test_cuda.py::test_coefficient_gradients_float32_accurate_on_gpu" \
               "tests/ops/test_cuda.py::test_gpu_matches_reference" ;;
     model340) run_phase model340 330 python3 benchmarks/gpu_model.py --sizes 340m --shapes "${SHAPES340:-2048x8,16384x1}" \
-                --models efla,gated-efla,gated-efla-no-output-gate,efla+compile --warmup 3 --steps 8 \
+                --models fla,efla,gated-efla,gated-efla-no-output-gate --warmup 3 --steps 8 \
                 --out "$RESULTS/model340" ;;
+    compile340) run_phase compile340 330 python3 benchmarks/gpu_model.py --sizes 340m --shapes 2048x8 \
+                  --models efla,efla+compile --warmup 3 --steps 8 --out "$RESULTS/compile340" ;;
     ops96) run_phase ops96 260 python3 benchmarks/gpu_ops.py --skip-correctness --skip-decode --skip-model \
              --shapes "1,8192,96" --rounds 3 --budget 240 --out "$RESULTS/ops96" ;;
     dims) run_phase dims 300 python3 benchmarks/gpu_ops.py --skip-correctness --skip-decode --skip-model \

@@ -198,11 +198,11 @@ _SCRIPT = textwrap.dedent(
     for a, b in ((dk, gk), (db, gb), (dg, gg), (dv, gv)):
         assert rel(a, b) < 1e-4, (rel(a, b))
     # the backward's other launch settings (the GPU autotunes over them) give the same results
-    for launch in ((8, 4), (128, 4)):
+    for launch in ((8, 4), (128, 4), (8, 4, 8), (64, 2, 4)):
         dk2 = torch.zeros(B, T, H, K)
         out = C.coef_bwd(k, beta, de.float(), dk2, g=g, v=v, dgl=dgl.float(), dvin=dvp.float(), launch=launch)
         for a, b in zip((dk2, *out), (dk, db, dg, dv)):
-            assert torch.equal(a, b), launch
+            assert torch.allclose(a, b, rtol=1e-6, atol=0), launch  # float64 sums in another order
     # fused recurrent kernel, all rules, with initial state, varlen
     q = torch.randn(1, 9, H, K)
     kk = torch.randn(1, 9, H, K) * 3

@@ -96,22 +96,22 @@ def coef_fwd(k, beta, g=None, v=None, launch=None):
 
 def coef_bwd(k, beta, derase, dk, g=None, v=None, dgl=None, dvin=None, launch=None):
     """Fold coefficient grads into dk (in place); return dbeta (, dg, dv) in the inputs' dtypes.
-    ``launch``: ``(BR, num_warps)`` instead of the autotuned setting (benchmarks compare them)."""
+    ``launch``: ``(BR, num_warps)`` or ``(BR, num_warps, BC)`` (rows per program, warps, columns per
+    block; whole rows by default) instead of the autotuned setting (benchmarks compare them)."""
     B, T, H, K = k.shape
     R = B * T * H
     gated = g is not None
     V = v.shape[-1] if gated else K
-    BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
     dbeta = torch.empty_like(beta)
     dg = torch.empty_like(g) if gated else None
     dv = torch.empty_like(v) if gated else None
     args = (k, v, beta, g, derase, dgl, dvin, dk, dbeta, dg, dv, R)
-    consts = dict(K=K, V=V, BK=BK, BV=BV, GATED=gated, G_MIN=kn.G_FLOOR)
+    consts = dict(K=K, V=V, GATED=gated, G_MIN=kn.G_FLOOR)
     if launch is None:
         kn.coef_bwd_kernel[lambda meta: (triton.cdiv(R, meta["BR"]),)](*args, **consts)
     else:
-        BR, nw = launch
-        kn.coef_bwd_kernel.fn[(triton.cdiv(R, BR),)](*args, **consts, BR=BR, num_warps=nw)
+        BR, nw, BC = (*launch, triton.next_power_of_2(max(K, V)))[:3]
+        kn.coef_bwd_kernel.fn[(triton.cdiv(R, BR),)](*args, **consts, BR=BR, BC=BC, num_warps=nw)
     return (dbeta, dg, dv) if gated else dbeta
 
 

@@ -157,11 +157,16 @@ def coef_fwd_kernel(
 # --------------------------------------------------------------------------------------------
 # coefficients: backward (chain rule; dk updated in place)
 # --------------------------------------------------------------------------------------------
-# (rows per program, warps). Its float64 row arithmetic makes the speed depend on the setting far
-# more than a float32 pass would: on an H200 at K = 128, 0.07 ms with one row per thread (64 rows,
-# 2 warps) against 0.20 ms at the earlier fixed 32 rows and 4 warps.
+# (rows per program BR, columns per block BC, warps). Its float64 row arithmetic makes the speed
+# depend on the setting far more than a float32 pass would. Measured on an H200 at K = V = 128
+# (autotuner timings, whole rows at a time): the plain backward 0.07 ms with one row per thread
+# (64 rows, 2 warps) against 0.20 ms at the earlier fixed 32 rows and 4 warps; the gated backward,
+# which holds three float64 rows, 0.52 ms at its best (8 rows, 4 warps) and 1.6 ms with one row per
+# thread. Column blocks (BC < K) keep the float64 rows short, so one row per thread fits the registers.
 COEF_BWD_CONFIGS = [
-    triton.Config({"BR": br}, num_warps=w) for br, w in ((64, 2), (32, 1), (128, 4), (64, 1), (8, 4), (32, 4), (16, 8))
+    triton.Config({"BR": br, "BC": bc}, num_warps=w)
+    for br, bc, w in ((64, 128, 2), (64, 32, 2), (128, 32, 4), (32, 32, 1), (64, 16, 2), (8, 128, 4), (16, 128, 8),
+                      (128, 128, 4))
 ]
 
 
@@ -174,16 +179,17 @@ def coef_bwd_kernel(
     dk,  # [R, K]: grad of k from the chunk kernels; updated in place
     dbeta, dg, dv,  # outputs: dbeta [R], dg [R] (gated), dv [R, V] (gated; may alias dvin)
     R,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
     GATED: tl.constexpr, G_MIN: tl.constexpr,
 ):
     i_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     m_r = i_r < R
-    o_k = tl.arange(0, BK)
-    m_k = m_r[:, None] & (o_k < K)[None, :]
-    b_k = tl.load(k + i_r[:, None] * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
-    b_k64 = b_k.to(tl.float64)
-    lam = tl.sum(b_k64 * b_k64, 1)
+    lam = tl.zeros([BR], dtype=tl.float64)
+    for c in range(0, K, BC):
+        o_c = c + tl.arange(0, BC)
+        m_c = m_r[:, None] & (o_c < K)[None, :]
+        b_k = tl.load(k + i_r[:, None] * K + o_c[None, :], mask=m_c, other=0.0).to(tl.float32).to(tl.float64)
+        lam += tl.sum(b_k * b_k, 1)
     b_beta = tl.load(beta + i_r, mask=m_r, other=0.0).to(tl.float64)
     b_de = tl.load(derase + i_r, mask=m_r, other=0.0).to(tl.float64)
     if GATED:
@@ -199,13 +205,15 @@ def coef_bwd_kernel(
         x1 = rho * lam
         p1 = _phi64(x1)
         r = _phi64(x1 + delta) / (a_c * p1)
-        o_v = tl.arange(0, BV)
-        m_v = m_r[:, None] & (o_v < V)[None, :]
-        b_v = tl.load(v + i_r[:, None] * V + o_v[None, :], mask=m_v, other=0.0).to(tl.float32)
-        b_dvi = tl.load(dvin + i_r[:, None] * V + o_v[None, :], mask=m_v, other=0.0).to(tl.float32)
-        b_dr = tl.sum(b_dvi.to(tl.float64) * b_v.to(tl.float64), 1)
-        tl.store(dv + i_r[:, None] * V + o_v[None, :], (b_dvi * r.to(tl.float32)[:, None]).to(dv.dtype.element_ty),
-                 mask=m_v)
+        r32 = r.to(tl.float32)
+        b_dr = tl.zeros([BR], dtype=tl.float64)  # d loss / d r = sum(dvin * v)
+        for c in range(0, V, BC):
+            o_c = c + tl.arange(0, BC)
+            m_c = m_r[:, None] & (o_c < V)[None, :]
+            b_v = tl.load(v + i_r[:, None] * V + o_c[None, :], mask=m_c, other=0.0).to(tl.float32)
+            b_dvi = tl.load(dvin + i_r[:, None] * V + o_c[None, :], mask=m_c, other=0.0).to(tl.float32)
+            b_dr += tl.sum(b_dvi.to(tl.float64) * b_v.to(tl.float64), 1)
+            tl.store(dv + i_r[:, None] * V + o_c[None, :], (b_dvi * r32[:, None]).to(dv.dtype.element_ty), mask=m_c)
         ex1 = tl.exp(-x1)
         dq = _q_step64(x1, delta)
         dr_scale = b_dr * r
@@ -222,10 +230,14 @@ def coef_bwd_kernel(
         d_beta = b_de * tl.exp(-x)
         d_lam = b_de * b_beta * b_beta * _q64(x) * _phi64(x)
     tl.store(dbeta + i_r, d_beta.to(dbeta.dtype.element_ty), mask=m_r)
-    p_dk = dk + i_r[:, None] * K + o_k[None, :]
-    b_dk = tl.load(p_dk, mask=m_k, other=0.0).to(tl.float32)
-    b_dk += (2.0 * d_lam).to(tl.float32)[:, None] * b_k
-    tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_k)
+    two_d_lam = (2.0 * d_lam).to(tl.float32)
+    for c in range(0, K, BC):
+        o_c = c + tl.arange(0, BC)
+        m_c = m_r[:, None] & (o_c < K)[None, :]
+        b_k = tl.load(k + i_r[:, None] * K + o_c[None, :], mask=m_c, other=0.0).to(tl.float32)
+        p_dk = dk + i_r[:, None] * K + o_c[None, :]
+        b_dk = tl.load(p_dk, mask=m_c, other=0.0).to(tl.float32) + two_d_lam[:, None] * b_k
+        tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_c)
 
 
 # --------------------------------------------------------------------------------------------
