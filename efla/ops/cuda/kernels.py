@@ -158,11 +158,12 @@ def coef_fwd_kernel(
 # coefficients: backward (chain rule; dk updated in place)
 # --------------------------------------------------------------------------------------------
 # (rows per program BR, columns per block BC, warps). Its float64 row arithmetic makes the speed
-# depend on the setting far more than a float32 pass would. Measured on an H200 at K = V = 128
-# (autotuner timings, whole rows at a time): the plain backward 0.07 ms with one row per thread
-# (64 rows, 2 warps) against 0.20 ms at the earlier fixed 32 rows and 4 warps; the gated backward,
-# which holds three float64 rows, 0.52 ms at its best (8 rows, 4 warps) and 1.6 ms with one row per
-# thread. Column blocks (BC < K) keep the float64 rows short, so one row per thread fits the registers.
+# depend on the setting far more than a float32 pass would. Measured on an H200 at K = V = 128, whole
+# rows at a time: the plain backward 0.07 ms with one row per thread (64 rows, 2 warps) against
+# 0.20 ms at the earlier fixed 32 rows and 4 warps; the gated backward, which holds three float64
+# rows, 0.59 ms at its best (8 rows, 4 warps) and 1.6 ms with one row per thread (autotuner timings,
+# restoring dk included; the plain one 0.14 ms so timed). Column blocks (BC < K) keep the float64
+# rows short, so that one row per thread fits the registers.
 COEF_BWD_CONFIGS = [
     triton.Config({"BR": br, "BC": bc}, num_warps=w)
     for br, bc, w in ((64, 128, 2), (64, 32, 2), (128, 32, 4), (32, 32, 1), (64, 16, 2), (8, 128, 4), (16, 128, 8),
