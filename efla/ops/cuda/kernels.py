@@ -79,42 +79,44 @@ def _expm1_64(x):
 
 
 @triton.jit
-def _phi64(x):
-    """(1 - exp(-x)) / x for x >= 0."""
-    small = x < 1e-3
-    xs = tl.where(small, 1.0, x)
-    return tl.where(small, 1.0 - x * (0.5 - x * (1.0 / 6.0)), -_expm1_64(-xs) / xs)
+def _block_mask(m_r, o_c, N: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """Mask of a [BR, BC] block at columns ``o_c`` of rows ``m_r`` of width N. Where BC divides N it
+    is constant along each row, which lets Triton load a thread's columns as one vector."""
+    if N % BC == 0:
+        return tl.broadcast_to(m_r[:, None], (BR, BC))
+    else:
+        return m_r[:, None] & (o_c < N)[None, :]
 
 
 @triton.jit
-def _q64(x):
-    """q = phi' / phi = 1 / expm1(x) - 1 / x for x >= 0 (in [-1/2, 0))."""
+def _phi_q_dq64(x):
+    """For x >= 0: phi(x), q(x) = phi'/phi = 1 / expm1(x) - 1 / x (in [-1/2, 0)) and
+    q'(x) = 1 / x^2 - exp(x) / expm1(x)^2 (in (0, 1/12]), each from one pair expm1(-x), expm1(x),
+    which are returned too (taken at 1 where x < 1e-3, where the three hand over to their series)."""
     small = x < 1e-3
     xs = tl.where(small, 1.0, x)
-    return tl.where(small, -0.5 + x * (1.0 / 12.0 - x * x * (1.0 / 720.0)), 1.0 / _expm1_64(xs) - 1.0 / xs)
+    em_neg = _expm1_64(-xs)
+    em_pos = _expm1_64(xs)
+    inv_x = 1.0 / xs
+    inv_em = 1.0 / em_pos
+    phi = tl.where(small, 1.0 - x * (0.5 - x * (1.0 / 6.0)), -em_neg * inv_x)
+    q = tl.where(small, -0.5 + x * (1.0 / 12.0 - x * x * (1.0 / 720.0)), inv_em - inv_x)
+    dq = tl.where(small, 1.0 / 12.0 - x * x * (1.0 / 240.0), inv_x * inv_x + inv_em / em_neg)
+    return phi, q, dq, em_neg, em_pos
 
 
 @triton.jit
-def _dq64(x):
-    """q'(x) = 1 / x^2 - exp(x) / expm1(x)^2 for x >= 0 (in (0, 1/12])."""
-    small = x < 1e-3
-    xs = tl.where(small, 1.0, x)
-    em = _expm1_64(xs)
-    closed = 1.0 / (xs * xs) - 1.0 / (em * -_expm1_64(-xs))
-    return tl.where(small, 1.0 / 12.0 - x * x * (1.0 / 240.0), closed)
-
-
-@triton.jit
-def _q_step64(x1, delta):
-    """q(x1 + delta) - q(x1) for x1, delta >= 0 without cancellation: the midpoint rule for tiny
-    delta (relative error ~ delta^2 / 24), the exact two-term form for x1 >= 1 (its terms differ
-    by a factor >= 1.08), plain subtraction otherwise (there delta > 1e-4 and |q| <= 1/2)."""
+def _q_step64(x1, delta, q1, dq1, em_neg1, q_eta, dq_eta, em_pos_eta):
+    """q(x1 + delta) - q(x1) for x1, delta >= 0 without cancellation, from what ``_phi_q_dq64``
+    gave at both ends: the trapezoid rule for tiny delta (relative error about delta^2 / 12 times
+    the ratio of q's third derivative to its first, < 1e-8), the exact two-term form for x1 >= 1
+    (its terms differ by a factor >= 1.08), plain subtraction otherwise (there delta > 1e-4 and
+    |q| <= 1/2)."""
     eta = x1 + delta
-    midpoint = delta * _dq64(x1 + 0.5 * delta)
-    x1s = tl.where(x1 > 0.0, x1, 1.0)
-    two_term = delta / (eta * x1s) - _expm1_64(delta) / (_expm1_64(eta) * -_expm1_64(-x1s))
-    plain = _q64(eta) - _q64(x1)
-    return tl.where(delta <= 1e-4, midpoint, tl.where(x1 >= 1.0, two_term, plain))
+    trapezoid = delta * 0.5 * (dq1 + dq_eta)
+    two_term = delta / (eta * x1) - _expm1_64(delta) / (em_pos_eta * -em_neg1)
+    plain = q_eta - q1
+    return tl.where(delta <= 1e-4, trapezoid, tl.where(x1 >= 1.0, two_term, plain))
 
 
 # --------------------------------------------------------------------------------------------
@@ -157,17 +159,17 @@ def coef_fwd_kernel(
 # --------------------------------------------------------------------------------------------
 # coefficients: backward (chain rule; dk updated in place)
 # --------------------------------------------------------------------------------------------
-# (rows per program BR, columns per block BC, warps). Its float64 row arithmetic makes the speed
-# depend on the setting far more than a float32 pass would. Measured on an H200 at K = V = 128, whole
-# rows at a time: the plain backward 0.07 ms with one row per thread (64 rows, 2 warps) against
-# 0.20 ms at the earlier fixed 32 rows and 4 warps; the gated backward, which holds three float64
-# rows, 0.59 ms at its best (8 rows, 4 warps) and 1.6 ms with one row per thread (autotuner timings,
-# restoring dk included; the plain one 0.14 ms so timed). Column blocks (BC < K) keep the float64
-# rows short, so that one row per thread fits the registers.
+# (rows per program BR, columns per block BC, warps). Every thread that holds part of a row computes
+# that row's float64 scalar chain (about 15 divisions, 8 exp/log pairs for the gated rule), so the
+# settings that matter put one or two threads on a row: BC = 8 or 16 columns (one 16-byte vector per
+# thread), rows over the threads. Whole-row blocks spread a row over 16 threads: on an H200 at
+# K = V = 128 the gated backward then took 0.59 ms at its best (8 rows, 4 warps) and 1.6 ms at 64
+# rows and 2 warps, against 0.14 ms for the plain one (autotuner timings, restoring dk included).
+# Register counts from ptxas for sm_90 (no spills at BC <= 16): 48-64 plain, 80-104 gated.
 COEF_BWD_CONFIGS = [
     triton.Config({"BR": br, "BC": bc}, num_warps=w)
-    for br, bc, w in ((64, 128, 2), (64, 32, 2), (128, 32, 4), (32, 32, 1), (64, 16, 2), (8, 128, 4), (16, 128, 8),
-                      (128, 128, 4))
+    for br, bc, w in ((128, 8, 4), (64, 8, 2), (256, 8, 8), (64, 16, 4), (128, 16, 8), (32, 32, 4), (64, 128, 2),
+                      (8, 128, 4))
 ]
 
 
@@ -188,7 +190,7 @@ def coef_bwd_kernel(
     lam = tl.zeros([BR], dtype=tl.float64)
     for c in range(0, K, BC):
         o_c = c + tl.arange(0, BC)
-        m_c = m_r[:, None] & (o_c < K)[None, :]
+        m_c = _block_mask(m_r, o_c, K, BR, BC)
         b_k = tl.load(k + i_r[:, None] * K + o_c[None, :], mask=m_c, other=0.0).to(tl.float32).to(tl.float64)
         lam += tl.sum(b_k * b_k, 1)
     b_beta = tl.load(beta + i_r, mask=m_r, other=0.0).to(tl.float64)
@@ -204,37 +206,39 @@ def coef_bwd_kernel(
         delta = -_expm1_64(b_g)
         rho = a_c * b_beta
         x1 = rho * lam
-        p1 = _phi64(x1)
-        r = _phi64(x1 + delta) / (a_c * p1)
+        p1, q1, dq1, em_neg1, _ = _phi_q_dq64(x1)
+        p_eta, q_eta, dq_eta, _, em_pos_eta = _phi_q_dq64(x1 + delta)
+        r = p_eta / (a_c * p1)
         r32 = r.to(tl.float32)
         b_dr = tl.zeros([BR], dtype=tl.float64)  # d loss / d r = sum(dvin * v)
         for c in range(0, V, BC):
             o_c = c + tl.arange(0, BC)
-            m_c = m_r[:, None] & (o_c < V)[None, :]
+            m_c = _block_mask(m_r, o_c, V, BR, BC)
             b_v = tl.load(v + i_r[:, None] * V + o_c[None, :], mask=m_c, other=0.0).to(tl.float32)
             b_dvi = tl.load(dvin + i_r[:, None] * V + o_c[None, :], mask=m_c, other=0.0).to(tl.float32)
             b_dr += tl.sum(b_dvi.to(tl.float64) * b_v.to(tl.float64), 1)
             tl.store(dv + i_r[:, None] * V + o_c[None, :], (b_dvi * r32[:, None]).to(dv.dtype.element_ty), mask=m_c)
         ex1 = tl.exp(-x1)
-        dq = _q_step64(x1, delta)
+        dq = _q_step64(x1, delta, q1, dq1, em_neg1, q_eta, dq_eta, em_pos_eta)
         dr_scale = b_dr * r
         d_beta = b_de * a_c * ex1 + dr_scale * a_c * lam * dq
-        d_lam = b_de * rho * rho * _q64(x1) * p1 + dr_scale * rho * dq
+        d_lam = b_de * rho * rho * q1 * p1 + dr_scale * rho * dq
         dgl_in = tl.load(dgl + i_r, mask=m_r, other=0.0).to(tl.float64)
         d_g = (b_de * s_g * rho * ex1
-               + dr_scale * (s_g * x1 * dq - a * _q64(x1 + delta) - s_g)
+               + dr_scale * (s_g * x1 * dq - a * q_eta - s_g)
                + dgl_in * a)
         tl.store(dg + i_r, d_g.to(dg.dtype.element_ty), mask=m_r)
     else:
         # alpha = (1 - e^-x) / lam, x = beta lam: d alpha / d beta = e^-x, d alpha / d lam = beta^2 phi'(x)
         x = b_beta * lam
         d_beta = b_de * tl.exp(-x)
-        d_lam = b_de * b_beta * b_beta * _q64(x) * _phi64(x)
+        phi, q, _, _, _ = _phi_q_dq64(x)
+        d_lam = b_de * b_beta * b_beta * q * phi
     tl.store(dbeta + i_r, d_beta.to(dbeta.dtype.element_ty), mask=m_r)
     two_d_lam = (2.0 * d_lam).to(tl.float32)
     for c in range(0, K, BC):
         o_c = c + tl.arange(0, BC)
-        m_c = m_r[:, None] & (o_c < K)[None, :]
+        m_c = _block_mask(m_r, o_c, K, BR, BC)
         b_k = tl.load(k + i_r[:, None] * K + o_c[None, :], mask=m_c, other=0.0).to(tl.float32)
         p_dk = dk + i_r[:, None] * K + o_c[None, :]
         b_dk = tl.load(p_dk, mask=m_c, other=0.0).to(tl.float32) + two_d_lam[:, None] * b_k

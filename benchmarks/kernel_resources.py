@@ -1,0 +1,75 @@
+"""Registers and spills of our Triton kernels on an sm_90 GPU, without a GPU.
+
+Compiles each launch setting of the coefficient backward (``efla.ops.cuda.kernels.coef_bwd_kernel``,
+plain and gated, K = V = 128, bf16, pointers 16-byte aligned as at run time) with Triton's bundled
+ptxas and prints, per setting: registers per thread, stack bytes per thread (spills), float64
+divisions per thread and how many threads share one row (each of them computes the row's float64
+scalar chain). A proxy to choose settings between GPU visits; speed itself is measured on the GPU.
+
+Usage: ``python benchmarks/kernel_resources.py`` (needs triton with its NVIDIA backend; no GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from efla.ops.cuda import kernels as kn
+
+SIGNATURE = {"k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*fp32", "derase": "*bf16", "dgl": "*fp32",
+             "dvin": "*bf16", "dk": "*bf16", "dbeta": "*bf16", "dg": "*fp32", "dv": "*bf16", "R": "i32"}
+
+
+def compile_setting(gated: bool, BR: int, BC: int, num_warps: int, K: int = 128, V: int = 128):
+    fn = kn.coef_bwd_kernel.fn
+    signature = {name: SIGNATURE.get(name, "constexpr") for name in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if signature[name][0] == "*"}
+    constants = dict(K=K, V=V, BR=BR, BC=BC, GATED=gated, G_MIN=kn.G_FLOOR)
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def resources(compiled) -> tuple[int, int]:
+    """(registers, stack bytes) per thread, from cuobjdump of the cubin."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(compiled.asm["cubin"])
+        fh.flush()
+        out = subprocess.run([cuobjdump, "-res-usage", fh.name], capture_output=True, text=True, check=True).stdout
+    regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", out).groups()
+    return int(regs), int(stack)
+
+
+def threads_per_row(compiled) -> int:
+    """Threads that share one row of the [BR, BC] blocks (from the kernel's 2D blocked layout)."""
+    layout = re.search(r"threadsPerWarp = \[(\d+), (\d+)\]", compiled.asm["ttgir"])
+    return int(layout.group(2)) if layout else 1
+
+
+def main() -> int:
+    print(f"triton {triton.__version__}, sm_90, K = V = 128, bf16")
+    print("| rule | rows per program | columns per block | warps | registers | stack bytes | "
+          "float64 divisions per thread | threads per row |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for gated in (False, True):
+        for cfg in kn.COEF_BWD_CONFIGS:
+            BR, BC, w = cfg.kwargs["BR"], cfg.kwargs["BC"], cfg.num_warps
+            compiled = compile_setting(gated, BR, BC, w)
+            regs, stack = resources(compiled)
+            divisions = len(re.findall(r"div\.rn\.f64", compiled.asm["ptx"]))
+            rule = "gated" if gated else "plain"
+            print(f"| {rule} | {BR} | {BC} | {w} | {regs} | {stack} | {divisions} | {threads_per_row(compiled)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
