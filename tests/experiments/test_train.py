@@ -336,3 +336,18 @@ def test_tokenizer_trained_on_shared_corpus_saved_with_model(tmp_path):
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits
     assert logits.shape == (1, len(ids), len(tok)) and torch.isfinite(logits).all()
+
+
+def test_lm_report_names_the_preset_or_the_config_file(corpus, tokenizer_dir, tmp_path):
+    from efla.data.tokenizer import load_tokenizer
+    from efla.experiments.lm.report import collect_runs, summary_markdown
+    from efla.models import get_preset_config
+
+    config_file = tmp_path / "small.json"
+    get_preset_config("tiny-efla", vocab_size=len(load_tokenizer(tokenizer_dir))).to_json_file(config_file)
+    train(_cfg(corpus, tokenizer_dir, tmp_path / "by-preset", max_steps=2))
+    train(_cfg(corpus, tokenizer_dir, tmp_path / "by-config", max_steps=2, preset=None, config_file=str(config_file)))
+    by_preset = summary_markdown(collect_runs([str(tmp_path / "by-preset")]), "t", "", "")
+    by_config = summary_markdown(collect_runs([str(tmp_path / "by-config")]), "t", "", "")
+    assert "1 runs; each: preset `tiny-*`" in by_preset
+    assert "1 runs; each: config `small.json`" in by_config

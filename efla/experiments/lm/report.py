@@ -44,7 +44,7 @@ def collect_runs(run_dirs: list[str], tail: int = 20) -> list[dict]:
         val = [(e["step"], e["tokens"], e["val_loss"]) for e in log if "val_loss" in e]
         last = [c[2] for c in curve[-tail:]]
         rows.append(dict(run=os.path.basename(os.path.normpath(d)), dir=d, variant=summ["variant"], seed=args["seed"],
-                         preset=args["preset"], steps=summ["steps"], tokens=summ["tokens"],
+                         preset=args.get("preset"), config=args.get("config_file"), steps=summ["steps"], tokens=summ["tokens"],
                          n_params=summ["n_params"], final_loss=sum(last) / len(last) if last else None,
                          val_loss=summ["val_loss"], tokens_per_s=summ["tokens_per_s"], threads=summ.get("threads"),
                          train_seconds=summ.get("train_seconds_this_process"), resolved=args.get("resolved", {}),
@@ -124,10 +124,17 @@ def runs_table(rows: list[dict]) -> harness.Table:
     return table
 
 
+def _model_source(row: dict) -> str:
+    """How the runs' models were chosen: ``preset `340m-*` `` or ``config `efla.json` `` (``--config``)."""
+    if row.get("preset"):
+        return f"preset `{row['preset'].split('-')[0]}-*`"
+    return f"config `{os.path.basename(row.get('config') or '?')}`"
+
+
 def summary_markdown(rows: list[dict], title: str, notes: str, command_line: str) -> str:
     r0 = rows[0]
     lines = [f"# {title}", "",
-             f"{len(rows)} runs; each: preset `{r0['preset'].split('-')[0]}-*` "
+             f"{len(rows)} runs; each: {_model_source(r0)} "
              f"({r0['n_params']:,} parameters with this vocabulary), {r0['steps']} steps, "
              f"{r0['tokens']:,} training tokens (sequence length {r0['resolved'].get('seq_len')}, "
              f"{r0['resolved'].get('batch_tokens')} tokens per step).", "",
