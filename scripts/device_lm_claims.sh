@@ -15,7 +15,7 @@ set -uo pipefail
 RESULTS=${RESULTS:-/tmp/results}
 WORK=${WORK:-/tmp/lm}
 SEEDS=${SEEDS:-"0 1 2"}
-MAX_TOKENS=${MAX_TOKENS:-6000000}
+MAX_TOKENS=${MAX_TOKENS:-6225920}  # 95 steps of 65,536: one epoch of the corpus (6.28M tokens with this tokenizer, 33K held out)
 DATA=.devdata/lm/gutenberg
 mkdir -p "$RESULTS" "$WORK/configs"
 source scripts/device_env.sh
