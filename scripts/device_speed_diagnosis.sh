@@ -52,7 +52,7 @@ for phase in $PHASES; do
     model13) run_phase model13 330 python3 benchmarks/gpu_model.py --sizes 1.3b --shapes 8192x2,16384x1 \
                --models fla,efla --warmup 3 --steps 16 --profile 25 --out "$RESULTS/model13" ;;
     ops) run_phase ops 240 python3 benchmarks/gpu_ops.py --skip-correctness --skip-decode --skip-model \
-           --shapes "8,2048,16;4,4096,16;2,8192,16;1,16384,16;2,16384,16" --rounds 3 --budget 220 \
+           --shapes "8,2048,16;4,4096,16;2,8192,16;1,16384,16;2,16384,16" --rounds 5 --budget 220 \
            --out "$RESULTS/ops" ;;
     tests) run_phase tests 420 env EFLA_TEST_FIRST_CONFIG=1 TRITON_CACHE_DIR=/tmp/triton-cache-tests \
              python3 -m pytest -v -m gpu -p no:cacheprovider -rfs tests/ops/test_cuda.py \
