@@ -4,7 +4,8 @@
 #   stages   benchmarks/gpu_stages.py: every stage of the EFLA and Gated EFLA ops alone, the gated
 #            dqkwg stage autotuned vs its old fixed launch vs fla's kernel, the coefficient kernels'
 #            launch settings swept (stages2: two shapes, no sweep);
-#   model13  1.3B fla DeltaNet vs efla at 8K x 2 and 16K x 1, 16 steps, plus one profiled step each;
+#   model13  1.3B fla DeltaNet vs efla at 8K x 2 and 16K x 1 (SHAPES13), 16 steps, plus one profiled
+#            step each;
 #   ops      the layer-level op table (benchmarks/gpu_ops.py) at the five H = 16 shapes;
 #   tests    the GPU tests (-m gpu) of ops, head dims, grouped values, hybrids, compile, fused
 #            modules, first launch setting of each autotuned kernel (own Triton cache); tests2: the
@@ -19,7 +20,7 @@
 #   PHASES="stages model13 ops tests" bash scripts/device_speed_diagnosis.sh
 set -uo pipefail
 RESULTS=${RESULTS:-/tmp/results}
-PHASES=${PHASES-"stages2 model340 compile340 ops96 dims"}
+PHASES=${PHASES-"stages2 ops model340 compile340 dims ops96"}
 DEADLINE=${DEADLINE:-1500}
 mkdir -p "$RESULTS"
 source scripts/device_env.sh
@@ -49,7 +50,7 @@ for phase in $PHASES; do
               --rounds 3 --out "$RESULTS/stages" ;;
     stages2) run_phase stages2 150 python3 benchmarks/gpu_stages.py --shapes "8,2048,16;2,16384,16" --no-sweep \
                --rounds 3 --out "$RESULTS/stages2" ;;
-    model13) run_phase model13 330 python3 benchmarks/gpu_model.py --sizes 1.3b --shapes 8192x2,16384x1 \
+    model13) run_phase model13 330 python3 benchmarks/gpu_model.py --sizes 1.3b --shapes "${SHAPES13:-8192x2,16384x1}" \
                --models fla,efla --warmup 3 --steps 16 --profile 25 --out "$RESULTS/model13" ;;
     ops) run_phase ops 240 python3 benchmarks/gpu_ops.py --skip-correctness --skip-decode --skip-model \
            --shapes "8,2048,16;4,4096,16;2,8192,16;1,16384,16;2,16384,16" --rounds 5 --budget 220 \
