@@ -79,16 +79,6 @@ def _expm1_64(x):
 
 
 @triton.jit
-def _block_mask(m_r, o_c, N: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """Mask of a [BR, BC] block at columns ``o_c`` of rows ``m_r`` of width N. Where BC divides N it
-    is constant along each row, which lets Triton load a thread's columns as one vector."""
-    if N % BC == 0:
-        return tl.broadcast_to(m_r[:, None], (BR, BC))
-    else:
-        return m_r[:, None] & (o_c < N)[None, :]
-
-
-@triton.jit
 def _phi_q_dq64(x):
     """For x >= 0: phi(x), q(x) = phi'/phi = 1 / expm1(x) - 1 / x (in [-1/2, 0)) and
     q'(x) = 1 / x^2 - exp(x) / expm1(x)^2 (in (0, 1/12]), each from one pair expm1(-x), expm1(x),
@@ -190,7 +180,7 @@ def coef_bwd_kernel(
     lam = tl.zeros([BR], dtype=tl.float64)
     for c in range(0, K, BC):
         o_c = c + tl.arange(0, BC)
-        m_c = _block_mask(m_r, o_c, K, BR, BC)
+        m_c = m_r[:, None] & (o_c < K)[None, :]
         b_k = tl.load(k + i_r[:, None] * K + o_c[None, :], mask=m_c, other=0.0).to(tl.float32).to(tl.float64)
         lam += tl.sum(b_k * b_k, 1)
     b_beta = tl.load(beta + i_r, mask=m_r, other=0.0).to(tl.float64)
@@ -213,7 +203,7 @@ def coef_bwd_kernel(
         b_dr = tl.zeros([BR], dtype=tl.float64)  # d loss / d r = sum(dvin * v)
         for c in range(0, V, BC):
             o_c = c + tl.arange(0, BC)
-            m_c = _block_mask(m_r, o_c, V, BR, BC)
+            m_c = m_r[:, None] & (o_c < V)[None, :]
             b_v = tl.load(v + i_r[:, None] * V + o_c[None, :], mask=m_c, other=0.0).to(tl.float32)
             b_dvi = tl.load(dvin + i_r[:, None] * V + o_c[None, :], mask=m_c, other=0.0).to(tl.float32)
             b_dr += tl.sum(b_dvi.to(tl.float64) * b_v.to(tl.float64), 1)
@@ -238,7 +228,7 @@ def coef_bwd_kernel(
     two_d_lam = (2.0 * d_lam).to(tl.float32)
     for c in range(0, K, BC):
         o_c = c + tl.arange(0, BC)
-        m_c = _block_mask(m_r, o_c, K, BR, BC)
+        m_c = m_r[:, None] & (o_c < K)[None, :]
         b_k = tl.load(k + i_r[:, None] * K + o_c[None, :], mask=m_c, other=0.0).to(tl.float32)
         p_dk = dk + i_r[:, None] * K + o_c[None, :]
         b_dk = tl.load(p_dk, mask=m_c, other=0.0).to(tl.float32) + two_d_lam[:, None] * b_k
