@@ -14,7 +14,8 @@ sizes (same parameter count); ours: the ``<size>-efla``, ``-deltanet``, ``-gated
 ``-gated-deltanet`` presets as they are, ``efla+flce`` (``fuse_linear_cross_entropy=True``) and
 ``<preset>+compile`` (the preset under ``torch.compile(dynamic=False)``: one graph per shape, built in
 the warm-up; a compile failure is that model's failed row) and ``<preset>-no-output-gate`` (a gated
-preset with ``use_gate=False``: the plain layer's architecture plus the decay gate).
+preset with ``use_gate=False`` at the ungated preset's depth: the plain model plus the decay gate, so
+its ratio to ``efla`` is what the gate's arithmetic costs).
 
 ``--profile`` adds, per shape, one profiled step of every model (``torch.profiler``): its GPU kernel
 time and the kernels that take most of it, to see where two models differ.
@@ -81,7 +82,8 @@ def build(kind: str, size: str):
             model = EFLAForCausalLM(get_preset_config(f"{size}-efla", fuse_linear_cross_entropy=True))
         elif kind.removesuffix("+compile").endswith(NO_OUTPUT_GATE):
             preset = kind.removesuffix("+compile").removesuffix(NO_OUTPUT_GATE)
-            model = EFLAForCausalLM(get_preset_config(f"{size}-{preset}", use_gate=False))
+            depth = get_preset_config(f"{size}-efla").num_hidden_layers
+            model = EFLAForCausalLM(get_preset_config(f"{size}-{preset}", use_gate=False, num_hidden_layers=depth))
         else:
             model = EFLAForCausalLM(get_preset_config(f"{size}-{kind.removesuffix('+compile')}"))
     model = model.to(torch.bfloat16).train()

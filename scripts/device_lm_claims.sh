@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 visit for the language-model claim at GPU scale: EFLA, DeltaNet, Gated EFLA and Gated
-# DeltaNet at about 100M parameters (hidden 640, 12 layers, 5 heads of 128, 32k vocabulary; 61M
-# without the embeddings), one epoch of the Gutenberg corpus each, model seeds 0 1 2 on the same
+# DeltaNet at about 100M parameters (hidden 640, 12 layers (gated: 11, for the same count), 5 heads of
+# 128, 32k vocabulary; 61M without the embeddings), one epoch of the Gutenberg corpus each, model seeds 0 1 2 on the same
 # tokens in the same order; the four variants of a seed train side by side on the GPU. Then WikiText-2
 # test (word perplexity, bits per byte) and LAMBADA for every run, and the loss-curve report.
 # Prepare here (git-ignored, carried):
@@ -26,7 +26,8 @@ python3 - "$WORK/configs" <<'EOF'
 import sys
 from efla.models import get_preset_config
 for variant in ("efla", "deltanet", "gated-efla", "gated-deltanet"):
-    cfg = get_preset_config(f"340m-{variant}", hidden_size=640, num_hidden_layers=12, num_heads=5)
+    depth = 11 if variant.startswith("gated") else 12  # same parameter count: 101.5M gated, 102.1M plain
+    cfg = get_preset_config(f"340m-{variant}", hidden_size=640, num_hidden_layers=depth, num_heads=5)
     cfg.to_json_file(f"{sys.argv[1]}/{variant}.json")
 EOF
 

@@ -4,13 +4,14 @@
 #   stages   benchmarks/gpu_stages.py: every stage of the EFLA and Gated EFLA ops alone, the gated
 #            dqkwg stage autotuned vs its old fixed launch vs fla's kernel, the coefficient kernels'
 #            launch settings swept (stages2: two shapes, no sweep);
-#   model13  1.3B fla DeltaNet vs efla at 8K x 2 and 16K x 1 (SHAPES13), 16 steps, plus one profiled
-#            step each;
+#   model13  1.3B fla DeltaNet vs efla (MODELS13) at 8K x 2 and 16K x 1 (SHAPES13), 16 steps (STEPS13),
+#            plus one profiled step each (PROFILE13="" leaves it out);
 #   ops      the layer-level op table (benchmarks/gpu_ops.py) at the five H = 16 shapes;
 #   tests    the GPU tests (-m gpu) of ops, head dims, grouped values, hybrids, compile, fused
 #            modules, first launch setting of each autotuned kernel (own Triton cache); tests2: the
 #            hybrid, compile and fused-module ones, the coefficient gradients and the ops' reference check;
-#   model340 340M fla DeltaNet, efla, gated-efla and gated-efla without its output gate;
+#   model340 340M fla DeltaNet, efla, gated-efla and gated-efla without its output gate (MODELS340) at
+#            SHAPES340;
 #   compile340  340M efla eager against efla under torch.compile;
 #   ops96    the op table at (1, 8192, 96);
 #   dims     the op table at (4, 4096, 16) with head dims 32, 64 and 256.
@@ -51,7 +52,7 @@ for phase in $PHASES; do
     stages2) run_phase stages2 150 python3 benchmarks/gpu_stages.py --shapes "8,2048,16;2,16384,16" --no-sweep \
                --rounds 3 --out "$RESULTS/stages2" ;;
     model13) run_phase model13 330 python3 benchmarks/gpu_model.py --sizes 1.3b --shapes "${SHAPES13:-8192x2,16384x1}" \
-               --models fla,efla --warmup 3 --steps 16 --profile 25 --out "$RESULTS/model13" ;;
+               --models "${MODELS13:-fla,efla}" --warmup 3 --steps "${STEPS13:-16}" ${PROFILE13---profile 25} --out "$RESULTS/model13" ;;
     ops) run_phase ops 240 python3 benchmarks/gpu_ops.py --skip-correctness --skip-decode --skip-model \
            --shapes "8,2048,16;4,4096,16;2,8192,16;1,16384,16;2,16384,16" --rounds 5 --budget 220 \
            --out "$RESULTS/ops" ;;
@@ -65,7 +66,7 @@ for phase in $PHASES; do
               "tests/ops/test_cuda.py::test_coefficient_gradients_float32_accurate_on_gpu" \
               "tests/ops/test_cuda.py::test_gpu_matches_reference" ;;
     model340) run_phase model340 330 python3 benchmarks/gpu_model.py --sizes 340m --shapes "${SHAPES340:-2048x8,16384x1}" \
-                --models fla,efla,gated-efla,gated-efla-no-output-gate --warmup 3 --steps 8 \
+                --models "${MODELS340:-fla,efla,gated-efla,gated-efla-no-output-gate}" --warmup 3 --steps 8 \
                 --out "$RESULTS/model340" ;;
     compile340) run_phase compile340 330 python3 benchmarks/gpu_model.py --sizes 340m --shapes 2048x8 \
                   --models efla,efla+compile --warmup 3 --steps 8 --out "$RESULTS/compile340" ;;

@@ -39,8 +39,16 @@ def test_paper_sizes():
     # exact counts (embeddings 32000 x D twice, untied); recorded in the step-2 report
     assert count("340m-efla") == 374_362_112
     assert count("1.3b-efla") == 1_365_677_056
-    assert count("340m-gated-efla") == 399_724_928
-    assert count("1.3b-gated-efla") == 1_467_127_552
+    assert count("340m-gated-efla") == 371_875_936
+    assert count("1.3b-gated-efla") == 1_355_789_760
+
+
+@pytest.mark.parametrize("size", ["340m", "1.3b"])
+def test_gated_presets_match_the_ungated_size(size):
+    """The output gate's projection is paid for with depth: within 1% of the ungated count, not above it."""
+    ungated, gated = count(f"{size}-efla"), count(f"{size}-gated-efla")
+    assert 0.99 * ungated <= gated <= ungated
+    assert get_preset_config(f"{size}-gated-efla").num_hidden_layers == 22
 
 
 def test_parts_add_up():
