@@ -11,10 +11,13 @@
 #            modules, first launch setting of each autotuned kernel (own Triton cache); tests2: the
 #            hybrid, compile and fused-module ones, the coefficient gradients and the ops' reference check;
 #   model340 340M fla DeltaNet, efla, gated-efla and gated-efla without its output gate (MODELS340) at
-#            SHAPES340;
+#            SHAPES340, STEPS340 steps, PROFILE340="--profile 25" adds a profiled step each;
 #   compile340  340M efla eager against efla under torch.compile;
 #   ops96    the op table at (1, 8192, 96);
-#   dims     the op table at (4, 4096, 16) with head dims 32, 64 and 256.
+#   dims     the op table at (4, 4096, 16) with head dims 32, 64 and 256;
+#   faults   every gated dqkwg launch setting as written, at head dims 32 and 64, one process each;
+#   launch   tests/ops/test_launch_settings.py: every launch setting of our autotuned kernels at
+#            every head size, against the first.
 # Carry: .whl (fla wheels); optionally .devcache/autotune.tgz (the autotuning results of an earlier
 # visit: fla's and our kernels then skip their autotuning). Results in $RESULTS/<phase>/ and
 # $RESULTS/autotune.tgz; scripts/device_collect.sh packs them.
@@ -66,7 +69,8 @@ for phase in $PHASES; do
               "tests/ops/test_cuda.py::test_coefficient_gradients_float32_accurate_on_gpu" \
               "tests/ops/test_cuda.py::test_gpu_matches_reference" ;;
     model340) run_phase model340 330 python3 benchmarks/gpu_model.py --sizes 340m --shapes "${SHAPES340:-2048x8,16384x1}" \
-                --models "${MODELS340:-fla,efla,gated-efla,gated-efla-no-output-gate}" --warmup 3 --steps 8 \
+                --models "${MODELS340:-fla,efla,gated-efla,gated-efla-no-output-gate}" --warmup 3 --steps "${STEPS340:-8}" \
+                ${PROFILE340:-} \
                 --out "$RESULTS/model340" ;;
     compile340) run_phase compile340 330 python3 benchmarks/gpu_model.py --sizes 340m --shapes 2048x8 \
                   --models efla,efla+compile --warmup 3 --steps 8 --out "$RESULTS/compile340" ;;
@@ -74,6 +78,9 @@ for phase in $PHASES; do
              --shapes "1,8192,96" --rounds 3 --budget 240 --out "$RESULTS/ops96" ;;
     dims) run_phase dims 300 python3 benchmarks/gpu_ops.py --skip-correctness --skip-decode --skip-model \
             --shapes "4,4096,16" --head-dims 64x64,32x32,256x256 --rounds 3 --budget 280 --out "$RESULTS/dims" ;;
+    faults) run_phase faults 120 python3 benchmarks/gpu_launch_faults.py --dims 32x32,64x64 --out "$RESULTS/faults" ;;
+    launch) run_phase launch 300 env TRITON_CACHE_DIR=/tmp/triton-cache-tests python3 -m pytest -q -m gpu \
+              -p no:cacheprovider -rfs tests/ops/test_launch_settings.py ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

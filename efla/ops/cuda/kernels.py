@@ -183,13 +183,15 @@ def coef_bwd_kernel(
         m_c = m_r[:, None] & (o_c < K)[None, :]
         b_k = tl.load(k + i_r[:, None] * K + o_c[None, :], mask=m_c, other=0.0).to(tl.float32).to(tl.float64)
         lam += tl.sum(b_k * b_k, 1)
-    b_beta = tl.load(beta + i_r, mask=m_r, other=0.0).to(tl.float64)
-    b_de = tl.load(derase + i_r, mask=m_r, other=0.0).to(tl.float64)
+    # bf16 <-> float64 conversions go through float32 here: Triton's CPU interpreter, which the tests
+    # run this kernel on, turns bf16 results of float64 values into zeros and NaNs
+    b_beta = tl.load(beta + i_r, mask=m_r, other=0.0).to(tl.float32).to(tl.float64)
+    b_de = tl.load(derase + i_r, mask=m_r, other=0.0).to(tl.float32).to(tl.float64)
     if GATED:
         # erase c = (1 - e^-x1) / lam (x1 = rho lam, rho = a_c beta); value v' = v r with
         # r = w / c = phi(eta) / (a_c phi(x1)), eta = x1 + delta, delta = -expm1(g). The gradients of
         # log r are differences q(eta) - q(x1) of q = phi'/phi, taken by _q_step64 (no cancellation).
-        b_g = tl.load(g + i_r, mask=m_r, other=0.0).to(tl.float64)
+        b_g = tl.load(g + i_r, mask=m_r, other=0.0).to(tl.float32).to(tl.float64)
         s_g = tl.where(b_g > G_MIN, 1.0, 0.0)  # d a_c / dg = s_g * a_c
         a = tl.exp(b_g)
         a_c = tl.exp(tl.maximum(b_g, G_MIN))
@@ -213,18 +215,18 @@ def coef_bwd_kernel(
         dr_scale = b_dr * r
         d_beta = b_de * a_c * ex1 + dr_scale * a_c * lam * dq
         d_lam = b_de * rho * rho * q1 * p1 + dr_scale * rho * dq
-        dgl_in = tl.load(dgl + i_r, mask=m_r, other=0.0).to(tl.float64)
+        dgl_in = tl.load(dgl + i_r, mask=m_r, other=0.0).to(tl.float32).to(tl.float64)
         d_g = (b_de * s_g * rho * ex1
                + dr_scale * (s_g * x1 * dq - a * q_eta - s_g)
                + dgl_in * a)
-        tl.store(dg + i_r, d_g.to(dg.dtype.element_ty), mask=m_r)
+        tl.store(dg + i_r, d_g.to(tl.float32).to(dg.dtype.element_ty), mask=m_r)
     else:
         # alpha = (1 - e^-x) / lam, x = beta lam: d alpha / d beta = e^-x, d alpha / d lam = beta^2 phi'(x)
         x = b_beta * lam
         d_beta = b_de * tl.exp(-x)
         phi, q, _, _, _ = _phi_q_dq64(x)
         d_lam = b_de * b_beta * b_beta * q * phi
-    tl.store(dbeta + i_r, d_beta.to(dbeta.dtype.element_ty), mask=m_r)
+    tl.store(dbeta + i_r, d_beta.to(tl.float32).to(dbeta.dtype.element_ty), mask=m_r)
     two_d_lam = (2.0 * d_lam).to(tl.float32)
     for c in range(0, K, BC):
         o_c = c + tl.arange(0, BC)
@@ -246,7 +248,23 @@ DQKWG_CONFIGS = [
 ]
 
 
-@triton.autotune(configs=_tunable(DQKWG_CONFIGS), key=["H", "K", "V", "BT", "BK", "IS_VARLEN"], **_autotune_kwargs())
+def dqkwg_configs(V: int, configs=DQKWG_CONFIGS) -> list:
+    """``configs`` with value blocks no wider than the value head (at V = 32, a 64- or 128-wide block
+    crashed the H200 with an illegal memory access), duplicates dropped."""
+    fitted = {}
+    for c in configs:
+        bv = min(c.kwargs["BV"], max(16, triton.next_power_of_2(V)))
+        fitted.setdefault((bv, c.num_warps, c.num_stages),
+                          triton.Config({**c.kwargs, "BV": bv}, num_warps=c.num_warps, num_stages=c.num_stages))
+    return list(fitted.values())
+
+
+def _fit_dqkwg_configs(configs, named_args, **kwargs) -> list:
+    return dqkwg_configs(kwargs["V"], configs)
+
+
+@triton.autotune(configs=_tunable(DQKWG_CONFIGS), key=["H", "K", "V", "BT", "BK", "IS_VARLEN"],
+                 prune_configs_by={"early_config_prune": _fit_dqkwg_configs}, **_autotune_kwargs())
 @triton.jit(do_not_specialize=["T", "TOT"])
 def gated_dqkwg_kernel(
     q, k, v, g, h, do, dh, dv,  # v = v_new [B,T,H,V]; g = chunk-local cumsum (log2) [B,T,H] f32

@@ -1,0 +1,106 @@
+"""Every launch setting of our autotuned GPU kernels, at every head size the GPU path takes.
+
+The autotuner times each setting once on a new shape; a setting that faults or computes something
+else then crashes or corrupts a user's first call at that head size. Tests that check results run
+only the first setting (``EFLA_TEST_FIRST_CONFIG``), so this file runs each setting explicitly:
+the gated backward's stages up to ``gated_dqkwg`` (each one synchronised, so a fault names its
+stage), then every ``gated_dqkwg`` and ``coef_bwd`` setting against the first one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda"  # Triton's CPU interpreter runs these on "cpu" (tried by hand; too slow for CI)
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (GPU fast path)")
+HEAD_DIMS = [(32, 32), (64, 64), (64, 128), (128, 128), (256, 256), (32, 256)]
+
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all(), "non-finite values"
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _stage(name, fn):
+    out = fn()
+    try:
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+    except RuntimeError as e:  # a fault is sticky: name the stage, stop the test
+        pytest.fail(f"{name} faulted: {e}")
+    return out
+
+
+def _gated_backward_inputs(K, V, B=2, T=200, H=2):
+    """The tensors ``gated_bwd`` hands to ``gated_dqkwg`` and ``coef_bwd`` for random inputs."""
+    from efla.ops.cuda import chunk as ch
+
+    ch.load()
+    F_ = ch.F
+    gen = torch.Generator(device=DEVICE).manual_seed(K * 1000 + V)
+
+    def rnd(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, device=DEVICE, generator=gen)).to(torch.bfloat16)
+
+    q, k, v, do = rnd(B, T, H, K), rnd(B, T, H, K, scale=K ** -0.5), rnd(B, T, H, V), rnd(B, T, H, V)
+    beta = torch.sigmoid(rnd(B, T, H))
+    g = F.logsigmoid(2 + 3 * torch.randn(B, T, H, device=DEVICE, generator=gen))
+    scale = K ** -0.5
+    o, ht, A, gcum, c, vp, qn, q_rstd, _, _ = _stage(
+        "gated forward", lambda: ch.gated_fwd(q, k, v, g, beta, None, scale, False, None, True, True, False))
+    w, u = _stage("recompute_w_u_fwd", lambda: F_["recompute_w_u_fwd"](k=k, v=vp, beta=c, A=A, g=gcum))
+    h, v_new, _ = _stage("chunk_gated_delta_rule_fwd_h", lambda: F_["chunk_gated_delta_rule_fwd_h"](
+        k=k, w=w, u=u, g=gcum, initial_state=None, output_final_state=False, chunk_size=ch.CHUNK))
+    dv = _stage("chunk_bwd_dv_local", lambda: F_["chunk_bwd_dv_local"](
+        q=qn, k=k, do=do, g=gcum, scale=scale, chunk_size=ch.CHUNK))
+    dh, _, dv = _stage("chunk_gated_delta_rule_bwd_dhu", lambda: F_["chunk_gated_delta_rule_bwd_dhu"](
+        q=qn, k=k, w=w, do=do, dv=dv, g=gcum, h0=None, dht=None, scale=scale, chunk_size=ch.CHUNK))
+    dqkwg_args = (qn, k, v_new, gcum, h, do, dh, dv, scale, None, None)
+    coef_args = dict(k=k, beta=beta, g=g, v=v, derase=rnd(B, T, H).float(), dgl=torch.randn_like(g),
+                     dvin=rnd(B, T, H, V), dk=rnd(B, T, H, K))
+    return dqkwg_args, coef_args
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,V", HEAD_DIMS)
+def test_every_dqkwg_setting_runs_and_agrees(K, V):
+    from efla.ops.cuda import chunk as ch
+    from efla.ops.cuda import kernels as kn
+
+    dqkwg_args, _ = _gated_backward_inputs(K, V)
+    settings = kn.dqkwg_configs(V)
+    assert all(c.kwargs["BV"] <= max(16, V) for c in settings)
+    outputs = []
+    for c in settings:
+        launch = dict(BV=c.kwargs["BV"], num_warps=c.num_warps, num_stages=c.num_stages)
+        outputs.append(_stage(f"gated_dqkwg {launch}", lambda: ch.gated_dqkwg(*dqkwg_args, launch=launch)))
+    for c, out in zip(settings[1:], outputs[1:]):
+        for name, a, b in zip(("dq", "dk", "dw", "dg"), out, outputs[0]):
+            assert _rel(a, b) < 1e-2, (c, name)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,V", HEAD_DIMS)
+@pytest.mark.parametrize("gated", [False, True])
+def test_every_coefficient_backward_setting_runs_and_agrees(K, V, gated):
+    from efla.ops.cuda import chunk as ch
+    from efla.ops.cuda import kernels as kn
+
+    _, a = _gated_backward_inputs(K, V)
+    extra = dict(g=a["g"], v=a["v"], dgl=a["dgl"], dvin=a["dvin"]) if gated else {}
+    outputs = []
+    for c in kn.COEF_BWD_CONFIGS:
+        launch = (c.kwargs["BR"], c.num_warps, c.kwargs["BC"])
+        dk = a["dk"].clone()  # updated in place
+        out = _stage(f"coef_bwd {launch}", lambda: ch.coef_bwd(a["k"], a["beta"], a["derase"], dk, launch=launch,
+                                                               **extra))
+        outputs.append((dk, *(out if gated else (out,))))
+    for c, out in zip(kn.COEF_BWD_CONFIGS[1:], outputs[1:]):
+        for a_, b_ in zip(out, outputs[0]):
+            assert _rel(a_.float(), b_.float()) < 1e-3, c
