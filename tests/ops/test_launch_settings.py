@@ -25,8 +25,8 @@ def _rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _stage(name, fn):
-    out = fn()
+def _stage(name, fn, *args, **kwargs):
+    out = fn(*args, **kwargs)
     try:
         if DEVICE == "cuda":
             torch.cuda.synchronize()
@@ -78,7 +78,7 @@ def test_every_dqkwg_setting_runs_and_agrees(K, V):
     outputs = []
     for c in settings:
         launch = dict(BV=c.kwargs["BV"], num_warps=c.num_warps, num_stages=c.num_stages)
-        outputs.append(_stage(f"gated_dqkwg {launch}", lambda: ch.gated_dqkwg(*dqkwg_args, launch=launch)))
+        outputs.append(_stage(f"gated_dqkwg {launch}", ch.gated_dqkwg, *dqkwg_args, launch=launch))
     for c, out in zip(settings[1:], outputs[1:]):
         for name, a, b in zip(("dq", "dk", "dw", "dg"), out, outputs[0]):
             assert _rel(a, b) < 1e-2, (c, name)
@@ -98,8 +98,7 @@ def test_every_coefficient_backward_setting_runs_and_agrees(K, V, gated):
     for c in kn.COEF_BWD_CONFIGS:
         launch = (c.kwargs["BR"], c.num_warps, c.kwargs["BC"])
         dk = a["dk"].clone()  # updated in place
-        out = _stage(f"coef_bwd {launch}", lambda: ch.coef_bwd(a["k"], a["beta"], a["derase"], dk, launch=launch,
-                                                               **extra))
+        out = _stage(f"coef_bwd {launch}", ch.coef_bwd, a["k"], a["beta"], a["derase"], dk, launch=launch, **extra)
         outputs.append((dk, *(out if gated else (out,))))
     for c, out in zip(kn.COEF_BWD_CONFIGS[1:], outputs[1:]):
         for a_, b_ in zip(out, outputs[0]):
