@@ -1,10 +1,11 @@
 """flash-linear-attention's fused Triton modules, used by our blocks on CUDA tensors.
 
-Our modules (``RMSNorm``, ``RMSNormGated``, ``ShortConvolution``, ``GatedMLP``) and the model's
-loss keep their parameters and their PyTorch code; on a CUDA tensor they hand the arithmetic to
-fla's fused kernels (one pass instead of a chain of float32 elementwise kernels, nothing kept for
-backward that can be recomputed), the same kernels fla's own models use by default. Everything
-else (CPU tensors, float64, fla not installed) runs the PyTorch code.
+Our modules (``RMSNorm``, ``RMSNormGated``, ``ShortConvolution``, ``GatedMLP``), the gated layers'
+decay gate (``decay_gate``) and the model's loss keep their parameters and their PyTorch code; on a
+CUDA tensor they hand the arithmetic to fla's fused kernels (one pass instead of a chain of float32
+elementwise kernels, nothing kept for backward that can be recomputed), the same kernels fla's own
+models use by default. Everything else (CPU tensors, float64, fla not installed) runs the PyTorch
+code.
 
 ``set_enabled(False)`` (or ``EFLA_FUSED=0``) forces the PyTorch code everywhere: a control for
 speed and numerics comparisons.
@@ -40,11 +41,12 @@ def _importable() -> bool:
             from fla.modules.causal_conv1d import causal_conv1d
             from fla.modules.fused_norm_gate import rms_norm_gated
             from fla.modules.layernorm import rms_norm
+            from fla.ops.gated_delta_rule.gate import fused_gdn_gate
 
             _kernels = SimpleNamespace(
                 rms_norm=rms_norm, rms_norm_gated=rms_norm_gated, causal_conv1d=causal_conv1d,
                 swiglu_linear=swiglu_linear, CrossEntropyLoss=FusedCrossEntropyLoss,
-                LinearCrossEntropyLoss=FusedLinearCrossEntropyLoss,
+                LinearCrossEntropyLoss=FusedLinearCrossEntropyLoss, decay_gate=fused_gdn_gate,
             )
         except Exception:  # noqa: BLE001  no triton / no fla / a broken install: the PyTorch code serves
             _kernels = False

@@ -28,7 +28,7 @@ from ._common import (
     per_value_head,
     stiffness_stats,
 )
-from .modules import RMSNorm, RMSNormGated, ShortConvolution, l2_normalize
+from .modules import RMSNorm, RMSNormGated, ShortConvolution, decay_gate, l2_normalize
 
 __all__ = ["GatedEFLA"]
 
@@ -167,9 +167,7 @@ class GatedEFLA(nn.Module):
     def log_gate(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``g = -exp(A_log) * softplus(a_proj(x) + dt_bias)``, ``[B, T, num_v_heads]``, ``<= 0``, in
         float32 (float64 for float64 inputs): the ops keep the gate's cumulative sum in that precision."""
-        cdt = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
-        a = self.a_proj(hidden_states).to(cdt) + self.dt_bias.to(cdt)
-        return -self.A_log.to(cdt).exp() * F.softplus(a)
+        return decay_gate(self.a_proj(hidden_states), self.A_log, self.dt_bias)
 
     def prepare_qkv_beta(self, hidden_states, attention_mask=None, last_state=None, use_cache=False, cu_seqlens=None):
         """The recurrence inputs per value head, ``q, k [B, T, HV, K]`` (each q/k head repeated for

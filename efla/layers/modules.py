@@ -16,7 +16,8 @@ from efla.ops.normalize import l2_normalize
 
 from .fused import kernels_for
 
-__all__ = ["ShortConvolution", "RMSNorm", "RMSNormGated", "GatedMLP", "l2_normalize", "mlp_intermediate_size"]
+__all__ = ["ShortConvolution", "RMSNorm", "RMSNormGated", "GatedMLP", "decay_gate", "l2_normalize",
+           "mlp_intermediate_size"]
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -211,6 +212,18 @@ class RMSNormGated(RMSNorm):
         gf = g.to(_compute_dtype(x))
         gate = torch.sigmoid(gf) if self.activation == "sigmoid" else F.silu(gf)
         return (self._normalize(x).to(gf.dtype) * gate).to(x.dtype)
+
+
+def decay_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """Gated DeltaNet's decay in log space, ``g = -exp(A_log) * softplus(a + dt_bias)`` per head
+    (``a [..., H]``, ``A_log, dt_bias [H]``), in float32 (float64 for float64 ``a``): the ops keep the
+    gate's cumulative sum in that precision. On CUDA one fused kernel each way (fla's) replaces a
+    chain of six elementwise kernels forward and ten backward."""
+    fused = kernels_for(a)
+    if fused is not None:
+        return fused.decay_gate(a, A_log, dt_bias, output_dtype=torch.float32)
+    cdt = torch.float64 if a.dtype == torch.float64 else torch.float32
+    return -A_log.to(cdt).exp() * F.softplus(a.to(cdt) + dt_bias.to(cdt))
 
 
 def mlp_intermediate_size(hidden_size: int, hidden_ratio: float | None = 4, intermediate_size: int | None = None) -> int:

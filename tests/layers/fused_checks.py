@@ -15,7 +15,7 @@ import sys
 import torch
 
 from efla.layers import fused
-from efla.layers.modules import GatedMLP, RMSNorm, RMSNormGated, ShortConvolution
+from efla.layers.modules import GatedMLP, RMSNorm, RMSNormGated, ShortConvolution, decay_gate
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -61,6 +61,16 @@ class _PreNorm(torch.nn.Module):
         return self.norm(x, residual, prenorm=True)
 
 
+class _DecayGate(torch.nn.Module):
+    def __init__(self, heads):
+        super().__init__()
+        self.A_log = torch.nn.Parameter(torch.log(torch.linspace(1, 16, heads)))
+        self.dt_bias = torch.nn.Parameter(torch.linspace(-6, 2, heads))
+
+    def forward(self, a):
+        return decay_gate(a, self.A_log, self.dt_bias)
+
+
 def module_cases(device, dtype=torch.float32):
     """(name, module, inputs, kwargs) for every fused module and mode the models use."""
     g = torch.Generator().manual_seed(0)
@@ -88,6 +98,8 @@ def module_cases(device, dtype=torch.float32):
         ("short conv, cache", conv, [randn(2, 19, 48)], {"cache": randn(2, 48, 4)}),
         ("short conv, varlen + cache", conv, [randn(1, 21, 48)], {"cu_seqlens": cu, "cache": randn(3, 48, 4)}),
         ("swiglu + down proj", mlp, [randn(2, 19, 64)], {}),
+        # a spans softplus' linear (> 20 after the bias) and exponential tails
+        ("decay gate", _DecayGate(6).to(device, dtype), [8 * randn(2, 19, 6)], {}),
     ]
 
 
