@@ -57,6 +57,15 @@ for s in $SEEDS; do
   wait
 done
 runs=$(for v in $VARIANTS; do for s in $SEEDS; do echo "$WORK/$v-s$s"; done; done)
-python3 -m efla lm-report --runs $runs --out "$RESULTS/report" || true
+{
+  echo "Runs: \`SEEDS=\"$SEEDS\" MAX_TOKENS=$MAX_TOKENS bash scripts/device_lm_claims.sh\` (training: \`efla train --config"
+  echo "<variant>.json --data $DATA --tokenizer .devdata/tok --seq-len 2048 --batch-tokens 65536 --seed <seed> --data-seed 0"
+  echo "...\`; evaluation: \`efla eval --model <run> --wikitext wiki.test.raw --lambada lambada_test.jsonl --device cuda\`)."
+  echo "Device: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1);"
+  python3 -c "import torch, triton, transformers; print(f'torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__};')"
+  echo "wall time of the visit so far: ${SECONDS} s (the four variants of a seed train side by side on the one GPU)."
+} > "$WORK/notes.md"
+python3 -m efla lm-report --runs $runs --out "$RESULTS/report" --notes "$WORK/notes.md" \
+  --title "Language modelling at about 100M parameters, one epoch of the Gutenberg corpus" || true
 echo "visit done in ${SECONDS}s"
 touch "$RESULTS/visit.done"

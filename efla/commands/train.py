@@ -104,7 +104,7 @@ def add_parser(subparsers) -> None:
     r = subparsers.add_parser("lm-report", help="losses JSON/CSV, loss-curve PNG and summary.md of `efla train` runs")
     r.add_argument("--runs", nargs="+", required=True, help="run directories (OUT of efla train)")
     r.add_argument("--out", required=True, help="where to write lm_losses.json/.csv, lm_loss_curves.png, summary.md")
-    r.add_argument("--title", default="Language modelling, tiny presets")
+    r.add_argument("--title", default="Language modelling")
     r.add_argument("--notes", default=None, help="a markdown file appended to summary.md (commands, remarks)")
     r.set_defaults(func=cmd_lm_report)
 

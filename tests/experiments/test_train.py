@@ -8,6 +8,7 @@ import math
 import os
 import pathlib
 import shutil
+import statistics
 import subprocess
 import sys
 
@@ -351,3 +352,40 @@ def test_lm_report_names_the_preset_or_the_config_file(corpus, tokenizer_dir, tm
     by_config = summary_markdown(collect_runs([str(tmp_path / "by-config")]), "t", "", "")
     assert "1 runs; each: preset `tiny-*`" in by_preset
     assert "1 runs; each: config `small.json`" in by_config
+
+
+def test_lm_report_summarises_eval_results_with_sample_spread(corpus, tokenizer_dir, tmp_path):
+    from efla.experiments.lm.report import collect_runs, summary_markdown
+
+    runs = []
+    for seed, word_ppl, acc in ((0, 100.0, 0.25), (1, 110.0, 0.35)):
+        run = tmp_path / f"efla-s{seed}"
+        train(_cfg(corpus, tokenizer_dir, run, max_steps=2, seed=seed))
+        (run / "eval").mkdir()
+        (run / "eval" / "eval.json").write_text(json.dumps({
+            "resolved_context": 64,
+            "wikitext": {"word_perplexity": word_ppl, "bits_per_byte": 1.5 + seed, "token_perplexity": 50.0,
+                         "tokens": 1000, "truncated_to_tokens": None},
+            "lambada": {"accuracy": acc, "perplexity": 20.0, "n": 40, "limit": 40, "passages_in_file": 5153}}))
+        runs.append(str(run))
+    text = summary_markdown(collect_runs(runs), "t", "", "")
+    row = next(line for line in text.splitlines() if line.startswith("| EFLA |"))
+    # mean ± sample standard deviation of two runs: 105 ± 7.07, 2.0 ± 0.707, 0.30 ± 0.0707
+    assert "| 105.0 ± 7.1 | 2.0000 ± 0.7071 | 0.3000 ± 0.0707 | 20.0 ± 0.0 |" in row
+    assert "context 64 tokens; LAMBADA: 40 of 5,153 passages" in text and "WikiText: first" not in text
+
+
+def test_resuming_a_finished_run_keeps_its_validation_loss_and_rate(corpus, tokenizer_dir, tmp_path):
+    """A resumed process with nothing left to train (a device visit re-run after the runs finished)
+    keeps the run's last validation loss; the report takes the rate from the log."""
+    from efla.experiments.lm.report import collect_runs
+
+    out = tmp_path / "run"
+    first = train(_cfg(corpus, tokenizer_dir, out, max_steps=4, save_every=2, val_every=2))
+    again = train(_cfg(corpus, tokenizer_dir, out, max_steps=4, save_every=2, val_every=2, resume=True))
+    assert again["tokens_per_s"] is None and again["steps"] == 4
+    assert again["val_loss"] == first["val_loss"] is not None
+    row = collect_runs([str(out)])[0]
+    logged = [e["tokens_per_s"] for e in read_log(str(out)) if e.get("tokens_per_s")]
+    assert row["val_loss"] == first["val_loss"]
+    assert row["tokens_per_s"] == statistics.median(logged[2:]) > 0

@@ -28,9 +28,36 @@ def _smooth(xs: list[float], window: int) -> list[float]:
     return out
 
 
+# (key in a run's row, section of eval.json, field): what `efla eval` measured, when it ran
+EVAL_FIELDS = (("wikitext_word_ppl", "wikitext", "word_perplexity"), ("wikitext_bpb", "wikitext", "bits_per_byte"),
+               ("wikitext_token_ppl", "wikitext", "token_perplexity"), ("lambada_acc", "lambada", "accuracy"),
+               ("lambada_ppl", "lambada", "perplexity"))
+
+
+def read_eval(run_dir: str) -> dict:
+    """``efla eval``'s numbers for a run (``<run>/eval/eval.json``; ``{}`` where it has none), plus
+    what limited them (``eval_limits``: a truncated WikiText or a LAMBADA subset)."""
+    path = os.path.join(run_dir, "eval", "eval.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        ev = json.load(f)
+    out = {key: (ev.get(section) or {}).get(field) for key, section, field in EVAL_FIELDS}
+    limits = []
+    wiki, lam = ev.get("wikitext") or {}, ev.get("lambada") or {}
+    if wiki.get("truncated_to_tokens"):
+        limits.append(f"WikiText: first {wiki['tokens']:,} tokens")
+    if lam.get("limit"):
+        limits.append(f"LAMBADA: {lam['n']:,} of {lam.get('passages_in_file', '?'):,} passages")
+    out["eval_limits"] = limits
+    out["eval_context"] = ev.get("resolved_context")
+    return out
+
+
 def collect_runs(run_dirs: list[str], tail: int = 20) -> list[dict]:
     """Per run: variant, seed, its loss and validation curves and the summary numbers
-    (``final_loss`` is the mean training loss of the last ``tail`` steps)."""
+    (``final_loss`` is the mean training loss of the last ``tail`` steps), and ``efla eval``'s
+    numbers where the run directory has them (:func:`read_eval`)."""
     rows = []
     for d in run_dirs:
         if not os.path.exists(os.path.join(d, "train_summary.json")):
@@ -43,13 +70,24 @@ def collect_runs(run_dirs: list[str], tail: int = 20) -> list[dict]:
         curve = [(e["step"], e["tokens"], e["loss"]) for e in log]
         val = [(e["step"], e["tokens"], e["val_loss"]) for e in log if "val_loss" in e]
         last = [c[2] for c in curve[-tail:]]
+        # a resumed process that found nothing left to train reports no rate of its own: the log has them
+        step_seconds = [e["step_s"] for e in log if e.get("step_s")]
+        tokens_per_s = summ["tokens_per_s"] or _logged_rate(log)
+        train_seconds = summ.get("train_seconds_this_process") or sum(step_seconds)
         rows.append(dict(run=os.path.basename(os.path.normpath(d)), dir=d, variant=summ["variant"], seed=args["seed"],
                          preset=args.get("preset"), config=args.get("config_file"), steps=summ["steps"], tokens=summ["tokens"],
                          n_params=summ["n_params"], final_loss=sum(last) / len(last) if last else None,
-                         val_loss=summ["val_loss"], tokens_per_s=summ["tokens_per_s"], threads=summ.get("threads"),
-                         train_seconds=summ.get("train_seconds_this_process"), resolved=args.get("resolved", {}),
-                         curve=curve, val_curve=val))
+                         val_loss=summ["val_loss"], tokens_per_s=tokens_per_s, threads=summ.get("threads"),
+                         train_seconds=train_seconds, resolved=args.get("resolved", {}),
+                         curve=curve, val_curve=val, **read_eval(d)))
     return rows
+
+
+def _logged_rate(log: list[dict], warmup: int = 2) -> float | None:
+    """Median of the logged per-step rates after the first ``warmup`` steps (all of them if fewer)."""
+    rates = [e["tokens_per_s"] for e in log if e.get("tokens_per_s")]
+    rates = rates[warmup:] or rates
+    return statistics.median(rates) if rates else None
 
 
 def _csv_rows(rows: list[dict]):
@@ -100,28 +138,58 @@ def _mean_spread(xs, fmt=".4f") -> str:
     return f"{statistics.mean(xs):{fmt}} ± {statistics.stdev(xs):{fmt}}"
 
 
+def _has_eval(rows: list[dict]) -> bool:
+    return any(r.get("wikitext_word_ppl") is not None or r.get("lambada_acc") is not None for r in rows)
+
+
+def _params(rs: list[dict]) -> str:
+    counts = sorted({r["n_params"] for r in rs})
+    return f"{counts[0]:,}" if len(counts) == 1 else f"{counts[0]:,}-{counts[-1]:,}"
+
+
 def variants_table(rows: list[dict]) -> harness.Table:
-    """Per variant: seeds, final train and validation loss, validation perplexity, tokens/s."""
-    table = harness.Table(title="Language modelling by variant",
-                          columns=["model", "seeds", "final train loss (mean of last 20 steps)",
-                                   "final validation loss", "validation ppl", "tokens/s per run (as run, see below)"],
-                          right={2, 3, 4, 5})
+    """Per variant: seeds, parameters, final train and validation loss, validation perplexity,
+    tokens/s, and (where the runs were evaluated) WikiText word perplexity, bits per byte and
+    LAMBADA accuracy and perplexity."""
+    evals = _has_eval(rows)
+    columns = ["model", "seeds", "parameters", "final train loss (mean of last 20 steps)", "final validation loss",
+               "validation ppl", "tokens/s per run (as run, see below)"]
+    if evals:
+        columns += ["WikiText word ppl", "WikiText bits/byte", "LAMBADA acc", "LAMBADA ppl"]
+    table = harness.Table(title="Language modelling by variant", columns=columns, right=set(range(2, len(columns))))
     for v in (v for v in LM_VARIANTS if any(r["variant"] == v for r in rows)):
         rs = [r for r in rows if r["variant"] == v]
         vl = [r["val_loss"] for r in rs if r["val_loss"] is not None]
         tps = [r["tokens_per_s"] for r in rs if r["tokens_per_s"]]
-        table.add_row(label(v), ", ".join(str(r["seed"]) for r in rs), _mean_spread([r["final_loss"] for r in rs]),
-                      _mean_spread(vl), _mean_spread([math.exp(x) for x in vl], ".1f"), f"{statistics.mean(tps):,.0f}")
+        cells = [label(v), ", ".join(str(r["seed"]) for r in rs), _params(rs),
+                 _mean_spread([r["final_loss"] for r in rs]), _mean_spread(vl),
+                 _mean_spread([math.exp(x) for x in vl], ".1f"), f"{statistics.mean(tps):,.0f}" if tps else "n/a"]
+        if evals:
+            cells += [_mean_spread([r.get("wikitext_word_ppl") for r in rs], ".1f"),
+                      _mean_spread([r.get("wikitext_bpb") for r in rs], ".4f"),
+                      _mean_spread([r.get("lambada_acc") for r in rs], ".4f"),
+                      _mean_spread([r.get("lambada_ppl") for r in rs], ".1f")]
+        table.add_row(*cells)
     return table
 
 
 def runs_table(rows: list[dict]) -> harness.Table:
-    table = harness.Table(title="Runs", columns=["run", "train loss", "validation loss", "tokens/s", "train seconds"],
-                          right={1, 2, 3, 4})
+    evals = _has_eval(rows)
+    columns = ["run", "train loss", "validation loss", "tokens/s", "train seconds"]
+    columns += ["WikiText word ppl", "bits/byte", "LAMBADA acc"] if evals else []
+    table = harness.Table(title="Runs", columns=columns, right=set(range(1, len(columns))))
     for r in rows:
-        table.add_row(r["run"], f"{r['final_loss']:.4f}", f"{r['val_loss']:.4f}", f"{r['tokens_per_s']:,.0f}",
-                      f"{r['train_seconds']:.0f}")
+        cells = [r["run"], f"{r['final_loss']:.4f}", _fmt(r["val_loss"], ".4f"), _fmt(r["tokens_per_s"], ",.0f"),
+                 _fmt(r["train_seconds"], ".0f")]
+        if evals:
+            cells += [_fmt(r.get("wikitext_word_ppl"), ".1f"), _fmt(r.get("wikitext_bpb"), ".4f"),
+                      _fmt(r.get("lambada_acc"), ".4f")]
+        table.add_row(*cells)
     return table
+
+
+def _fmt(x, fmt: str) -> str:
+    return "n/a" if x is None else f"{x:{fmt}}"
 
 
 def _model_source(row: dict) -> str:
@@ -131,17 +199,28 @@ def _model_source(row: dict) -> str:
     return f"config `{os.path.basename(row.get('config') or '?')}`"
 
 
+def _eval_note(rows: list[dict]) -> list[str]:
+    if not _has_eval(rows):
+        return []
+    limits = sorted({lim for r in rows for lim in r.get("eval_limits", [])})
+    contexts = sorted({r.get("eval_context") for r in rows if r.get("eval_context")})
+    return ["", "WikiText and LAMBADA: `efla eval` of each run's final model (`<run>/eval/eval.json`; "
+            "word perplexity and bits per byte over the raw test text, as lm-evaluation-harness scores them"
+            + (f"; context {', '.join(map(str, contexts))} tokens" if contexts else "")
+            + (f"; {'; '.join(limits)}" if limits else "") + ")."]
+
+
 def summary_markdown(rows: list[dict], title: str, notes: str, command_line: str) -> str:
     r0 = rows[0]
+    sources = sorted({_model_source(r) for r in rows})
     lines = [f"# {title}", "",
-             f"{len(rows)} runs; each: {_model_source(r0)} "
-             f"({r0['n_params']:,} parameters with this vocabulary), {r0['steps']} steps, "
-             f"{r0['tokens']:,} training tokens (sequence length {r0['resolved'].get('seq_len')}, "
-             f"{r0['resolved'].get('batch_tokens')} tokens per step).", "",
+             f"{len(rows)} runs; each: {' or '.join(sources)} (parameters with this vocabulary: see the table), "
+             f"{r0['steps']} steps, {r0['tokens']:,} training tokens (sequence length "
+             f"{r0['resolved'].get('seq_len')}, {r0['resolved'].get('batch_tokens')} tokens per step).", "",
              *variants_table(rows).markdown(), "",
              "Mean ± sample standard deviation over seeds (model initialisation; the data order is the same "
              "for every run). Per-run numbers: `lm_losses.json` / `lm_losses.csv`; curves: `lm_loss_curves.png`.",
-             "", *runs_table(rows).markdown()]
+             *_eval_note(rows), "", *runs_table(rows).markdown()]
     if notes:
         lines += ["", notes.rstrip()]
     if command_line:

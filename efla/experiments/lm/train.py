@@ -768,8 +768,11 @@ def _save_final_model(run: _Session, progress: _Progress) -> dict:
         run.tok.save_pretrained(cfg.out)
         log = read_log(cfg.out)
         losses = [e["loss"] for e in log if "error" not in e]
+        # a resumed process with nothing left to train measured no validation loss: the run's last one stands
+        val_losses = [e["val_loss"] for e in log if "val_loss" in e]
+        val_loss = progress.val_loss if progress.val_loss is not None else (val_losses[-1] if val_losses else None)
         summary = dict(out=cfg.out, steps=step, tokens=step * r["batch_tokens"], max_steps=r["max_steps"],
-                       resumed_from=run.ckpt, final_loss=losses[-1] if losses else None, val_loss=progress.val_loss,
+                       resumed_from=run.ckpt, final_loss=losses[-1] if losses else None, val_loss=val_loss,
                        **throughput(progress.step_seconds, r["batch_tokens"]), peak_memory_gib_per_gpu=peak_per_gpu,
                        train_seconds_this_process=progress.train_time,
                        wall_seconds_this_process=time.perf_counter() - progress.started,
