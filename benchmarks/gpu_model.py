@@ -18,7 +18,8 @@ preset with ``use_gate=False`` at the ungated preset's depth: the plain model pl
 its ratio to ``efla`` is what the gate's arithmetic costs).
 
 ``--profile`` adds, per shape, one profiled step of every model (``torch.profiler``): its GPU kernel
-time and the kernels that take most of it, to see where two models differ.
+time, kernel launches, the share of the median step the GPU is busy (well below 100%: the step is
+bound by the host) and the kernels that take most of it, to see where two models differ.
 
 A second stage (``--loss-curve``) trains a preset for a few steps on real tokens twice from the same
 initialisation, once with the fused GPU modules and once with the PyTorch modules
@@ -199,7 +200,11 @@ def emit_profiles(out_dir, size, T, B, rows, top: int):
     emit(out_dir, "")
     for r in rows:
         p = r["profile"]
-        emit(out_dir, f"- {r['model']}: {p['total_ms']:.1f} ms of GPU kernels")
+        launches = sum(calls for _, calls in p["kernels"].values())
+        step_ms = 1e3 * r["step_s_median"]
+        # kernel time over the median wall time of a step: well below 1, the step waits on the host
+        emit(out_dir, f"- {r['model']}: {p['total_ms']:.1f} ms of GPU kernels in {launches:,} launches; median step "
+                      f"{step_ms:.1f} ms (GPU busy {p['total_ms'] / step_ms:.0%})")
         ranked = sorted(p["kernels"].items(), key=lambda kv: -kv[1][0])[:top]
         for name, (ms, calls) in ranked:
             emit(out_dir, f"  - {ms:8.2f} ms x{calls:<4d} {name[:110]}")
