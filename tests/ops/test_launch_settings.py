@@ -18,7 +18,9 @@ import torch.nn.functional as F
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda"  # Triton's CPU interpreter runs these on "cpu" (tried by hand; too slow for CI)
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (GPU fast path)")
-HEAD_DIMS = [(32, 32), (64, 64), (64, 128), (128, 128), (256, 256), (32, 256)]
+# small value heads (blocks fitted below their width), K != V, the largest heads; every case compiles
+# each setting anew, so the list stays short
+HEAD_DIMS = [(32, 32), (64, 128), (256, 256), (32, 256)]
 
 
 def _rel(a, b) -> float:
@@ -83,7 +85,7 @@ def test_every_dqkwg_setting_runs_and_agrees(K, V):
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("K,V", HEAD_DIMS)
+@pytest.mark.parametrize("K,V", [(32, 32), (256, 256)])
 @pytest.mark.parametrize("gated", [False, True])
 def test_every_coefficient_backward_setting_runs_and_agrees(K, V, gated):
     from efla.ops.cuda import chunk as ch
