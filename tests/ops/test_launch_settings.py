@@ -1,4 +1,4 @@
-"""Every launch setting of our autotuned GPU kernels, at every head size the GPU path takes.
+"""Every launch setting of our autotuned GPU kernels, at small, mixed and the largest head sizes.
 
 The autotuner times each setting once on a new shape; a setting that faults or computes something
 else then crashes or corrupts a user's first call at that head size. Tests that check results run
