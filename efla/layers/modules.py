@@ -218,9 +218,10 @@ def decay_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> t
     """Gated DeltaNet's decay in log space, ``g = -exp(A_log) * softplus(a + dt_bias)`` per head
     (``a [..., H]``, ``A_log, dt_bias [H]``), in float32 (float64 for float64 ``a``): the ops keep the
     gate's cumulative sum in that precision. On CUDA one fused kernel each way (fla's) replaces a
-    chain of six elementwise kernels forward and ten backward."""
+    chain of six elementwise kernels forward and ten backward; under ``torch.compile`` the PyTorch
+    code runs, which the compiler fuses itself (fla's gate function is kept out of graphs)."""
     fused = kernels_for(a)
-    if fused is not None:
+    if fused is not None and not torch.compiler.is_compiling():
         return fused.decay_gate(a, A_log, dt_bias, output_dtype=torch.float32)
     cdt = torch.float64 if a.dtype == torch.float64 else torch.float32
     return -A_log.to(cdt).exp() * F.softplus(a.to(cdt) + dt_bias.to(cdt))
