@@ -26,14 +26,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from efla.ops.cuda import kernels as kn
 
 SIGNATURE = {"k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*fp32", "derase": "*bf16", "dgl": "*fp32",
-             "dvin": "*bf16", "dk": "*bf16", "dbeta": "*bf16", "dg": "*fp32", "dv": "*bf16", "R": "i32"}
+             "dvin": "*bf16", "dk": "*bf16", "dk_more": "*bf16", "dbeta": "*bf16", "dg": "*fp32", "dv": "*bf16", "R": "i32"}
 
 
 def compile_setting(gated: bool, BR: int, BC: int, num_warps: int, K: int = 128, V: int = 128):
     fn = kn.coef_bwd_kernel.fn
     signature = {name: SIGNATURE.get(name, "constexpr") for name in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if signature[name][0] == "*"}
-    constants = dict(K=K, V=V, BR=BR, BC=BC, GATED=gated, G_MIN=kn.G_FLOOR)
+    # the gated backward adds its second dk part in the same pass
+    constants = dict(K=K, V=V, BR=BR, BC=BC, GATED=gated, G_MIN=kn.G_FLOOR, HAS_DK_MORE=gated)
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 

@@ -94,8 +94,9 @@ def coef_fwd(k, beta, g=None, v=None, launch=None):
     return (erase, gl, vout) if gated else erase
 
 
-def coef_bwd(k, beta, derase, dk, g=None, v=None, dgl=None, dvin=None, launch=None):
-    """Fold coefficient grads into dk (in place); return dbeta (, dg, dv) in the inputs' dtypes.
+def coef_bwd(k, beta, derase, dk, g=None, v=None, dgl=None, dvin=None, launch=None, dk_more=None):
+    """Fold coefficient grads (and ``dk_more``, a second part of k's grad) into dk (in place); return
+    dbeta (, dg, dv) in the inputs' dtypes.
     ``launch``: ``(BR, num_warps)`` or ``(BR, num_warps, BC)`` (rows per program, warps, columns per
     block; whole rows by default) instead of the autotuned setting (benchmarks compare them)."""
     B, T, H, K = k.shape
@@ -105,8 +106,8 @@ def coef_bwd(k, beta, derase, dk, g=None, v=None, dgl=None, dvin=None, launch=No
     dbeta = torch.empty_like(beta)
     dg = torch.empty_like(g) if gated else None
     dv = torch.empty_like(v) if gated else None
-    args = (k, v, beta, g, derase, dgl, dvin, dk, dbeta, dg, dv, R)
-    consts = dict(K=K, V=V, GATED=gated, G_MIN=kn.G_FLOOR)
+    args = (k, v, beta, g, derase, dgl, dvin, dk, dk_more, dbeta, dg, dv, R)
+    consts = dict(K=K, V=V, GATED=gated, G_MIN=kn.G_FLOOR, HAS_DK_MORE=dk_more is not None)
     if launch is None:
         kn.coef_bwd_kernel[lambda meta: (triton.cdiv(R, meta["BR"]),)](*args, **consts)
     else:
@@ -229,13 +230,13 @@ def gated_bwd(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens, 
     dk2, dvp, dc, dg2 = F["prepare_wy_repr_bwd"](
         k=k, v=vp, beta=c, A=A, dw=dw, du=dv, g=gcum, cu_seqlens=cu, chunk_indices=ci,
     )
-    dk.add_(dk2)
     dgc.add_(dg2)
     dgl = F["chunk_local_cumsum"](dgc, chunk_size=CHUNK, reverse=True, cu_seqlens=cu, chunk_indices=ci)
-    if exact:
+    if exact:  # the coefficient pass reads and writes dk anyway: dk2 joins it there
         dbeta, dg, dv_out = coef_bwd(k, beta, dc.contiguous(), dk, g=g, v=v,
-                                     dgl=dgl.contiguous(), dvin=dvp.contiguous())
+                                     dgl=dgl.contiguous(), dvin=dvp.contiguous(), dk_more=dk2.contiguous())
     else:
+        dk.add_(dk2)
         dbeta, dg, dv_out = dc.to(beta.dtype), dgl.to(g.dtype), dvp
     dq, dk = l2norm_grads(q, q_rstd, dq, k, k_rstd, dk)
     return dq, dk, dv_out, dg, dbeta, dh0

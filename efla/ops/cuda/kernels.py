@@ -170,10 +170,11 @@ def coef_bwd_kernel(
     k, v, beta, g,  # inputs as in the forward
     derase, dgl, dvin,  # grads of erase [R] (the erase's dtype), of gl [R] f32 (gated), of vout [R, V] (gated)
     dk,  # [R, K]: grad of k from the chunk kernels; updated in place
+    dk_more,  # [R, K]: a second part of that grad, added in the same pass (HAS_DK_MORE)
     dbeta, dg, dv,  # outputs: dbeta [R], dg [R] (gated), dv [R, V] (gated; may alias dvin)
     R,
     K: tl.constexpr, V: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-    GATED: tl.constexpr, G_MIN: tl.constexpr,
+    GATED: tl.constexpr, G_MIN: tl.constexpr, HAS_DK_MORE: tl.constexpr,
 ):
     i_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     m_r = i_r < R
@@ -234,6 +235,8 @@ def coef_bwd_kernel(
         b_k = tl.load(k + i_r[:, None] * K + o_c[None, :], mask=m_c, other=0.0).to(tl.float32)
         p_dk = dk + i_r[:, None] * K + o_c[None, :]
         b_dk = tl.load(p_dk, mask=m_c, other=0.0).to(tl.float32) + two_d_lam[:, None] * b_k
+        if HAS_DK_MORE:
+            b_dk += tl.load(dk_more + i_r[:, None] * K + o_c[None, :], mask=m_c, other=0.0).to(tl.float32)
         tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_c)
 
 
