@@ -123,7 +123,8 @@ def gated_stages(ch, F, q, k, v, g, beta, do, scale):
         **({"(bwd: dqkwg, fla's kernel forced)": fla_dqkwg} if WITH_FLA_DQKWG else {}),
         "bwd: prepare_wy_repr_bwd": lambda: F["prepare_wy_repr_bwd"](k=k, v=vp, beta=c, A=A, dw=dw, du=dv, g=gcum),
         "bwd: reverse cumsum of dg": lambda: F["chunk_local_cumsum"](dgc, chunk_size=ch.CHUNK, reverse=True),
-        "bwd: coefficient bwd (gated)": lambda: ch.coef_bwd(k, beta, dc, dk, g=g, v=v, dgl=dgl, dvin=dvp),
+        "bwd: coefficient bwd (gated)": lambda: ch.coef_bwd(k, beta, dc, dk, g=g, v=v, dgl=dgl, dvin=dvp,
+                                                            dk_more=dk2.contiguous()),
         "bwd: q l2norm bwd": lambda: F["l2norm_bwd"](qn, q_rstd, dq),
     }
 
