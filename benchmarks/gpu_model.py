@@ -170,9 +170,11 @@ def bench_size(size: str, kinds, shapes, warmup: int, steps: int, out_dir: str, 
                              peak_gib=(state_bytes(model, opt) + peaks[kind]) / GIB, last_loss=losses[kind]))
         emit_shape(out_dir, size, T, B, [r for r in rows if r["T"] == T and r["size"] == size])
         if profile:
+            medians = {r["model"]: r.get("step_s_median") for r in rows if r["T"] == T and r["size"] == size}
             for kind, (model, opt) in models.items():
                 if kind not in failed:
-                    rows.append(dict(size=size, model=kind, T=T, B=B, profile=profile_step(model, opt, ids)))
+                    rows.append(dict(size=size, model=kind, T=T, B=B, profile=profile_step(model, opt, ids),
+                                     step_s_median=medians.get(kind)))
             emit_profiles(out_dir, size, T, B, [r for r in rows if r["T"] == T and "profile" in r], profile)
         on_shape(rows)
     del models
@@ -201,10 +203,10 @@ def emit_profiles(out_dir, size, T, B, rows, top: int):
     for r in rows:
         p = r["profile"]
         launches = sum(calls for _, calls in p["kernels"].values())
-        step_ms = 1e3 * r["step_s_median"]
         # kernel time over the median wall time of a step: well below 1, the step waits on the host
-        emit(out_dir, f"- {r['model']}: {p['total_ms']:.1f} ms of GPU kernels in {launches:,} launches; median step "
-                      f"{step_ms:.1f} ms (GPU busy {p['total_ms'] / step_ms:.0%})")
+        busy = (f"; median step {1e3 * r['step_s_median']:.1f} ms (GPU busy {p['total_ms'] / (1e3 * r['step_s_median']):.0%})"
+                if r.get("step_s_median") else "")
+        emit(out_dir, f"- {r['model']}: {p['total_ms']:.1f} ms of GPU kernels in {launches:,} launches{busy}")
         ranked = sorted(p["kernels"].items(), key=lambda kv: -kv[1][0])[:top]
         for name, (ms, calls) in ranked:
             emit(out_dir, f"  - {ms:8.2f} ms x{calls:<4d} {name[:110]}")

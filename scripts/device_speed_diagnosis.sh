@@ -15,7 +15,7 @@
 #   compile340  340M efla eager against efla under torch.compile;
 #   ops96    the op table at (1, 8192, 96);
 #   dims     the op table at (4, 4096, 16) with head dims DIMS (default 64x64,32x32,256x256);
-#   faults   every gated dqkwg launch setting as written, at head dims 32 and 64, one process each;
+#   faults   every gated dqkwg launch setting as written, at head dims 32, 64 x 96 and 64, one process each;
 #   launch   tests/ops/test_launch_settings.py: every launch setting of our autotuned kernels at
 #            every head size, against the first.
 # Carry: .whl (fla wheels); optionally .devcache/autotune.tgz (the autotuning results of an earlier
@@ -78,7 +78,7 @@ for phase in $PHASES; do
              --shapes "1,8192,96" --rounds 3 --budget 240 --out "$RESULTS/ops96" ;;
     dims) run_phase dims 300 python3 benchmarks/gpu_ops.py --skip-correctness --skip-decode --skip-model \
             --shapes "4,4096,16" --head-dims "${DIMS:-64x64,32x32,256x256}" --rounds 3 --budget 280 --out "$RESULTS/dims" ;;
-    faults) run_phase faults 120 python3 benchmarks/gpu_launch_faults.py --dims 32x32,64x64 --out "$RESULTS/faults" ;;
+    faults) run_phase faults 120 python3 benchmarks/gpu_launch_faults.py --dims 32x32,64x96,64x64 --out "$RESULTS/faults" ;;
     launch) run_phase launch 300 env TRITON_CACHE_DIR=/tmp/triton-cache-tests python3 -m pytest -q -m gpu \
               -p no:cacheprovider -rfs tests/ops/test_launch_settings.py ;;
     *) echo "unknown phase $phase" ;;

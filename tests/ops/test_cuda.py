@@ -203,6 +203,12 @@ _SCRIPT = textwrap.dedent(
         out = C.coef_bwd(k, beta, de.float(), dk2, g=g, v=v, dgl=dgl.float(), dvin=dvp.float(), launch=launch)
         for a, b in zip((dk2, *out), (dk, db, dg, dv)):
             assert torch.allclose(a, b, rtol=1e-6, atol=0), launch  # float64 sums in another order
+    # a second part of dk (the gated op's WY backward) is added in the same pass
+    more = torch.randn(B, T, H, K)
+    dk3 = torch.zeros(B, T, H, K)
+    out3 = C.coef_bwd(k, beta, de.float(), dk3, g=g, v=v, dgl=dgl.float(), dvin=dvp.float(), dk_more=more)
+    assert torch.allclose(dk3, dk + more, rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(out3, (db, dg, dv)))
     # fused recurrent kernel, all rules, with initial state, varlen
     q = torch.randn(1, 9, H, K)
     kk = torch.randn(1, 9, H, K) * 3

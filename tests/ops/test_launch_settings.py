@@ -18,9 +18,10 @@ import torch.nn.functional as F
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda"  # Triton's CPU interpreter runs these on "cpu" (tried by hand; too slow for CI)
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (GPU fast path)")
-# small value heads (blocks fitted below their width), K != V, the largest heads; every case compiles
+# small value heads (blocks fitted below their width), one that is not a power of two, K != V, the
+# largest heads; every case compiles
 # each setting anew, so the list stays short
-HEAD_DIMS = [(32, 32), (64, 128), (256, 256), (32, 256)]
+HEAD_DIMS = [(32, 32), (64, 96), (64, 128), (256, 256), (32, 256)]
 
 
 def _rel(a, b) -> float:
@@ -59,8 +60,9 @@ def _gated_backward_inputs(K, V, B=2, T=200, H=2):
     gcum = F.pad(log_decay, (0, 0, 0, NT * ch.CHUNK - T)).view(B, NT, ch.CHUNK, H).cumsum(2)
     gcum = (gcum.view(B, NT * ch.CHUNK, H)[:, :T] / math.log(2)).contiguous()
     dqkwg_args = (q, k, v_new, gcum, h, do, dh, dv, K ** -0.5, None, None)
-    coef_args = dict(k=k, beta=torch.sigmoid(rnd(B, T, H)), g=log_decay, v=v_new, derase=rnd(B, T, H).float(),
-                     dgl=torch.randn_like(log_decay), dvin=rnd(B, T, H, V), dk=rnd(B, T, H, K))
+    coef_args = dict(k=k, beta=torch.sigmoid(rnd(B, T, H)), g=log_decay, v=v_new, derase=rnd(B, T, H),
+                     dgl=torch.randn_like(log_decay), dvin=rnd(B, T, H, V), dk=rnd(B, T, H, K),
+                     dk_more=rnd(B, T, H, K))
     return dqkwg_args, coef_args
 
 
@@ -92,7 +94,8 @@ def test_every_coefficient_backward_setting_runs_and_agrees(K, V, gated):
     from efla.ops.cuda import kernels as kn
 
     _, a = _gated_backward_inputs(K, V)
-    extra = dict(g=a["g"], v=a["v"], dgl=a["dgl"], dvin=a["dvin"]) if gated else {}
+    # the gated op adds the WY backward's part of dk in this pass
+    extra = dict(g=a["g"], v=a["v"], dgl=a["dgl"], dvin=a["dvin"], dk_more=a["dk_more"]) if gated else {}
     outputs = []
     for c in kn.COEF_BWD_CONFIGS:
         launch = (c.kwargs["BR"], c.num_warps, c.kwargs["BC"])

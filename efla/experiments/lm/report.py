@@ -10,7 +10,7 @@ import statistics
 from efla.variants import VARIANTS, colour, label
 
 from .. import harness
-from .train import read_log
+from .train import read_log, throughput
 
 __all__ = ["collect_runs", "write_lm_report"]
 
@@ -48,7 +48,8 @@ def read_eval(run_dir: str) -> dict:
     if wiki.get("truncated_to_tokens"):
         limits.append(f"WikiText: first {wiki['tokens']:,} tokens")
     if lam.get("limit"):
-        limits.append(f"LAMBADA: {lam['n']:,} of {lam.get('passages_in_file', '?'):,} passages")
+        total = lam.get("passages_in_file")
+        limits.append(f"LAMBADA: {lam['n']:,} of {f'{total:,}' if total else 'all'} passages")
     out["eval_limits"] = limits
     out["eval_context"] = ev.get("resolved_context")
     return out
@@ -70,10 +71,7 @@ def collect_runs(run_dirs: list[str], tail: int = 20) -> list[dict]:
         curve = [(e["step"], e["tokens"], e["loss"]) for e in log]
         val = [(e["step"], e["tokens"], e["val_loss"]) for e in log if "val_loss" in e]
         last = [c[2] for c in curve[-tail:]]
-        # a resumed process that found nothing left to train reports no rate of its own: the log has them
-        step_seconds = [e["step_s"] for e in log if e.get("step_s")]
-        tokens_per_s = summ["tokens_per_s"] or _logged_rate(log)
-        train_seconds = summ.get("train_seconds_this_process") or sum(step_seconds)
+        tokens_per_s, train_seconds = _rate_and_seconds(summ, args, log)
         rows.append(dict(run=os.path.basename(os.path.normpath(d)), dir=d, variant=summ["variant"], seed=args["seed"],
                          preset=args.get("preset"), config=args.get("config_file"), steps=summ["steps"], tokens=summ["tokens"],
                          n_params=summ["n_params"], final_loss=sum(last) / len(last) if last else None,
@@ -83,11 +81,16 @@ def collect_runs(run_dirs: list[str], tail: int = 20) -> list[dict]:
     return rows
 
 
-def _logged_rate(log: list[dict], warmup: int = 2) -> float | None:
-    """Median of the logged per-step rates after the first ``warmup`` steps (all of them if fewer)."""
-    rates = [e["tokens_per_s"] for e in log if e.get("tokens_per_s")]
-    rates = rates[warmup:] or rates
-    return statistics.median(rates) if rates else None
+def _rate_and_seconds(summ: dict, args: dict, log: list[dict]) -> tuple[float | None, float | None]:
+    """Steady-state tokens/s and training seconds of a run. With every step in the log (the default
+    ``--log-every 1``), both come from the log, so a run trained in several processes (or resumed
+    with nothing left to train, which measures nothing) is counted whole; otherwise from the
+    summary of the process that finished it."""
+    step_seconds = [e["step_s"] for e in log if e.get("step_s")]
+    batch_tokens = args.get("resolved", {}).get("batch_tokens")
+    if batch_tokens and step_seconds and len(step_seconds) == summ["steps"]:
+        return throughput(step_seconds, batch_tokens)["tokens_per_s"], sum(step_seconds)
+    return summ.get("tokens_per_s"), summ.get("train_seconds_this_process")
 
 
 def _csv_rows(rows: list[dict]):
