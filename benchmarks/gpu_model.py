@@ -19,7 +19,8 @@ its ratio to ``efla`` is what the gate's arithmetic costs).
 
 ``--profile`` adds, per shape, one profiled step of every model (``torch.profiler``): its GPU kernel
 time, kernel launches, the share of the median step the GPU is busy (well below 100%: the step is
-bound by the host) and the kernels that take most of it, to see where two models differ.
+bound by the host), the kernels that take most of it and the host operators (self CPU time, calls
+under the profiler), to see where two models differ.
 
 A second stage (``--loss-curve``) trains a preset for a few steps on real tokens twice from the same
 initialisation, once with the fused GPU modules and once with the PyTorch modules
@@ -183,22 +184,28 @@ def bench_size(size: str, kinds, shapes, warmup: int, steps: int, out_dir: str, 
 
 
 def profile_step(model, opt, ids) -> dict:
-    """GPU kernel time of one training step: ``{"total_ms": ..., "kernels": {name: [ms, calls]}}``."""
+    """One profiled training step: GPU kernels ``{"total_ms", "kernels": {name: [ms, calls]}}`` and host
+    operators ``{"host_ms", "host": {name: [self CPU ms, calls]}}`` (the host side of a host-bound step)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         train_step(model, opt, ids)
-    kernels = {}
+    kernels, host = {}, {}
     for e in prof.key_averages():
-        ms = getattr(e, "self_device_time_total", 0) / 1e3
-        if ms > 0:
-            kernels[e.key] = [ms, e.count]
-    return dict(total_ms=sum(ms for ms, _ in kernels.values()), kernels=kernels)
+        if e.device_type == DeviceType.CUDA:
+            ms = getattr(e, "self_device_time_total", 0) / 1e3
+            if ms > 0:
+                kernels[e.key] = [ms, e.count]
+        elif e.self_cpu_time_total > 0:
+            host[e.key] = [e.self_cpu_time_total / 1e3, e.count]
+    return dict(total_ms=sum(ms for ms, _ in kernels.values()), kernels=kernels,
+                host_ms=sum(ms for ms, _ in host.values()), host=host)
 
 
 def emit_profiles(out_dir, size, T, B, rows, top: int):
     emit(out_dir, f"Profile of one step, {size}, {T} x {B}: GPU kernel time per model, then its {top} largest "
-                  "kernels (ms, calls)")
+                  "kernels (ms, calls), then the host operators with the most self CPU time")
     emit(out_dir, "")
     for r in rows:
         p = r["profile"]
@@ -207,9 +214,14 @@ def emit_profiles(out_dir, size, T, B, rows, top: int):
         busy = (f"; median step {1e3 * r['step_s_median']:.1f} ms (GPU busy {p['total_ms'] / (1e3 * r['step_s_median']):.0%})"
                 if r.get("step_s_median") else "")
         emit(out_dir, f"- {r['model']}: {p['total_ms']:.1f} ms of GPU kernels in {launches:,} launches{busy}")
-        ranked = sorted(p["kernels"].items(), key=lambda kv: -kv[1][0])[:top]
-        for name, (ms, calls) in ranked:
+        for name, (ms, calls) in sorted(p["kernels"].items(), key=lambda kv: -kv[1][0])[:top]:
             emit(out_dir, f"  - {ms:8.2f} ms x{calls:<4d} {name[:110]}")
+        host = p.get("host", {})
+        calls_total = sum(calls for _, calls in host.values())
+        emit(out_dir, f"  - host: {p.get('host_ms', 0):.1f} ms self CPU time in {calls_total:,} operator calls "
+                      "(under the profiler), largest:")
+        for name, (ms, calls) in sorted(host.items(), key=lambda kv: -kv[1][0])[:top // 2]:
+            emit(out_dir, f"    - {ms:8.2f} ms x{calls:<5d} {name[:100]}")
     emit(out_dir, "")
 
 

@@ -19,7 +19,7 @@ MAX_TOKENS=${MAX_TOKENS:-6225920}  # 95 steps of 65,536: one epoch of the corpus
 DATA=.devdata/lm/gutenberg
 mkdir -p "$RESULTS" "$WORK/configs"
 source scripts/device_env.sh
-export TRITON_CACHE_AUTOTUNING=1
+export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 VARIANTS="efla deltanet gated-efla gated-deltanet"
 
 python3 - "$WORK/configs" <<'EOF'
@@ -34,12 +34,12 @@ EOF
 train() {  # variant seed
   local run=$WORK/$1-s$2
   python3 -m efla train --config "$WORK/configs/$1.json" --data "$DATA" --tokenizer .devdata/tok \
-    --cache-dir "$WORK/cache" --seq-len 2048 --batch-tokens 65536 --max-tokens "$MAX_TOKENS" --seed "$2" \
+    --cache-dir "$WORK/cache" --seq-len 2048 --batch-tokens 65536 --micro-batch-size 16 --max-tokens "$MAX_TOKENS" --seed "$2" \
     --data-seed 0 --val-sequences 16 --val-every 20 --save-every 20 --log-every 1 --no-progress \
     --out "$run" --resume-or-start > "$run.log" 2>&1
   echo "$1-s$2 train exit $?"
   python3 -m efla eval --model "$run" --wikitext .devdata/lm/wiki.test.raw --lambada .devdata/lm/lambada_test.jsonl \
-    --device cuda --out "$run/eval" > "$run.eval.log" 2>&1
+     --device cuda --dtype bfloat16 --batch-size 16 --out "$run/eval" > "$run.eval.log" 2>&1
   echo "$1-s$2 eval exit $?"
   mkdir -p "$RESULTS/$1-s$2"
   cp -r "$run"/{log.jsonl,train_summary.json,train_args.json,eval} "$RESULTS/$1-s$2/" 2>/dev/null
@@ -59,8 +59,8 @@ done
 runs=$(for v in $VARIANTS; do for s in $SEEDS; do echo "$WORK/$v-s$s"; done; done)
 {
   echo "Runs: \`SEEDS=\"$SEEDS\" MAX_TOKENS=$MAX_TOKENS bash scripts/device_lm_claims.sh\` (training: \`efla train --config"
-  echo "<variant>.json --data $DATA --tokenizer .devdata/tok --seq-len 2048 --batch-tokens 65536 --seed <seed> --data-seed 0"
-  echo "...\`; evaluation: \`efla eval --model <run> --wikitext wiki.test.raw --lambada lambada_test.jsonl --device cuda\`)."
+  echo "<variant>.json --data $DATA --tokenizer .devdata/tok --seq-len 2048 --batch-tokens 65536 --micro-batch-size 16 --seed <seed> --data-seed 0"
+  echo "...\`; evaluation: \`efla eval --model <run> --wikitext wiki.test.raw --lambada lambada_test.jsonl --device cuda --dtype bfloat16 --batch-size 16\`)."
   echo "Device: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1);"
   python3 -c "import torch, triton, transformers; print(f'torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__};')"
   echo "wall time of the visit so far: ${SECONDS} s (the four variants of a seed train side by side on the one GPU)."
