@@ -6,6 +6,9 @@ ptxas and prints, per setting: registers per thread, stack bytes per thread (spi
 divisions per thread and how many threads share one row (each of them computes the row's float64
 scalar chain). A proxy to choose settings between GPU visits; speed itself is measured on the GPU.
 
+Then the shared memory each setting of the gated ``dqkwg`` kernel needs at several head sizes,
+against the H200's limit per block: a setting above it cannot launch there (the autotuner skips it).
+
 Usage: ``python benchmarks/kernel_resources.py`` (needs triton with its NVIDIA backend; no GPU).
 """
 
@@ -25,6 +28,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from efla.ops.cuda import kernels as kn
 
+H200_SHARED_BYTES = 232448  # shared memory per block on sm_90 (opt-in maximum)
+DQKWG_HEAD_DIMS = [(32, 32), (64, 128), (128, 128), (256, 128), (32, 256), (128, 256), (256, 256)]
+DQKWG_SIGNATURE = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "h": "*bf16", "do": "*bf16",
+                   "dh": "*bf16", "dv": "*bf16", "dq": "*bf16", "dk": "*bf16", "dw": "*bf16", "dg": "*fp32",
+                   "cu_seqlens": "*i64", "chunk_indices": "*i32", "scale": "fp32", "T": "i32", "TOT": "i32"}
 SIGNATURE = {"k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*fp32", "derase": "*bf16", "dgl": "*fp32",
              "dvin": "*bf16", "dk": "*bf16", "dk_more": "*bf16", "dbeta": "*bf16", "dg": "*fp32", "dv": "*bf16", "R": "i32"}
 
@@ -37,6 +45,29 @@ def compile_setting(gated: bool, BR: int, BC: int, num_warps: int, K: int = 128,
     constants = dict(K=K, V=V, BR=BR, BC=BC, GATED=gated, G_MIN=kn.G_FLOOR, HAS_DK_MORE=gated)
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def compile_dqkwg(K: int, V: int, config):
+    fn = kn.gated_dqkwg_kernel.fn
+    signature = {name: DQKWG_SIGNATURE.get(name, "constexpr") for name in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if signature[name][0] == "*"}
+    constants = dict(H=2, K=K, V=V, BT=64, BK=min(triton.next_power_of_2(K), 128), BV=config.kwargs["BV"],
+                     IS_VARLEN=False)
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def dqkwg_shared_memory_table() -> None:
+    print()
+    print(f"gated dqkwg: shared memory per block (bytes; H200 limit {H200_SHARED_BYTES:,})")
+    print("| K | V | value block | warps | stages | shared bytes | fits |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for K, V in DQKWG_HEAD_DIMS:
+        for cfg in kn.dqkwg_configs(V):
+            shared = compile_dqkwg(K, V, cfg).metadata.shared
+            fits = "yes" if shared <= H200_SHARED_BYTES else "**no**"
+            print(f"| {K} | {V} | {cfg.kwargs['BV']} | {cfg.num_warps} | {cfg.num_stages} | {shared:,} | {fits} |")
 
 
 def resources(compiled) -> tuple[int, int]:
@@ -69,6 +100,7 @@ def main() -> int:
             divisions = len(re.findall(r"div\.rn\.f64", compiled.asm["ptx"]))
             rule = "gated" if gated else "plain"
             print(f"| {rule} | {BR} | {BC} | {w} | {regs} | {stack} | {divisions} | {threads_per_row(compiled)} |")
+    dqkwg_shared_memory_table()
     return 0
 
 

@@ -15,6 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # no Triton (CPU machines): every test here is skipped anyway
+    OutOfResources = RuntimeError
+
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda"  # Triton's CPU interpreter runs these on "cpu" (tried by hand; too slow for CI)
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (GPU fast path)")
@@ -76,12 +81,19 @@ def test_every_dqkwg_setting_runs_and_agrees(K, V):
     dqkwg_args, _ = _gated_backward_inputs(K, V)
     settings = kn.dqkwg_configs(V)
     assert all(c.kwargs["BV"] <= max(16, V) for c in settings)
-    outputs = []
+    ran = []
     for c in settings:
         launch = dict(BV=c.kwargs["BV"], num_warps=c.num_warps, num_stages=c.num_stages)
-        outputs.append(_stage(f"gated_dqkwg {launch}", ch.gated_dqkwg, *dqkwg_args, launch=launch))
-    for c, out in zip(settings[1:], outputs[1:]):
-        for name, a, b in zip(("dq", "dk", "dw", "dg"), out, outputs[0]):
+        try:
+            ran.append((c, _stage(f"gated_dqkwg {launch}", ch.gated_dqkwg, *dqkwg_args, launch=launch)))
+        except OutOfResources:
+            # more shared memory than the GPU has (value blocks of 128 with 3 stages at V = 256 need
+            # 278,544 bytes, benchmarks/kernel_resources.py): the autotuner skips such a setting
+            assert c is not settings[0], "the first setting must fit"
+    assert len(ran) >= len(settings) // 2
+    first = ran[0][1]
+    for c, out in ran[1:]:
+        for name, a, b in zip(("dq", "dk", "dw", "dg"), out, first):
             assert _rel(a, b) < 1e-2, (c, name)
 
 
