@@ -11,6 +11,10 @@
 # Results: $RESULTS/<variant>-s<seed>/ (log.jsonl, train_summary.json, train_args.json, eval JSON) and
 # $RESULTS/report/; scripts/device_collect.sh packs them. Runs resume where a visit stopped.
 #   SEEDS="0 1 2" bash scripts/device_lm_claims.sh
+# A machine can be taken back between calls (an idle gap of 30 s ends the loan, and a new machine
+# starts bare), so run one seed per call, in the foreground, and bring its results back with it:
+#   SEEDS=0 RESULTS=$OUT/lm bash scripts/device_lm_claims.sh
+# then `efla lm-report --runs <the runs of every seed>` here.
 set -uo pipefail
 RESULTS=${RESULTS:-/tmp/results}
 WORK=${WORK:-/tmp/lm}
