@@ -12,12 +12,15 @@
 #            hybrid, compile and fused-module ones, the coefficient gradients and the ops' reference check;
 #   model340 340M fla DeltaNet, efla, gated-efla and gated-efla without its output gate (MODELS340) at
 #            SHAPES340, STEPS340 steps, PROFILE340="--profile 25" adds a profiled step each;
+#   host340  340M fla DeltaNet, efla and gated-efla at 512 x 1, where the GPU work is small and a
+#            step's time is about its host time (launches, Python), with a profiled step each;
 #   compile340  340M efla eager against efla under torch.compile;
 #   ops96    the op table at (1, 8192, 96);
 #   dims     the op table at (4, 4096, 16) with head dims DIMS (default 64x64,32x32,256x256);
 #   faults   every gated dqkwg launch setting as written, at head dims 32, 64 x 96 and 64, one process each;
 #   launch   tests/ops/test_launch_settings.py: every launch setting of our autotuned kernels at
-#            every head size, against the first.
+#            every head size, against the first;
+#   headdims the GPU head-dim tests (32 to 256, K and V apart) against the float64 reference.
 # Carry: .whl (fla wheels); optionally .devcache/autotune.tgz (the autotuning results of an earlier
 # visit: fla's and our kernels then skip their autotuning). Results in $RESULTS/<phase>/ and
 # $RESULTS/autotune.tgz; scripts/device_collect.sh packs them.
@@ -72,6 +75,8 @@ for phase in $PHASES; do
                 --models "${MODELS340:-fla,efla,gated-efla,gated-efla-no-output-gate}" --warmup 3 --steps "${STEPS340:-8}" \
                 ${PROFILE340:-} \
                 --out "$RESULTS/model340" ;;
+    host340) run_phase host340 240 python3 benchmarks/gpu_model.py --sizes 340m --shapes 512x1 \
+               --models fla,efla,gated-efla --warmup 3 --steps 16 --profile 25 --out "$RESULTS/host340" ;;
     compile340) run_phase compile340 330 python3 benchmarks/gpu_model.py --sizes 340m --shapes 2048x8 \
                   --models efla,efla+compile --warmup 3 --steps 8 --out "$RESULTS/compile340" ;;
     ops96) run_phase ops96 260 python3 benchmarks/gpu_ops.py --skip-correctness --skip-decode --skip-model \
@@ -81,6 +86,8 @@ for phase in $PHASES; do
     faults) run_phase faults 120 python3 benchmarks/gpu_launch_faults.py --dims 32x32,64x96,64x64 --out "$RESULTS/faults" ;;
     launch) run_phase launch 300 env TRITON_CACHE_DIR=/tmp/triton-cache-tests python3 -m pytest -q -m gpu \
               -p no:cacheprovider -rfs tests/ops/test_launch_settings.py ;;
+    headdims) run_phase headdims 300 env TRITON_CACHE_DIR=/tmp/triton-cache-tests python3 -m pytest -q -m gpu \
+                -p no:cacheprovider -rfs "tests/ops/test_cuda.py::test_gpu_head_dims" ;;
     *) echo "unknown phase $phase" ;;
   esac
 done
