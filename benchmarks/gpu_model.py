@@ -200,7 +200,23 @@ def profile_step(model, opt, ids) -> dict:
         elif e.self_cpu_time_total > 0:
             host[e.key] = [e.self_cpu_time_total / 1e3, e.count]
     return dict(total_ms=sum(ms for ms, _ in kernels.values()), kernels=kernels,
-                host_ms=sum(ms for ms, _ in host.values()), host=host)
+                host_ms=sum(ms for ms, _ in host.values()), host=host, copies=copy_callers(prof.events()))
+
+
+def copy_callers(events, depth: int = 3) -> dict:
+    """Where the step's memory copies and memsets come from: ``{"<call> <- <caller> <- ...": count}``
+    (copies can wait on the GPU, so an unexpected one is worth knowing about)."""
+    callers = {}
+    for e in events:
+        if e.name not in ("cudaMemcpyAsync", "cudaMemsetAsync"):
+            continue
+        chain, parent = [e.name], e.cpu_parent
+        while parent is not None and len(chain) <= depth:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        key = " <- ".join(chain)
+        callers[key] = callers.get(key, 0) + 1
+    return callers
 
 
 def emit_profiles(out_dir, size, T, B, rows, top: int):
@@ -222,6 +238,10 @@ def emit_profiles(out_dir, size, T, B, rows, top: int):
                       "(under the profiler), largest:")
         for name, (ms, calls) in sorted(host.items(), key=lambda kv: -kv[1][0])[:top // 2]:
             emit(out_dir, f"    - {ms:8.2f} ms x{calls:<5d} {name[:100]}")
+        if p.get("copies"):
+            emit(out_dir, "  - copies and memsets by caller:")
+            for chain, calls in sorted(p["copies"].items(), key=lambda kv: -kv[1])[:8]:
+                emit(out_dir, f"    - x{calls:<5d} {chain[:160]}")
     emit(out_dir, "")
 
 
