@@ -15,7 +15,8 @@ sizes (same parameter count); ours: the ``<size>-efla``, ``-deltanet``, ``-gated
 ``<preset>+compile`` (the preset under ``torch.compile(dynamic=False)``: one graph per shape, built in
 the warm-up; a compile failure is that model's failed row) and ``<preset>-no-output-gate`` (a gated
 preset with ``use_gate=False`` at the ungated preset's depth: the plain model plus the decay gate, so
-its ratio to ``efla`` is what the gate's arithmetic costs).
+its ratio to ``efla`` is what the gate's arithmetic costs) and ``<gated preset>+fusedproj`` (its
+layers' q, k, v, a, b and g projections as one matrix product, ``fuse_input_projections=True``).
 
 ``--profile`` adds, per shape, one profiled step of every model (``torch.profiler``): its GPU kernel
 time, kernel launches, the share of the median step the GPU is busy (well below 100%: the step is
@@ -52,6 +53,7 @@ from efla.models import EFLAForCausalLM, get_preset_config
 GIB = 2 ** 30
 OURS = ("efla", "efla+flce", "deltanet", "gated-efla", "gated-deltanet")
 NO_OUTPUT_GATE = "-no-output-gate"  # e.g. gated-efla-no-output-gate: the gated preset without its SiLU output gate
+FUSED_PROJECTIONS = "+fusedproj"  # e.g. gated-efla+fusedproj: the gated layers' input projections as one product
 LINES: list[str] = []
 
 
@@ -82,6 +84,9 @@ def build(kind: str, size: str):
             model = build_fla(size)
         elif kind == "efla+flce":
             model = EFLAForCausalLM(get_preset_config(f"{size}-efla", fuse_linear_cross_entropy=True))
+        elif kind.endswith(FUSED_PROJECTIONS):
+            preset = kind.removesuffix(FUSED_PROJECTIONS)
+            model = EFLAForCausalLM(get_preset_config(f"{size}-{preset}", fuse_input_projections=True))
         elif kind.removesuffix("+compile").endswith(NO_OUTPUT_GATE):
             preset = kind.removesuffix("+compile").removesuffix(NO_OUTPUT_GATE)
             depth = get_preset_config(f"{size}-efla").num_hidden_layers

@@ -98,6 +98,7 @@ def build_token_mixer(config: EFLAConfig, layer_idx: int) -> nn.Module:
             norm_eps=config.norm_eps,
             update_rule=config.update_rule,
             output_gate_activation=config.output_gate_activation,
+            fuse_input_projections=config.fuse_input_projections,
         )
     return EFLA(
         mode=config.attn_mode,

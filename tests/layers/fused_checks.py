@@ -71,6 +71,18 @@ class _DecayGate(torch.nn.Module):
         return decay_gate(a, self.A_log, self.dt_bias)
 
 
+class _SliceConv(torch.nn.Module):
+    """A short convolution of the middle third of its input: a strided view, as the gated layers'
+    fused input projection hands it over."""
+
+    def __init__(self, conv):
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, x):
+        return self.conv(x.chunk(3, dim=-1)[1])
+
+
 def module_cases(device, dtype=torch.float32):
     """(name, module, inputs, kwargs) for every fused module and mode the models use."""
     g = torch.Generator().manual_seed(0)
@@ -96,6 +108,7 @@ def module_cases(device, dtype=torch.float32):
         ("short conv", conv, [randn(2, 19, 48)], {}),
         ("short conv, no activation", conv_plain, [randn(2, 19, 48)], {}),
         ("short conv, cache", conv, [randn(2, 19, 48)], {"cache": randn(2, 48, 4)}),
+        ("short conv, strided input", _SliceConv(conv), [randn(2, 19, 3 * 48)], {}),
         ("short conv, varlen + cache", conv, [randn(1, 21, 48)], {"cu_seqlens": cu, "cache": randn(3, 48, 4)}),
         ("swiglu + down proj", mlp, [randn(2, 19, 64)], {}),
         # a spans softplus' linear (> 20 after the bias) and exponential tails
