@@ -198,6 +198,8 @@ def profile_step(model, opt, ids) -> dict:
         train_step(model, opt, ids)
     kernels, host = {}, {}
     for e in prof.key_averages():
+        if getattr(e, "is_user_annotation", False):  # e.g. the optimizer step's range: not a kernel
+            continue
         if e.device_type == DeviceType.CUDA:
             ms = getattr(e, "self_device_time_total", 0) / 1e3
             if ms > 0:

@@ -37,6 +37,15 @@ DT_MIN, DT_MAX, DT_INIT_FLOOR = 1e-3, 1e-1, 1e-4
 A_INIT_RANGE = (0.0, 16.0)
 
 
+def _bare_linear(layer: nn.Module) -> bool:
+    """Whether ``layer`` computes ``x @ weight.T`` and nothing else: a wrapped or hooked projection
+    (PEFT's LoRA, accelerate's offloading, weight norm, a quantised weight) must run itself."""
+    hooked = (layer._forward_hooks or layer._forward_pre_hooks or "forward" in layer.__dict__
+              or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+    return (type(layer) is nn.Linear and type(layer.weight) is nn.Parameter and layer.bias is None
+            and not hooked)
+
+
 class GatedEFLA(nn.Module):
     r"""Gated Exact Flow Linear Attention layer (drop-in for flash-linear-attention's ``GatedDeltaNet``).
 
@@ -67,9 +76,11 @@ class GatedEFLA(nn.Module):
         norm_eps: output-norm epsilon. Default ``1e-5``.
         update_rule: ``"exact"`` | ``"euler"``. Default ``"exact"``.
         output_gate_activation: output gate ``"swish"`` (SiLU) or ``"sigmoid"``. Default ``"swish"``.
-        fuse_input_projections: compute the q, k, v, a, b (and g) projections of ``x`` as one matrix
-            product over their stacked weights: the same weights and results, five fewer products
-            forward and ten fewer backward, for a copy of the stacked weights per call. Default ``False``.
+        fuse_input_projections: in training, compute the q, k, v, a, b (and g) projections of ``x``
+            as one matrix product over their stacked weights: the same weights and results, five
+            fewer products forward and ten fewer backward, for a copy of the stacked weights per
+            call (without gradients, and for wrapped or hooked projections, they run one by one).
+            Default ``False``.
 
     ``record_stats`` / ``stats`` as in ``EFLA`` (plus ``g``). ``forward`` as in ``EFLA``.
 
@@ -174,9 +185,9 @@ class GatedEFLA(nn.Module):
         layers = [self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj]
         if self.use_gate:
             layers.append(self.g_proj)
-        # a wrapped projection (PEFT's LoRA, a quantised layer) computes more than its weight: run it
-        plain = all(type(layer) is nn.Linear and not layer._forward_hooks for layer in layers)
-        if self.fuse_input_projections and plain:
+        # training only: at inference (decoding above all) reading the weights dominates, and
+        # stacking them would copy them on every call
+        if self.fuse_input_projections and torch.is_grad_enabled() and all(map(_bare_linear, layers)):
             stacked = torch.cat([layer.weight for layer in layers])
             outputs = F.linear(x, stacked).split([layer.out_features for layer in layers], dim=-1)
         else:

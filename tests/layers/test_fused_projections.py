@@ -1,6 +1,7 @@
 """Gated layers can compute their input projections as one matrix product: same weights, same
-results and gradients as the separate products, with and without the output gate, padding or a
-cache."""
+results and gradients as the separate products, with and without the output gate, padding, packed
+sequences, grouped value heads or a cache; wrapped or hooked projections and inference run them
+one by one."""
 
 from __future__ import annotations
 
@@ -8,9 +9,28 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from efla.layers import GatedEFLA
 from efla.models import EFLAConfig, EFLAForCausalLM
+
+PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+class CountProducts(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in PRODUCTS
+        return func(*args, **(kwargs or {}))
+
+
+def _products(layer, x) -> int:
+    with CountProducts() as counter:
+        layer.input_projections(x)
+    return counter.count
 
 
 def _pair(**kw):
@@ -21,24 +41,61 @@ def _pair(**kw):
     return separate, fused
 
 
-@pytest.mark.parametrize("use_gate", [True, False])
-@pytest.mark.parametrize("rule", ["exact", "euler"])
-def test_fused_projections_match_separate_ones(use_gate, rule):
-    separate, fused = _pair(use_gate=use_gate, update_rule=rule)
-    x = torch.randn(2, 11, 32, dtype=torch.float64)
-    mask = torch.ones(2, 11, dtype=torch.long)
-    mask[1, :3] = 0  # left padding
-    outputs, grads = [], []
-    for layer in (separate, fused):
-        xi = x.clone().requires_grad_(True)
-        o = layer(xi, attention_mask=mask)[0]
-        (o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum().backward()
-        outputs.append(o)
-        grads.append([xi.grad] + [p.grad for p in layer.parameters()])
-    assert (outputs[0] - outputs[1]).abs().max().item() < 1e-12
-    assert outputs[0].abs().max().item() > 1e-3  # the layer computed something
-    for a, b in zip(*grads):
+def _outputs_and_grads(layer, x, **kw):
+    xi = x.clone().requires_grad_(True)
+    o = layer(xi, **kw)[0]
+    (o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum().backward()
+    return o, [xi.grad] + [p.grad for p in layer.parameters()]
+
+
+CASES = {
+    "output gate, padding": (dict(), "mask"),
+    "no output gate, padding": (dict(use_gate=False), "mask"),
+    "euler rule": (dict(update_rule="euler"), None),
+    "grouped values, negative eigenvalues": (dict(num_v_heads=4, allow_neg_eigval=True), None),
+    "no short convolutions": (dict(use_short_conv=False), None),
+    "packed sequences": (dict(), "cu_seqlens"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:use_short_conv=False")
+@pytest.mark.parametrize("case", CASES)
+def test_fused_projections_match_separate_ones(case):
+    kw, extra = CASES[case]
+    separate, fused = _pair(**kw)
+    B = 1 if extra == "cu_seqlens" else 2
+    x = torch.randn(B, 11, 32, dtype=torch.float64)
+    call = {}
+    if extra == "mask":
+        call["attention_mask"] = torch.ones(2, 11, dtype=torch.long)
+        call["attention_mask"][1, :3] = 0  # left padding
+    elif extra == "cu_seqlens":
+        call["cu_seqlens"] = torch.tensor([0, 4, 11])
+    (o_sep, g_sep), (o_fused, g_fused) = (_outputs_and_grads(layer, x, **call) for layer in (separate, fused))
+    assert (_products(separate, x), _products(fused, x)) == (6 if separate.use_gate else 5, 1)
+    assert o_sep.abs().max().item() > 1e-3  # the layer computed something
+    assert (o_sep - o_fused).abs().max().item() < 1e-12
+    for a, b in zip(g_sep, g_fused):
         assert (a - b).abs().max().item() < 1e-12
+
+
+def test_inference_and_hooked_projections_run_one_by_one():
+    _, fused = _pair()
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    with torch.no_grad():
+        assert _products(fused, x) == 6  # decoding reads the weights once each, no stacked copy
+    shifted = fused(x)[0]
+    handle = fused.q_proj.register_forward_pre_hook(lambda module, args: (args[0] + 1,))
+    try:
+        assert _products(fused, x) == 6
+        hooked = fused(x)[0]
+    finally:
+        handle.remove()
+    separate = copy.deepcopy(fused)
+    separate.fuse_input_projections = False
+    separate.q_proj.register_forward_pre_hook(lambda module, args: (args[0] + 1,))
+    assert (hooked - shifted).abs().max().item() > 1e-6  # the hook changed the result
+    assert (hooked - separate(x)[0]).abs().max().item() < 1e-12
 
 
 def test_fused_projections_in_the_model_config_and_generation():
@@ -54,10 +111,12 @@ def test_fused_projections_in_the_model_config_and_generation():
     a = separate.generate(ids, max_new_tokens=4, do_sample=False)
     b = fused.generate(ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="fuse_input_projections: only the gated layers"):
+        EFLAConfig(**{**cfg, "gated": False}, fuse_input_projections=True)
 
 
 def test_wrapped_projections_are_not_bypassed():
-    """A projection wrapped by PEFT's LoRA (or anything else that is not a plain ``nn.Linear``)
+    """A projection wrapped by PEFT's LoRA (or anything else that is not a bare ``nn.Linear``)
     computes more than its weight: the fused path must leave it to run."""
     peft = pytest.importorskip("peft", reason="LoRA needs peft (pip install 'efla[peft]')")
     cfg = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_heads=2, head_dim=16, gated=True)

@@ -87,10 +87,10 @@ def test_every_dqkwg_setting_runs_and_agrees(K, V):
         try:
             ran.append((c, _stage(f"gated_dqkwg {launch}", ch.gated_dqkwg, *dqkwg_args, launch=launch)))
         except OutOfResources:
-            # more shared memory than the GPU has (value blocks of 128 with 3 stages at V = 256 need
-            # 278,544 bytes, benchmarks/kernel_resources.py): the autotuner skips such a setting
-            assert c is not settings[0], "the first setting must fit"
-    assert len(ran) >= len(settings) // 2
+            # more shared memory than the GPU has: the autotuner skips such a setting. On an H200 only
+            # value blocks of 128 with 3 stages at V = 256 and K >= 128 (278,544 bytes of 232,448;
+            # benchmarks/kernel_resources.py); nothing may be skipped at heads up to 128
+            assert max(K, V) > 128 and c is not settings[0], f"{launch} does not fit the GPU at K={K}, V={V}"
     first = ran[0][1]
     for c, out in ran[1:]:
         for name, a, b in zip(("dq", "dk", "dw", "dg"), out, first):
