@@ -15,8 +15,8 @@ sizes (same parameter count); ours: the ``<size>-efla``, ``-deltanet``, ``-gated
 ``<preset>+compile`` (the preset under ``torch.compile(dynamic=False)``: one graph per shape, built in
 the warm-up; a compile failure is that model's failed row) and ``<preset>-no-output-gate`` (a gated
 preset with ``use_gate=False`` at the ungated preset's depth: the plain model plus the decay gate, so
-its ratio to ``efla`` is what the gate's arithmetic costs) and ``<gated preset>+fusedproj`` (its
-layers' q, k, v, a, b and g projections as one matrix product, ``fuse_input_projections=True``).
+its ratio to ``efla`` is what the gate's arithmetic costs) and ``<preset>+fusedproj`` (its layers'
+input projections as one matrix product, ``fuse_input_projections=True``).
 
 ``--profile`` adds, per shape, one profiled step of every model (``torch.profiler``): its GPU kernel
 time, kernel launches, the share of the median step the GPU is busy (well below 100%: the step is
@@ -53,7 +53,7 @@ from efla.models import EFLAForCausalLM, get_preset_config
 GIB = 2 ** 30
 OURS = ("efla", "efla+flce", "deltanet", "gated-efla", "gated-deltanet")
 NO_OUTPUT_GATE = "-no-output-gate"  # e.g. gated-efla-no-output-gate: the gated preset without its SiLU output gate
-FUSED_PROJECTIONS = "+fusedproj"  # e.g. gated-efla+fusedproj: the gated layers' input projections as one product
+FUSED_PROJECTIONS = "+fusedproj"  # e.g. gated-efla+fusedproj: the layers' input projections as one product
 LINES: list[str] = []
 
 

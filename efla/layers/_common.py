@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from efla.ops import efla_coefficient
 from efla.ops.validate import check_cu_seqlens, values_checked
@@ -16,6 +18,27 @@ def check_update_rule(update_rule: str) -> str:
     if update_rule not in UPDATE_RULES:
         raise ValueError(f"update_rule: expected one of {UPDATE_RULES}, got {update_rule!r}")
     return update_rule
+
+
+def _bare_linear(layer: nn.Module) -> bool:
+    """Whether ``layer`` computes ``x @ weight.T`` and nothing else: a wrapped or hooked projection
+    (PEFT's LoRA, accelerate's offloading, weight norm, a quantised weight) must run itself."""
+    hooked = (layer._forward_hooks or layer._forward_pre_hooks or "forward" in layer.__dict__
+              or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+    return (type(layer) is nn.Linear and type(layer.weight) is nn.Parameter and layer.bias is None
+            and not hooked)
+
+
+def project(x: torch.Tensor, layers: list, fuse: bool) -> list[torch.Tensor]:
+    """Each of ``layers`` (linear projections) applied to ``x``. With ``fuse``, in training, as one
+    matrix product over their stacked weights: the same results, one product instead of
+    ``len(layers)`` forward and two instead of ``2 * len(layers)`` backward, for a copy of the
+    stacked weights per call. Without gradients (decoding above all, where reading the weights
+    dominates) and for wrapped or hooked projections they run one by one."""
+    if fuse and torch.is_grad_enabled() and all(map(_bare_linear, layers)):
+        stacked = torch.cat([layer.weight for layer in layers])
+        return list(F.linear(x, stacked).split([layer.out_features for layer in layers], dim=-1))
+    return [layer(x) for layer in layers]
 
 
 def check_hidden_states(hidden_states: torch.Tensor, hidden_size: int,

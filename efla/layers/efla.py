@@ -25,6 +25,7 @@ from ._common import (
     get_layer_state,
     padding_mask,
     per_value_head,
+    project,
     stiffness_stats,
 )
 from .modules import RMSNorm, RMSNormGated, ShortConvolution, l2_normalize
@@ -75,6 +76,9 @@ class EFLA(nn.Module):
             the value width is split over them (value head dim ``= value width // HV``), each has
             its own ``beta`` and state, and each q/k head serves ``HV // H`` consecutive value
             heads (grouped values). Default ``None``.
+        fuse_input_projections: in training, compute the q, k, v (, b, g) projections of ``x`` as
+            one matrix product over their stacked weights (same weights and results, fewer kernel
+            launches, a copy of the stacked weights per call; see ``_common.project``). Default ``False``.
 
     Set ``layer.record_stats = True`` to keep, after each forward, a detached ``layer.stats``
     dict of ``[B, T, HV]`` tensors: ``beta``, ``key_norm_sq``, ``stiffness`` (``beta * ||k||^2``),
@@ -109,6 +113,7 @@ class EFLA(nn.Module):
         norm_eps: float = 1e-5,
         update_rule: str = "exact",
         num_v_heads: int | None = None,
+        fuse_input_projections: bool = False,
         **kwargs: Any,
     ):
         super().__init__()
@@ -163,6 +168,7 @@ class EFLA(nn.Module):
         else:
             self.o_norm = RMSNorm(self.head_v_dim, eps=norm_eps, dtype=torch.float32)
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.fuse_input_projections = bool(fuse_input_projections)
 
         self.record_stats = False
         self.stats: dict | None = None
@@ -179,8 +185,17 @@ class EFLA(nn.Module):
             return F.elu(x) + 1.0
         return x  # silu is applied by the convolution (or below without it); identity
 
-    def _conv_qkv(self, x, mask, last_state, use_cache, cu_seqlens):
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    def input_projections(self, x: torch.Tensor) -> tuple:
+        """``(q, k, v, b, g)`` projections of ``x`` (``b``/``g`` are ``None`` without ``use_beta``/``use_gate``)."""
+        layers = [self.q_proj, self.k_proj, self.v_proj]
+        layers += [self.b_proj] if self.use_beta else []
+        layers += [self.g_proj] if self.use_gate else []
+        q, k, v, *rest = project(x, layers, self.fuse_input_projections)
+        b = rest.pop(0) if self.use_beta else None
+        g = rest.pop(0) if self.use_gate else None
+        return q, k, v, b, g
+
+    def _conv_qkv(self, q, k, v, mask, last_state, use_cache, cu_seqlens):
         if mask is not None:  # padded inputs never enter the convolution windows
             q, k, v = q * mask, k * mask, v * mask
         conv_state = (None, None, None)
@@ -203,8 +218,8 @@ class EFLA(nn.Module):
         group of value heads, as the op does), ``v [B, T, HV, V]``, ``beta [B, T, HV]`` (after
         convolution, activation, normalisation and padding mask), plus the new convolution states and
         the padding mask. Useful for tests and analysis."""
-        q, k, v, beta, conv_state, mask = self._recurrence_inputs(hidden_states, attention_mask, last_state, use_cache,
-                                                                  cu_seqlens)
+        q, k, v, beta, conv_state, mask, _ = self._recurrence_inputs(hidden_states, attention_mask, last_state,
+                                                                     use_cache, cu_seqlens)
         q_l2, k_l2 = self._l2_in_op()
         q, k = (l2_normalize(q) if q_l2 else q), (l2_normalize(k) if k_l2 else k)
         return per_value_head(q, self.num_v_heads), per_value_head(k, self.num_v_heads), v, beta, conv_state, mask
@@ -218,7 +233,8 @@ class EFLA(nn.Module):
         # q and k before their L2 normalisation, which the op fuses into its kernels
         B, T = hidden_states.shape[:2]
         mask = padding_mask(attention_mask, B, T, cu_seqlens)
-        q, k, v, conv_state = self._conv_qkv(hidden_states, mask, last_state, use_cache, cu_seqlens)
+        q, k, v, b, gate = self.input_projections(hidden_states)
+        q, k, v, conv_state = self._conv_qkv(q, k, v, mask, last_state, use_cache, cu_seqlens)
         q = self._qk_act(q.view(B, T, self.num_heads, self.head_k_dim))
         k = self._qk_act(k.view(B, T, self.num_heads, self.head_k_dim))
         v = v.view(B, T, self.num_v_heads, self.head_v_dim)
@@ -226,13 +242,13 @@ class EFLA(nn.Module):
             q = _sum_normalize(q)
             if self.update_rule == "euler":
                 k = _sum_normalize(k)
-        beta = self.b_proj(hidden_states).sigmoid() if self.use_beta else q.new_ones(B, T, self.num_v_heads)
+        beta = b.sigmoid() if self.use_beta else q.new_ones(B, T, self.num_v_heads)
         if self.allow_neg_eigval:
             beta = beta * 2.0
         beta = beta.to(q.dtype)
         if mask is not None:  # k = v = 0: the step is the identity for every rule
             k, v = k * mask[..., None], v * mask[..., None]
-        return q, k, v, beta, conv_state, mask
+        return q, k, v, beta, conv_state, mask, gate
 
     def _op(self, recurrent: bool):
         if self.update_rule == "exact":
@@ -257,8 +273,8 @@ class EFLA(nn.Module):
         last_state = get_layer_state(past_key_values, self.layer_idx)
         use_cache = bool(use_cache) and past_key_values is not None
 
-        q, k, v, beta, conv_state, mask = self._recurrence_inputs(hidden_states, attention_mask, last_state, use_cache,
-                                                                  cu_seqlens)
+        q, k, v, beta, conv_state, mask, gate = self._recurrence_inputs(hidden_states, attention_mask, last_state,
+                                                                        use_cache, cu_seqlens)
         recurrent = self.mode == "recurrent" or (T == 1 and cu_seqlens is None)
         initial_state = last_state.get("recurrent_state") if last_state is not None else None
         q_l2, k_l2 = self._l2_in_op()
@@ -273,8 +289,7 @@ class EFLA(nn.Module):
                                                conv_state=conv_state if self.use_short_conv else None, offset=T)
 
         if self.use_gate:
-            g = self.g_proj(hidden_states).view(B, T, self.num_v_heads, self.head_v_dim)
-            o = self.o_norm(o, g)
+            o = self.o_norm(o, gate.reshape(B, T, self.num_v_heads, self.head_v_dim))
         else:
             o = self.o_norm(o)
         o = self.o_proj(o.reshape(B, T, self.value_dim))

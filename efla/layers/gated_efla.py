@@ -26,6 +26,7 @@ from ._common import (
     get_layer_state,
     padding_mask,
     per_value_head,
+    project,
     stiffness_stats,
 )
 from .modules import RMSNorm, RMSNormGated, ShortConvolution, decay_gate, l2_normalize
@@ -35,15 +36,6 @@ __all__ = ["GatedEFLA"]
 # log-uniform range of the initial discretisation step dt (Mamba-2 / Gated DeltaNet convention)
 DT_MIN, DT_MAX, DT_INIT_FLOOR = 1e-3, 1e-1, 1e-4
 A_INIT_RANGE = (0.0, 16.0)
-
-
-def _bare_linear(layer: nn.Module) -> bool:
-    """Whether ``layer`` computes ``x @ weight.T`` and nothing else: a wrapped or hooked projection
-    (PEFT's LoRA, accelerate's offloading, weight norm, a quantised weight) must run itself."""
-    hooked = (layer._forward_hooks or layer._forward_pre_hooks or "forward" in layer.__dict__
-              or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
-    return (type(layer) is nn.Linear and type(layer.weight) is nn.Parameter and layer.bias is None
-            and not hooked)
 
 
 class GatedEFLA(nn.Module):
@@ -183,16 +175,8 @@ class GatedEFLA(nn.Module):
     def input_projections(self, x: torch.Tensor) -> tuple:
         """``(q, k, v, a, b, g)`` projections of ``x`` (``g`` is ``None`` without the output gate)."""
         layers = [self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj]
-        if self.use_gate:
-            layers.append(self.g_proj)
-        # training only: at inference (decoding above all) reading the weights dominates, and
-        # stacking them would copy them on every call
-        if self.fuse_input_projections and torch.is_grad_enabled() and all(map(_bare_linear, layers)):
-            stacked = torch.cat([layer.weight for layer in layers])
-            outputs = F.linear(x, stacked).split([layer.out_features for layer in layers], dim=-1)
-        else:
-            outputs = [layer(x) for layer in layers]
-        return (*outputs, None) if not self.use_gate else tuple(outputs)
+        outputs = project(x, layers + ([self.g_proj] if self.use_gate else []), self.fuse_input_projections)
+        return tuple(outputs) if self.use_gate else (*outputs, None)
 
     def log_gate(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``g = -exp(A_log) * softplus(a_proj(x) + dt_bias)``, ``[B, T, num_v_heads]``, ``<= 0``, in

@@ -57,9 +57,9 @@ class EFLAConfig(PretrainedConfig):
         use_gate: SiLU output gate. Default ``None`` = ``gated`` (False for DeltaNet, True for
             Gated DeltaNet, as in flash-linear-attention).
         output_gate_activation: gated only: ``"swish"`` (SiLU) or ``"sigmoid"``. Default ``"swish"``.
-        fuse_input_projections: gated only: in training, the layers' q, k, v, a, b and g
-            projections as one matrix product (same weights and results, fewer kernel launches).
-            Default ``False``.
+        fuse_input_projections: in training, each layer's input projections (q, k, v, beta's and
+            the gates') as one matrix product (same weights and results, fewer kernel launches, a
+            copy of the stacked weights per step). Default ``False``.
         use_short_conv: short causal convolutions on q, k, v. Default ``True``.
         conv_size: their width. Default ``4``.
         conv_bias: their bias. Default ``False``.
@@ -166,8 +166,6 @@ class EFLAConfig(PretrainedConfig):
             raise ValueError(
                 f"output_gate_activation: expected 'swish', 'silu' or 'sigmoid', got {output_gate_activation!r}")
         self.output_gate_activation = output_gate_activation
-        if fuse_input_projections and not gated:
-            raise ValueError("fuse_input_projections: only the gated layers have it (gated=True)")
         self.fuse_input_projections = bool(fuse_input_projections)
         self.use_short_conv = use_short_conv
         self.conv_size = conv_size

@@ -118,6 +118,7 @@ def build_token_mixer(config: EFLAConfig, layer_idx: int) -> nn.Module:
         norm_eps=config.norm_eps,
         update_rule=config.update_rule,
         num_v_heads=config.num_v_heads,
+        fuse_input_projections=config.fuse_input_projections,
     )
 
 

@@ -1,7 +1,7 @@
-"""Gated layers can compute their input projections as one matrix product: same weights, same
-results and gradients as the separate products, with and without the output gate, padding, packed
-sequences, grouped value heads or a cache; wrapped or hooked projections and inference run them
-one by one."""
+"""The layers can compute their input projections as one matrix product: same weights, same
+results and gradients as the separate products, with and without beta's projection and the output
+gate, padding, packed sequences, grouped value heads or a cache; wrapped or hooked projections and
+inference run them one by one."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from efla.layers import GatedEFLA
+from efla.layers import EFLA, GatedEFLA
 from efla.models import EFLAConfig, EFLAForCausalLM
 
 PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
@@ -33,12 +33,19 @@ def _products(layer, x) -> int:
     return counter.count
 
 
-def _pair(**kw):
+def _pair(layer_cls=GatedEFLA, **kw):
     torch.manual_seed(0)
-    separate = GatedEFLA(hidden_size=32, num_heads=2, head_dim=16, **kw).double()
+    size = dict(hidden_size=32, num_heads=2) | (dict(head_dim=16) if layer_cls is GatedEFLA else {})
+    separate = layer_cls(**size, **kw).double()
     fused = copy.deepcopy(separate)
     fused.fuse_input_projections = True
     return separate, fused
+
+
+def _expected_products(layer) -> int:
+    if isinstance(layer, GatedEFLA):
+        return 6 if layer.use_gate else 5
+    return 3 + layer.use_beta + layer.use_gate
 
 
 def _outputs_and_grads(layer, x, **kw):
@@ -49,20 +56,24 @@ def _outputs_and_grads(layer, x, **kw):
 
 
 CASES = {
-    "output gate, padding": (dict(), "mask"),
-    "no output gate, padding": (dict(use_gate=False), "mask"),
-    "euler rule": (dict(update_rule="euler"), None),
-    "grouped values, negative eigenvalues": (dict(num_v_heads=4, allow_neg_eigval=True), None),
-    "no short convolutions": (dict(use_short_conv=False), None),
-    "packed sequences": (dict(), "cu_seqlens"),
+    "gated: output gate, padding": (GatedEFLA, dict(), "mask"),
+    "gated: no output gate, padding": (GatedEFLA, dict(use_gate=False), "mask"),
+    "gated: euler rule": (GatedEFLA, dict(update_rule="euler"), None),
+    "gated: grouped values, negative eigenvalues": (GatedEFLA, dict(num_v_heads=4, allow_neg_eigval=True), None),
+    "gated: no short convolutions": (GatedEFLA, dict(use_short_conv=False), None),
+    "gated: packed sequences": (GatedEFLA, dict(), "cu_seqlens"),
+    "efla: padding": (EFLA, dict(), "mask"),
+    "efla: output gate, grouped values": (EFLA, dict(use_gate=True, num_v_heads=4), None),
+    "efla: no beta projection, euler rule": (EFLA, dict(use_beta=False, update_rule="euler"), None),
+    "efla: packed sequences, no short convolutions": (EFLA, dict(use_short_conv=False), "cu_seqlens"),
 }
 
 
 @pytest.mark.filterwarnings("ignore:use_short_conv=False")
 @pytest.mark.parametrize("case", CASES)
 def test_fused_projections_match_separate_ones(case):
-    kw, extra = CASES[case]
-    separate, fused = _pair(**kw)
+    layer_cls, kw, extra = CASES[case]
+    separate, fused = _pair(layer_cls, **kw)
     B = 1 if extra == "cu_seqlens" else 2
     x = torch.randn(B, 11, 32, dtype=torch.float64)
     call = {}
@@ -72,7 +83,7 @@ def test_fused_projections_match_separate_ones(case):
     elif extra == "cu_seqlens":
         call["cu_seqlens"] = torch.tensor([0, 4, 11])
     (o_sep, g_sep), (o_fused, g_fused) = (_outputs_and_grads(layer, x, **call) for layer in (separate, fused))
-    assert (_products(separate, x), _products(fused, x)) == (6 if separate.use_gate else 5, 1)
+    assert (_products(separate, x), _products(fused, x)) == (_expected_products(separate), 1)
     assert o_sep.abs().max().item() > 1e-3  # the layer computed something
     assert (o_sep - o_fused).abs().max().item() < 1e-12
     for a, b in zip(g_sep, g_fused):
@@ -98,8 +109,9 @@ def test_inference_and_hooked_projections_run_one_by_one():
     assert (hooked - separate(x)[0]).abs().max().item() < 1e-12
 
 
-def test_fused_projections_in_the_model_config_and_generation():
-    cfg = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=16, gated=True)
+@pytest.mark.parametrize("gated", [True, False])
+def test_fused_projections_in_the_model_config_and_generation(gated):
+    cfg = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=16, gated=gated)
     torch.manual_seed(1)
     separate = EFLAForCausalLM(EFLAConfig(**cfg)).double().eval()
     fused = EFLAForCausalLM(EFLAConfig(**cfg, fuse_input_projections=True)).double().eval()
@@ -111,8 +123,6 @@ def test_fused_projections_in_the_model_config_and_generation():
     a = separate.generate(ids, max_new_tokens=4, do_sample=False)
     b = fused.generate(ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="fuse_input_projections: only the gated layers"):
-        EFLAConfig(**{**cfg, "gated": False}, fuse_input_projections=True)
 
 
 def test_wrapped_projections_are_not_bypassed():
