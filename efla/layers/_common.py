@@ -29,15 +29,33 @@ def _bare_linear(layer: nn.Module) -> bool:
             and not hooked)
 
 
+class _StackedLinear(torch.autograd.Function):
+    """``x @ cat(weights).T``, keeping only ``x`` and the separate weights for backward: the
+    stacked copy lives for one product each way, so peak memory stays that of separate products."""
+
+    @staticmethod
+    def forward(ctx, x, *weights):
+        ctx.save_for_backward(x, *weights)
+        return F.linear(x, torch.cat(weights))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, *weights = ctx.saved_tensors
+        grad_x = grad_out @ torch.cat(weights) if ctx.needs_input_grad[0] else None
+        grad_stacked = grad_out.reshape(-1, grad_out.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+        return grad_x, *grad_stacked.split([w.shape[0] for w in weights])
+
+
 def project(x: torch.Tensor, layers: list, fuse: bool) -> list[torch.Tensor]:
     """Each of ``layers`` (linear projections) applied to ``x``. With ``fuse``, in training, as one
     matrix product over their stacked weights: the same results, one product instead of
-    ``len(layers)`` forward and two instead of ``2 * len(layers)`` backward, for a copy of the
-    stacked weights per call. Without gradients (decoding above all, where reading the weights
-    dominates) and for wrapped or hooked projections they run one by one."""
+    ``len(layers)`` forward and two instead of ``2 * len(layers)`` backward (and one gradient for
+    ``x`` instead of a sum of ``len(layers)``), the stacked weights formed once each way. Without
+    gradients (decoding above all, where reading the weights dominates) and for wrapped or hooked
+    projections they run one by one."""
     if fuse and torch.is_grad_enabled() and all(map(_bare_linear, layers)):
-        stacked = torch.cat([layer.weight for layer in layers])
-        return list(F.linear(x, stacked).split([layer.out_features for layer in layers], dim=-1))
+        stacked = _StackedLinear.apply(x, *(layer.weight for layer in layers))
+        return list(stacked.split([layer.out_features for layer in layers], dim=-1))
     return [layer(x) for layer in layers]
 
 

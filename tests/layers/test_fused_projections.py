@@ -141,3 +141,23 @@ def test_wrapped_projections_are_not_bypassed():
                 p.data.normal_()  # LoRA starts at zero: make it change the projections
         logits.append(model(torch.arange(9).view(1, 9)).logits)
     assert (logits[0] - logits[1]).abs().max().item() < 1e-12
+
+
+def test_fused_projections_keep_no_stacked_copy_for_backward():
+    """Backward runs two products (input and weight gradients) and autograd keeps only ``x`` and
+    the separate weights: the stacked copy would add its size to peak memory at every layer."""
+    _, fused = _pair()
+    x = torch.randn(2, 5, 32, dtype=torch.float64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        outputs = fused.input_projections(x)
+    stacked_rows = sum(layer.out_features for layer in (fused.q_proj, fused.k_proj, fused.v_proj, fused.a_proj,
+                                                          fused.b_proj, fused.g_proj))
+    assert all(t.shape != (stacked_rows, 32) for t in saved)
+    assert sum(t.numel() for t in saved) == x.numel() + stacked_rows * 32
+    with CountProducts() as counter:
+        sum(o.sum() for o in outputs).backward()
+    assert counter.count == 2
+    expected = torch.ones(2, 5, stacked_rows, dtype=torch.float64) @ torch.cat(
+        [p.weight for p in (fused.q_proj, fused.k_proj, fused.v_proj, fused.a_proj, fused.b_proj, fused.g_proj)])
+    assert (x.grad - expected).abs().max().item() < 1e-12
