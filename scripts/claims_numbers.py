@@ -4,7 +4,7 @@
 
 Robustness: per run, the accuracy averaged over a perturbation's levels; then mean, sample standard
 deviation over seeds, and the EFLA - DeltaNet gap in units of its standard error. LM: the bits per
-byte of each seed's model on WikiText-2 test.
+byte of each seed's model on WikiText-2 test and its final validation loss, CPU and H200 runs.
 """
 
 from __future__ import annotations
@@ -37,14 +37,30 @@ def robustness() -> None:
 
 
 def language_model() -> None:
+    _lm_table("lm (CPU, 0.66M)", sorted((RESULTS / "lm" / "eval" / "models").glob("*/eval.json")))
+    _lm_table("lm (H200, 100M)", sorted((RESULTS / "lm_gpu_100m" / "runs").glob("*/eval/eval.json")))
+
+
+def _lm_table(title: str, paths: list) -> None:
+    """Per variant, mean ± sample std over seeds of WikiText-2 bits per byte and the final
+    validation loss; each exact rule against its Euler counterpart in standard errors."""
     by_variant = defaultdict(list)
-    for path in sorted((RESULTS / "lm" / "eval" / "models").glob("*/eval.json")):
+    for path in paths:
         record = json.loads(path.read_text())
-        by_variant[path.parent.name.rsplit("-s", 1)[0]].append(record)
+        by_variant[_find(record, "variant")].append(record)
     for variant, records in sorted(by_variant.items()):
-        bpb = [_find(r, "bits_per_byte") for r in records]
-        print(f"lm {variant:15s} WikiText-2 bits/byte {statistics.mean(bpb):.4f} ± {statistics.stdev(bpb):.4f} "
-              f"(n = {len(bpb)})")
+        line = f"{title} {variant:15s}"
+        for key in ("bits_per_byte", "val_loss"):
+            values = [_find(r, key) for r in records]
+            if None in values:
+                continue
+            line += f" {key} {statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
+            euler = [_find(r, key) for r in by_variant.get(variant.replace("efla", "deltanet"), [])]
+            if "efla" in variant and euler and None not in euler:
+                gap = statistics.mean(values) - statistics.mean(euler)
+                se = math.sqrt(statistics.variance(values) / len(values) + statistics.variance(euler) / len(euler))
+                line += f" (vs Euler {gap:+.4f} = {gap / se:.1f} standard errors)"
+        print(f"{line} (n = {len(records)})")
 
 
 def _find(record, key):

@@ -12,9 +12,11 @@
 # $RESULTS/report/; scripts/device_collect.sh packs them. Runs resume where a visit stopped.
 #   SEEDS="0 1 2" bash scripts/device_lm_claims.sh
 # A machine can be taken back between calls (an idle gap of 30 s ends the loan, and a new machine
-# starts bare), so run one seed per call, in the foreground, and bring its results back with it:
-#   SEEDS=0 RESULTS=$OUT/lm bash scripts/device_lm_claims.sh
-# then `efla lm-report --runs <the runs of every seed>` here.
+# starts bare), so run one seed per call, in the foreground, and bring its results back with it as
+# one archive (a call returns at most 8 files, two folders down):
+#   SEEDS=0 RESULTS=/tmp/res PACK=$OUT/lm_s0.tgz bash scripts/device_lm_claims.sh
+# then unpack the archives here and `efla lm-report --runs <the runs of every seed>`
+# (docs/results/lm_gpu_100m/ was made that way).
 set -uo pipefail
 RESULTS=${RESULTS:-/tmp/results}
 WORK=${WORK:-/tmp/lm}
@@ -73,3 +75,7 @@ python3 -m efla lm-report --runs $runs --out "$RESULTS/report" --notes "$WORK/no
   --title "Language modelling at about 100M parameters, one epoch of the Gutenberg corpus" || true
 echo "visit done in ${SECONDS}s"
 touch "$RESULTS/visit.done"
+if [ -n "${PACK:-}" ]; then  # the runs' records and logs, without checkpoints, weights or the token cache
+  tar -czf "$PACK" -C "$WORK" --exclude='*/checkpoints' --exclude=cache --exclude='*.safetensors' --exclude='*.pt' . \
+    && echo "packed into $PACK"
+fi
