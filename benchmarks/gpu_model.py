@@ -15,8 +15,9 @@ sizes (same parameter count); ours: the ``<size>-efla``, ``-deltanet``, ``-gated
 ``<preset>+compile`` (the preset under ``torch.compile(dynamic=False)``: one graph per shape, built in
 the warm-up; a compile failure is that model's failed row) and ``<preset>-no-output-gate`` (a gated
 preset with ``use_gate=False`` at the ungated preset's depth: the plain model plus the decay gate, so
-its ratio to ``efla`` is what the gate's arithmetic costs) and ``<preset>+fusedproj`` (its layers'
-input projections as one matrix product, ``fuse_input_projections=True``).
+its ratio to ``efla`` is what the gate's arithmetic costs), ``<preset>+fusedproj`` (its layers'
+input projections as one matrix product, ``fuse_input_projections=True``, now the presets' default)
+and ``<preset>+separateproj`` (one product per projection, the default before).
 
 ``--profile`` adds, per shape, one profiled step of every model (``torch.profiler``): its GPU kernel
 time, kernel launches, the share of the median step the GPU is busy (well below 100%: the step is
@@ -54,6 +55,7 @@ GIB = 2 ** 30
 OURS = ("efla", "efla+flce", "deltanet", "gated-efla", "gated-deltanet")
 NO_OUTPUT_GATE = "-no-output-gate"  # e.g. gated-efla-no-output-gate: the gated preset without its SiLU output gate
 FUSED_PROJECTIONS = "+fusedproj"  # e.g. gated-efla+fusedproj: the layers' input projections as one product
+SEPARATE_PROJECTIONS = "+separateproj"  # e.g. efla+separateproj: one product per projection
 LINES: list[str] = []
 
 
@@ -87,6 +89,9 @@ def build(kind: str, size: str):
         elif kind.endswith(FUSED_PROJECTIONS):
             preset = kind.removesuffix(FUSED_PROJECTIONS)
             model = EFLAForCausalLM(get_preset_config(f"{size}-{preset}", fuse_input_projections=True))
+        elif kind.endswith(SEPARATE_PROJECTIONS):
+            preset = kind.removesuffix(SEPARATE_PROJECTIONS)
+            model = EFLAForCausalLM(get_preset_config(f"{size}-{preset}", fuse_input_projections=False))
         elif kind.removesuffix("+compile").endswith(NO_OUTPUT_GATE):
             preset = kind.removesuffix("+compile").removesuffix(NO_OUTPUT_GATE)
             depth = get_preset_config(f"{size}-efla").num_hidden_layers

@@ -36,14 +36,18 @@ class _StackedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, *weights):
         ctx.save_for_backward(x, *weights)
-        return F.linear(x, torch.cat(weights))
+        out = F.linear(x, torch.cat(weights))
+        ctx.compute_dtype = out.dtype  # under autocast not the inputs': backward computes in it too
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, *weights = ctx.saved_tensors
-        grad_x = grad_out @ torch.cat(weights) if ctx.needs_input_grad[0] else None
-        grad_stacked = grad_out.reshape(-1, grad_out.shape[-1]).T @ x.reshape(-1, x.shape[-1])
-        return grad_x, *grad_stacked.split([w.shape[0] for w in weights])
+        dt = ctx.compute_dtype
+        grad_out, xc = grad_out.to(dt), x.to(dt)
+        grad_x = (grad_out @ torch.cat(weights).to(dt)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_stacked = grad_out.reshape(-1, grad_out.shape[-1]).T @ xc.reshape(-1, xc.shape[-1])
+        return grad_x, *(g.to(w.dtype) for g, w in zip(grad_stacked.split([w.shape[0] for w in weights]), weights))
 
 
 def project(x: torch.Tensor, layers: list, fuse: bool) -> list[torch.Tensor]:

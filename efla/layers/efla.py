@@ -76,9 +76,10 @@ class EFLA(nn.Module):
             the value width is split over them (value head dim ``= value width // HV``), each has
             its own ``beta`` and state, and each q/k head serves ``HV // H`` consecutive value
             heads (grouped values). Default ``None``.
-        fuse_input_projections: in training, compute the q, k, v (, b, g) projections of ``x`` as
+        fuse_input_projections: in training, compute the q, k, v (and b) projections of ``x`` as
             one matrix product over their stacked weights (same weights and results, fewer kernel
-            launches, a copy of the stacked weights per call; see ``_common.project``). Default ``False``.
+            launches, same peak memory; see ``_common.project``; the output gate's projection runs
+            on its own). Default ``True``.
 
     Set ``layer.record_stats = True`` to keep, after each forward, a detached ``layer.stats``
     dict of ``[B, T, HV]`` tensors: ``beta``, ``key_norm_sq``, ``stiffness`` (``beta * ||k||^2``),
@@ -113,7 +114,7 @@ class EFLA(nn.Module):
         norm_eps: float = 1e-5,
         update_rule: str = "exact",
         num_v_heads: int | None = None,
-        fuse_input_projections: bool = False,
+        fuse_input_projections: bool = True,
         **kwargs: Any,
     ):
         super().__init__()
@@ -187,13 +188,10 @@ class EFLA(nn.Module):
 
     def input_projections(self, x: torch.Tensor) -> tuple:
         """``(q, k, v, b, g)`` projections of ``x`` (``b``/``g`` are ``None`` without ``use_beta``/``use_gate``)."""
-        layers = [self.q_proj, self.k_proj, self.v_proj]
-        layers += [self.b_proj] if self.use_beta else []
-        layers += [self.g_proj] if self.use_gate else []
-        q, k, v, *rest = project(x, layers, self.fuse_input_projections)
-        b = rest.pop(0) if self.use_beta else None
-        g = rest.pop(0) if self.use_gate else None
-        return q, k, v, b, g
+        layers = [self.q_proj, self.k_proj, self.v_proj] + ([self.b_proj] if self.use_beta else [])
+        q, k, v, *b = project(x, layers, self.fuse_input_projections)
+        # the output gate stays apart: as a slice of the fused product the gated norm would copy it
+        return q, k, v, (b[0] if b else None), (self.g_proj(x) if self.use_gate else None)
 
     def _conv_qkv(self, q, k, v, mask, last_state, use_cache, cu_seqlens):
         if mask is not None:  # padded inputs never enter the convolution windows

@@ -58,8 +58,9 @@ class EFLAConfig(PretrainedConfig):
             Gated DeltaNet, as in flash-linear-attention).
         output_gate_activation: gated only: ``"swish"`` (SiLU) or ``"sigmoid"``. Default ``"swish"``.
         fuse_input_projections: in training, each layer's input projections (q, k, v, beta's and
-            the gates') as one matrix product (same weights and results, fewer kernel launches, a
-            copy of the stacked weights per step). Default ``False``.
+            the decay gate's; not the output gate's) as one matrix product over their stacked
+            weights: the same weights, checkpoints and results (to rounding), fewer kernel launches
+            and the same peak memory. ``False`` runs them one by one. Default ``True``.
         use_short_conv: short causal convolutions on q, k, v. Default ``True``.
         conv_size: their width. Default ``4``.
         conv_bias: their bias. Default ``False``.
@@ -115,7 +116,7 @@ class EFLAConfig(PretrainedConfig):
         num_v_heads: int | None = None,
         use_gate: bool | None = None,
         output_gate_activation: str = "swish",
-        fuse_input_projections: bool = False,
+        fuse_input_projections: bool = True,
         use_short_conv: bool = True,
         conv_size: int = 4,
         conv_bias: bool = False,

@@ -36,9 +36,10 @@ def _products(layer, x) -> int:
 def _pair(layer_cls=GatedEFLA, **kw):
     torch.manual_seed(0)
     size = dict(hidden_size=32, num_heads=2) | (dict(head_dim=16) if layer_cls is GatedEFLA else {})
-    separate = layer_cls(**size, **kw).double()
-    fused = copy.deepcopy(separate)
-    fused.fuse_input_projections = True
+    fused = layer_cls(**size, **kw).double()
+    assert fused.fuse_input_projections  # the default
+    separate = copy.deepcopy(fused)
+    separate.fuse_input_projections = False
     return separate, fused
 
 
@@ -83,7 +84,7 @@ def test_fused_projections_match_separate_ones(case):
     elif extra == "cu_seqlens":
         call["cu_seqlens"] = torch.tensor([0, 4, 11])
     (o_sep, g_sep), (o_fused, g_fused) = (_outputs_and_grads(layer, x, **call) for layer in (separate, fused))
-    assert (_products(separate, x), _products(fused, x)) == (_expected_products(separate), 1)
+    assert (_products(separate, x), _products(fused, x)) == (_expected_products(separate), 1 + separate.use_gate)
     assert o_sep.abs().max().item() > 1e-3  # the layer computed something
     assert (o_sep - o_fused).abs().max().item() < 1e-12
     for a, b in zip(g_sep, g_fused):
@@ -113,10 +114,11 @@ def test_inference_and_hooked_projections_run_one_by_one():
 def test_fused_projections_in_the_model_config_and_generation(gated):
     cfg = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=16, gated=gated)
     torch.manual_seed(1)
-    separate = EFLAForCausalLM(EFLAConfig(**cfg)).double().eval()
-    fused = EFLAForCausalLM(EFLAConfig(**cfg, fuse_input_projections=True)).double().eval()
+    separate = EFLAForCausalLM(EFLAConfig(**cfg, fuse_input_projections=False)).double().eval()
+    fused = EFLAForCausalLM(EFLAConfig(**cfg)).double().eval()
     fused.load_state_dict(separate.state_dict())  # same parameter names: checkpoints load either way
     assert fused.config.fuse_input_projections and EFLAConfig.from_dict(fused.config.to_dict()).fuse_input_projections
+    assert not EFLAConfig.from_dict(separate.config.to_dict()).fuse_input_projections
     assert all(layer.attn.fuse_input_projections for layer in fused.model.layers)
     ids = torch.randint(0, 64, (2, 7))
     assert (separate(ids).logits - fused(ids).logits).abs().max().item() < 1e-12
@@ -144,20 +146,45 @@ def test_wrapped_projections_are_not_bypassed():
 
 
 def test_fused_projections_keep_no_stacked_copy_for_backward():
-    """Backward runs two products (input and weight gradients) and autograd keeps only ``x`` and
-    the separate weights: the stacked copy would add its size to peak memory at every layer."""
+    """Backward runs two products for the fused projections (input and weight gradients) and two
+    for the output gate's own; autograd keeps only ``x`` and the separate weights: a stacked copy
+    would add its size to peak memory at every layer."""
     _, fused = _pair()
+    stacked = (fused.q_proj, fused.k_proj, fused.v_proj, fused.a_proj, fused.b_proj)
     x = torch.randn(2, 5, 32, dtype=torch.float64, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         outputs = fused.input_projections(x)
-    stacked_rows = sum(layer.out_features for layer in (fused.q_proj, fused.k_proj, fused.v_proj, fused.a_proj,
-                                                          fused.b_proj, fused.g_proj))
+    stacked_rows = sum(layer.out_features for layer in stacked)
     assert all(t.shape != (stacked_rows, 32) for t in saved)
-    assert sum(t.numel() for t in saved) == x.numel() + stacked_rows * 32
+    # x (once for the stacked product, once for the gate's), the stacked weights, the gate's weight
+    assert sum(t.numel() for t in saved) == 2 * x.numel() + (stacked_rows + fused.g_proj.out_features) * 32
     with CountProducts() as counter:
         sum(o.sum() for o in outputs).backward()
-    assert counter.count == 2
-    expected = torch.ones(2, 5, stacked_rows, dtype=torch.float64) @ torch.cat(
-        [p.weight for p in (fused.q_proj, fused.k_proj, fused.v_proj, fused.a_proj, fused.b_proj, fused.g_proj)])
+    assert counter.count == 4
+    expected = torch.ones(2, 5, stacked_rows + fused.g_proj.out_features, dtype=torch.float64) @ torch.cat(
+        [p.weight for p in (*stacked, fused.g_proj)])
     assert (x.grad - expected).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_fused_projections_under_bf16_autocast(gated):
+    """float32 weights under autocast (transformers' Trainer with bf16=True): the stacked product
+    runs in bfloat16 both ways and each weight gets a float32 gradient, as the separate products do."""
+    cfg = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=2, head_dim=16, gated=gated)
+    torch.manual_seed(4)
+    fused = EFLAForCausalLM(EFLAConfig(**cfg))
+    separate = copy.deepcopy(fused)
+    separate.config.fuse_input_projections = False
+    for layer in separate.model.layers:
+        layer.attn.fuse_input_projections = False
+    ids = torch.randint(0, 64, (2, 16))
+    grads = []
+    for model in (fused, separate):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    weight = "model.layers.0.attn.q_proj.weight"
+    assert grads[0][weight].dtype == torch.float32
+    for name, g in grads[1].items():
+        assert (grads[0][name] - g).norm().item() <= 2e-2 * g.norm().item() + 1e-8, name
