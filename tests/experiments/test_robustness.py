@@ -118,3 +118,31 @@ def test_robustness_and_lr_sweep_commands_tiny(tmp_path):
     assert sorted({r["lr"] for r in sweep["rows"]}) == [1e-3, 1e-2]
     for name in ["lr_sweep.csv", "lr_sweep.png", "lr_sweep.md"]:
         assert (out2 / name).stat().st_size > 100, name
+
+
+def test_records_of_separate_seeds_merge_into_one(tmp_path):
+    """A device call runs each seed as its own process; scripts/merge_claims.py joins their records
+    (sample standard deviation over the seeds) and refuses parts that ran differently."""
+    import importlib.util
+    import statistics
+
+    spec = importlib.util.spec_from_file_location(
+        "merge_claims", pathlib.Path(__file__).resolve().parents[2] / "scripts" / "merge_claims.py")
+    merge_claims = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge_claims)
+    args = ["--quick", "--dataset", "digits", "--epochs", "1", "--train-limit", "64", "--test-limit", "32",
+            "--width", "8", "--device", "cpu"]
+    for seed in (0, 1, 2):
+        assert main(["robustness", *args, "--seeds", str(seed), "--out", str(tmp_path / f"s{seed}")]) == 0
+    assert main(["robustness", *args, "--seeds", "3", "--lr", "3e-3", "--out", str(tmp_path / "other-lr")]) == 0
+    parts = [str(tmp_path / f"s{seed}") for seed in (0, 1, 2)]
+    assert merge_claims.main(["robustness", str(tmp_path / "merged"), *parts, "--command", "three seeds"]) == 0
+    merged = json.loads((tmp_path / "merged" / "results.json").read_text())
+    assert merged["options"]["seeds"] == [0, 1, 2] and len(merged["runs"]) == 6
+    areas = [statistics.mean(r["eval"]["scale"]["accuracy"]) for r in merged["runs"] if r["rule"] == "exact"]
+    assert merged["aggregate"]["same-lr"]["exact"]["scale"]["area_std"] == pytest.approx(statistics.stdev(areas))
+    with pytest.raises(SystemExit, match="differ in option 'lr'"):
+        merge_claims.main(["robustness", str(tmp_path / "bad"), parts[0], str(tmp_path / "other-lr"),
+                           "--command", "x"])
+    with pytest.raises(SystemExit, match="appears in two parts"):
+        merge_claims.main(["robustness", str(tmp_path / "bad"), parts[0], parts[0], "--command", "x"])

@@ -32,9 +32,13 @@ def aggregate(results: dict) -> dict:
                 entry[kind] = dict(levels=results["levels"][kind], mean=[statistics.mean(c) for c in cols],
                                    min=[min(c) for c in cols], max=[max(c) for c in cols],
                                    area=statistics.mean(statistics.mean(a) for a in accs),
-                                   area_std=statistics.pstdev([statistics.mean(a) for a in accs]))
+                                   area_std=_sample_std([statistics.mean(a) for a in accs]))
             out[setting][rule] = entry
     return out
+
+
+def _sample_std(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def write_robustness_outputs(results: dict, out_dir: str, command: str) -> list[str]:
@@ -148,8 +152,8 @@ def robustness_tables(results: dict, agg: dict) -> dict[str, harness.Table]:
 def robustness_summary(results: dict, agg: dict, command: str) -> str:
     lines = [f"# Robustness: {_title(results)}", "", f"Command: `{command}`", "",
              f"Data: {results['dataset']['source']}; versions: {json.dumps(results['versions'])}", "",
-             "Each cell: accuracy averaged over the perturbation levels (mean over seeds ± std over seeds). "
-             "Higher means the model degrades more slowly.", ""]
+             "Each cell: accuracy averaged over the perturbation levels (mean over seeds ± sample standard "
+             "deviation over seeds, 0 for one seed). Higher means the model degrades more slowly.", ""]
     tables = robustness_tables(results, agg)
     for setting, by_rule in agg.items():
         lines += [f"## {setting}", "", *tables[setting].markdown()]
