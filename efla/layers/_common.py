@@ -23,15 +23,19 @@ def check_update_rule(update_rule: str) -> str:
 def _bare_linear(layer: nn.Module) -> bool:
     """Whether ``layer`` computes ``x @ weight.T`` and nothing else: a wrapped or hooked projection
     (PEFT's LoRA, accelerate's offloading, weight norm, a quantised weight) must run itself."""
+    module = nn.modules.module
     hooked = (layer._forward_hooks or layer._forward_pre_hooks or "forward" in layer.__dict__
-              or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+              or layer._backward_hooks or layer._backward_pre_hooks
+              or module._global_forward_hooks or module._global_forward_pre_hooks
+              or module._global_backward_hooks or module._global_backward_pre_hooks)
     return (type(layer) is nn.Linear and type(layer.weight) is nn.Parameter and layer.bias is None
             and not hooked)
 
 
 class _StackedLinear(torch.autograd.Function):
     """``x @ cat(weights).T``, keeping only ``x`` and the separate weights for backward: the
-    stacked copy lives for one product each way, so peak memory stays that of separate products."""
+    stacked copy lives for one product each way and autograd keeps nothing the separate products
+    would not."""
 
     @staticmethod
     def forward(ctx, x, *weights):
@@ -46,8 +50,12 @@ class _StackedLinear(torch.autograd.Function):
         dt = ctx.compute_dtype
         grad_out, xc = grad_out.to(dt), x.to(dt)
         grad_x = (grad_out @ torch.cat(weights).to(dt)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        needed = ctx.needs_input_grad[1:]
+        if not any(needed):  # frozen projections (prompt tuning, adapters elsewhere)
+            return grad_x, *(None for _ in weights)
         grad_stacked = grad_out.reshape(-1, grad_out.shape[-1]).T @ xc.reshape(-1, xc.shape[-1])
-        return grad_x, *(g.to(w.dtype) for g, w in zip(grad_stacked.split([w.shape[0] for w in weights]), weights))
+        grads = grad_stacked.split([w.shape[0] for w in weights])
+        return grad_x, *(g.to(w.dtype) if need else None for g, w, need in zip(grads, weights, needed))
 
 
 def project(x: torch.Tensor, layers: list, fuse: bool) -> list[torch.Tensor]:

@@ -59,8 +59,8 @@ class EFLAConfig(PretrainedConfig):
         output_gate_activation: gated only: ``"swish"`` (SiLU) or ``"sigmoid"``. Default ``"swish"``.
         fuse_input_projections: in training, each layer's input projections (q, k, v, beta's and
             the decay gate's; not the output gate's) as one matrix product over their stacked
-            weights: the same weights, checkpoints and results (to rounding), fewer kernel launches
-            and the same peak memory. ``False`` runs them one by one. Default ``True``.
+            weights: the same weights, checkpoints and results (to rounding), fewer kernel launches,
+            no stacked copy kept for backward. ``False`` runs them one by one. Default ``True``.
         use_short_conv: short causal convolutions on q, k, v. Default ``True``.
         conv_size: their width. Default ``4``.
         conv_bias: their bias. Default ``False``.

@@ -188,3 +188,29 @@ def test_fused_projections_under_bf16_autocast(gated):
     assert grads[0][weight].dtype == torch.float32
     for name, g in grads[1].items():
         assert (grads[0][name] - g).norm().item() <= 2e-2 * g.norm().item() + 1e-8, name
+
+
+def test_backward_hooks_and_frozen_projections():
+    """A projection with a backward hook runs on its own (the hook fires); frozen projections get
+    no gradient and the trainable ones the same as with separate products."""
+    separate, fused = _pair()
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    fired = []
+    fused.k_proj.register_full_backward_hook(lambda module, grad_in, grad_out: fired.append("k"))
+    assert _products(fused, x) == 6
+    fused(x.requires_grad_())[0].sum().backward()
+    assert fired == ["k"]
+
+    separate, fused = _pair()
+    for layer in (separate, fused):
+        layer.q_proj.weight.requires_grad_(False)
+        layer.v_proj.weight.requires_grad_(False)
+    (_, g_sep), (_, g_fused) = (_outputs_and_grads(layer, x.detach()) for layer in (separate, fused))
+    assert fused.q_proj.weight.grad is None and fused.v_proj.weight.grad is None
+    for a, b in zip(g_sep, g_fused):
+        assert (a is None and b is None) or (a - b).abs().max().item() < 1e-12
+    for layer in (separate, fused):
+        for p in layer.parameters():
+            p.requires_grad_(False)
+    (_, g_sep), (_, g_fused) = (_outputs_and_grads(layer, x.detach()) for layer in (separate, fused))
+    assert (g_sep[0] - g_fused[0]).abs().max().item() < 1e-12  # x's gradient through frozen layers
