@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One H200 call for MAD's memorization task at the protocol's settings (vocabularies 256 ... 8192,
+# the paper preset's 3 lr x 2 wd grid, 200 epochs): 72 runs, one process per (rule, lr, wd), all in
+# parallel on the GPU (the model is tiny), each under DEADLINE seconds; then the report over what
+# finished. Finished runs are stored in the output folder and never repeated, so a call cut short
+# resumes where the last one stopped when its output comes back as the folder carried next time:
+#   here:   mkdir -p .devmad   (git-ignored; unpack the last call's archive into it)
+#   device: PACK=$OUT/mad_memorization.tgz bash scripts/device_mad_memorization.sh   (carry .devmad)
+# Local smoke test on the CPU: DEVICE=cpu EXTRA="--epochs 1" R=/tmp/madm bash scripts/device_mad_memorization.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+DEVICE=${DEVICE:-cuda}
+DEADLINE=${DEADLINE:-500}
+R=${R:-.devmad/memorization}
+EXTRA=${EXTRA:-}
+mkdir -p "$R/logs"
+if [ "$DEVICE" = cuda ]; then source scripts/device_env.sh; else export PYTHONPATH=$PWD; fi
+for rule in exact euler; do for lr in 1e-4 5e-4 1e-3; do for wd in 0.0 0.1; do
+  timeout "$DEADLINE" python3 -m efla mad --preset paper --tasks memorization --rules $rule --lrs $lr --wds $wd \
+    --device "$DEVICE" --threads 1 --out "$R" $EXTRA > "$R/logs/$rule-$lr-$wd.log" 2>&1 &
+done; done; done
+wait
+python3 -m efla mad --preset paper --tasks memorization --report-only --out "$R" $EXTRA > "$R/logs/report.log" 2>&1
+echo "report exit $?; $(find "$R" -name '*.json' | wc -l) JSON files; done in ${SECONDS}s"
+[ -n "${PACK:-}" ] && tar -czf "$PACK" -C "$(dirname "$R")" "$(basename "$R")" && echo "packed into $PACK"
