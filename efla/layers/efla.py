@@ -78,8 +78,8 @@ class EFLA(nn.Module):
             heads (grouped values). Default ``None``.
         fuse_input_projections: in training, compute the q, k, v (and b) projections of ``x`` as
             one matrix product over their stacked weights (same weights and results, fewer kernel
-            launches, no stacked copy kept for backward; see ``_common.project``; the output gate's projection runs
-            on its own). Default ``True``.
+            launches, no stacked copy kept for backward; see ``_common.project``); the output
+            gate's projection runs on its own. Default ``True``.
 
     Set ``layer.record_stats = True`` to keep, after each forward, a detached ``layer.stats``
     dict of ``[B, T, HV]`` tensors: ``beta``, ``key_norm_sq``, ``stiffness`` (``beta * ||k||^2``),
