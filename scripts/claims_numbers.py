@@ -2,8 +2,9 @@
 
     python scripts/claims_numbers.py
 
-Robustness: per run, the accuracy averaged over a perturbation's levels; then mean, sample standard
-deviation over seeds, and the EFLA - DeltaNet gap in units of its standard error. LM: the bits per
+Robustness (the first record and the equal-lr ones): per run, the accuracy averaged over a
+perturbation's levels; then mean, sample standard deviation over seeds, and the EFLA - DeltaNet gap
+in units of its standard error. LR sweep: per lr and rule, mean ± sample std over seeds. LM: the bits per
 byte of each seed's model on WikiText-2 test and its final validation loss, CPU and H200 runs.
 """
 
@@ -19,7 +20,13 @@ RESULTS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
 def robustness() -> None:
-    record = json.loads((RESULTS / "robustness" / "results.json").read_text())
+    records = [("", RESULTS / "robustness" / "results.json"),
+               *((f"{path.parent.name:14s} ", path) for path in sorted((RESULTS / "robustness_equal_lr").glob("*/results.json")))]
+    for name, path in records:
+        _robustness_gaps(name, json.loads(path.read_text()))
+
+
+def _robustness_gaps(name: str, record: dict) -> None:
     per_seed = defaultdict(list)
     for run in record["runs"]:
         for perturbation in ("scale", "noise", "dropout"):
@@ -31,9 +38,25 @@ def robustness() -> None:
         euler = per_seed[setting, perturbation, "euler"]
         gap = statistics.mean(values) - statistics.mean(euler)
         se = math.sqrt(statistics.variance(values) / len(values) + statistics.variance(euler) / len(euler))
-        print(f"robustness {setting:9s} {perturbation:8s} EFLA {statistics.mean(values):.3f} ± "
+        print(f"robustness {name}{setting:9s} {perturbation:8s} EFLA {statistics.mean(values):.3f} ± "
               f"{statistics.stdev(values):.3f}  DeltaNet {statistics.mean(euler):.3f} ± {statistics.stdev(euler):.3f}"
               f"  gap {gap:+.3f} = {gap / se:.1f} standard errors (n = {len(values)}, {len(euler)})")
+
+
+def lr_sweep() -> None:
+    """Per lr, mean ± sample std over seeds of the final training loss and test accuracy, and the
+    seeds whose accuracy fell below 0.5 (a run that failed to train)."""
+    record = json.loads((RESULTS / "lr_sweep_3seeds" / "lr_sweep.json").read_text())
+    cells = defaultdict(list)
+    for row in record["rows"]:
+        cells[row["lr"], row["rule"]].append(row)
+    for (lr, rule), rows in sorted(cells.items()):
+        losses = [r["final_train_loss"] for r in rows]
+        accs = [r["test_accuracy"] for r in rows]
+        failed = [r["seed"] for r in rows if r["test_accuracy"] < 0.5]
+        print(f"lr-sweep lr {lr:<6g} {rule:5s} loss {statistics.mean(losses):.3f} ± {statistics.stdev(losses):.3f}"
+              f"  accuracy {statistics.mean(accs):.4f} ± {statistics.stdev(accs):.4f}  min {min(accs):.4f}"
+              f"  seeds below 0.5: {failed or 'none'} (n = {len(rows)})")
 
 
 def language_model() -> None:
@@ -77,4 +100,5 @@ def _find(record, key):
 
 if __name__ == "__main__":
     robustness()
+    lr_sweep()
     language_model()

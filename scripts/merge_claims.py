@@ -1,12 +1,12 @@
 """Merges robustness or lr-sweep records that ran as separate processes (one per seed, or per
-seed and rule, so that a device call cut short keeps what finished) into one record, written
+seed, rule and lr, so that a device call cut short keeps what finished) into one record, written
 the way `efla robustness` / `efla lr-sweep` write theirs.
 
     python scripts/merge_claims.py robustness OUT RUN_DIR... --command "what ran"
     python scripts/merge_claims.py lr-sweep OUT RUN_DIR... --command "what ran"
 
 Every part must have the same options apart from its seeds and rules (same data, lr, epochs,
-model); the merged record lists the union of the parts' seeds and rules.
+model); the merged record lists the union of the parts' seeds, rules and (sweep) lrs.
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ def merge(kind: str, parts: list[dict]) -> dict:
                                  f"{first['options'].get(key)!r} vs {part['options'].get(key)!r}")
         if part.get("dataset") != first.get("dataset"):
             raise SystemExit("merge_claims: parts ran on different data")
-    merged = {k: v for k, v in first.items() if k not in ("aggregate", "command")}
+    merged = {k: v for k, v in first.items() if k not in ("aggregate", "command", "wall_seconds")}
+    walls = [part["wall_seconds"] for part in parts if "wall_seconds" in part]
+    if walls:  # the parts ran side by side: the longest is the record's wall time
+        merged.update(wall_seconds=max(walls), part_wall_seconds=walls)
     merged[items] = [item for part in parts for item in part[items]]
     keys = [(i.get("setting"), i["rule"], i["seed"], i.get("lr")) for i in merged[items]]
     if len(set(keys)) != len(keys):
@@ -41,6 +44,8 @@ def merge(kind: str, parts: list[dict]) -> dict:
     merged["options"] = dict(first["options"],
                              seeds=sorted({s for p in parts for s in p["options"]["seeds"]}),
                              rules=list(dict.fromkeys(r for p in parts for r in p["options"]["rules"])))
+    if "lrs" in first:
+        merged["lrs"] = sorted({lr for part in parts for lr in part["lrs"]})
     return merged
 
 

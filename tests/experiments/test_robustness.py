@@ -146,3 +146,29 @@ def test_records_of_separate_seeds_merge_into_one(tmp_path):
                            "--command", "x"])
     with pytest.raises(SystemExit, match="appears in two parts"):
         merge_claims.main(["robustness", str(tmp_path / "bad"), parts[0], parts[0], "--command", "x"])
+
+
+def test_sweep_records_of_separate_lrs_and_seeds_merge_with_spread(tmp_path):
+    """The sweep runs one process per (rule, seed, lr); the merged record holds every lr, and its
+    table gives mean ± sample std over the seeds."""
+    import importlib.util
+    import statistics
+
+    spec = importlib.util.spec_from_file_location(
+        "merge_claims", pathlib.Path(__file__).resolve().parents[2] / "scripts" / "merge_claims.py")
+    merge_claims = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge_claims)
+    args = ["--quick", "--dataset", "digits", "--epochs", "1", "--train-limit", "64", "--test-limit", "32",
+            "--width", "8", "--device", "cpu", "--rules", "exact"]
+    parts = []
+    for seed in (0, 1):
+        for lr in ("1e-3", "1e-2"):
+            parts.append(str(tmp_path / f"s{seed}-lr{lr}"))
+            assert main(["lr-sweep", *args, "--seeds", str(seed), "--lrs", lr, "--out", parts[-1]]) == 0
+    assert merge_claims.main(["lr-sweep", str(tmp_path / "merged"), *parts, "--command", "two seeds"]) == 0
+    merged = json.loads((tmp_path / "merged" / "lr_sweep.json").read_text())
+    assert merged["lrs"] == [1e-3, 1e-2] and merged["options"]["seeds"] == [0, 1] and len(merged["rows"]) == 4
+    assert merged["wall_seconds"] == max(merged["part_wall_seconds"]) and len(merged["part_wall_seconds"]) == 4
+    accs = [r["test_accuracy"] for r in merged["rows"] if r["lr"] == 1e-2]
+    table = (tmp_path / "merged" / "lr_sweep.md").read_text()
+    assert f"acc {statistics.mean(accs):.4f} ± {statistics.stdev(accs):.4f}" in table

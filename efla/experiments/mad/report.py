@@ -95,7 +95,7 @@ def summary_markdown(results: dict, agg: dict, command: str) -> str:
     tasks = _tasks_in(agg)
     pairs = _pairs(rules)
     opts = results["options"]
-    lines = [f"# MAD synthetic benchmark ({opts['preset']} preset)", "", f"Command: `{command}`", "",
+    lines = [f"# MAD synthetic benchmark ({opts['preset']} preset)", "", f"Command as run: `{command}`", "",
              f"Preset: {results['preset']['description']}. Heads: {opts['num_heads']}; precision {opts['precision']}; "
              f"device {opts['device']}; versions: {json.dumps(results['versions'])}.", "",
              "Overrides of the preset: " + (", ".join(f"{k}={opts[k]}" for k in ("lrs", "wds", "epochs", "max_steps",

@@ -150,7 +150,7 @@ def robustness_tables(results: dict, agg: dict) -> dict[str, harness.Table]:
 
 
 def robustness_summary(results: dict, agg: dict, command: str) -> str:
-    lines = [f"# Robustness: {_title(results)}", "", f"Command: `{command}`", "",
+    lines = [f"# Robustness: {_title(results)}", "", f"Command as run: `{command}`", "",
              f"Data: {results['dataset']['source']}; versions: {json.dumps(results['versions'])}", "",
              "Each cell: accuracy averaged over the perturbation levels (mean over seeds ± sample standard "
              "deviation over seeds, 0 for one seed). Higher means the model degrades more slowly.", ""]
@@ -169,24 +169,41 @@ def robustness_summary(results: dict, agg: dict, command: str) -> str:
     return "\n".join(lines)
 
 
+def _sample_std(values: list) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def _lr_sweep_means(results: dict) -> dict:
-    """``{rule: {lr: (mean final train loss, mean test accuracy)}}`` over seeds."""
+    """``{rule: {lr: (mean final train loss, mean test accuracy, loss std, accuracy std)}}`` over seeds
+    (sample standard deviations, 0 for one seed)."""
     by_rule: dict = {}
     for r in results["rows"]:
         by_rule.setdefault(r["rule"], {}).setdefault(r["lr"], []).append(r)
-    return {rule: {lr: (statistics.mean(x["final_train_loss"] for x in rows),
-                        statistics.mean(x["test_accuracy"] for x in rows)) for lr, rows in sorted(by_lr.items())}
-            for rule, by_lr in by_rule.items()}
+
+    def stats(rows):
+        losses = [x["final_train_loss"] for x in rows]
+        accs = [x["test_accuracy"] for x in rows]
+        return statistics.mean(losses), statistics.mean(accs), _sample_std(losses), _sample_std(accs)
+
+    return {rule: {lr: stats(rows) for lr, rows in sorted(by_lr.items())} for rule, by_lr in by_rule.items()}
+
+
+def _sweep_cell(loss: float, acc: float, loss_std: float, acc_std: float, seeds: int) -> str:
+    if seeds < 2:
+        return f"loss {loss:.3f} / acc {acc:.4f}"
+    return f"loss {loss:.3f} ± {loss_std:.3f} / acc {acc:.4f} ± {acc_std:.4f}"
 
 
 def lr_sweep_table(results: dict) -> harness.Table:
-    """Final train loss / test accuracy by rule and learning rate (console and lr_sweep.md)."""
-    table = harness.Table(title=f"{results['dataset']['name']}: learning-rate sweep (final train loss / test accuracy)",
+    """Final train loss / test accuracy by rule and learning rate, mean ± sample std over seeds
+    (console and lr_sweep.md)."""
+    seeds = len(results["options"]["seeds"])
+    table = harness.Table(title=f"{results['dataset']['name']}: learning-rate sweep (final train loss / test accuracy"
+                                + (f", mean ± sample std over {seeds} seeds)" if seeds > 1 else ")"),
                           columns=["rule", *(f"lr {lr:g}" for lr in results["lrs"])],
                           right=set(range(1, len(results["lrs"]) + 1)))
     for rule, by_lr in _lr_sweep_means(results).items():
-        table.add_row(label(rule), *(f"loss {by_lr[lr][0]:.3f} / acc {by_lr[lr][1]:.4f}" if lr in by_lr else "–"
-                                      for lr in results["lrs"]))
+        table.add_row(label(rule), *(_sweep_cell(*by_lr[lr], seeds) if lr in by_lr else "–" for lr in results["lrs"]))
     return table
 
 
@@ -199,8 +216,9 @@ def plot_lr_sweep(results: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for rule, by_lr in _lr_sweep_means(results).items():
         lrs = list(by_lr)
-        axes[0].plot(lrs, [by_lr[lr][0] for lr in lrs], "o-", color=colour(rule), label=label(rule))
-        axes[1].plot(lrs, [by_lr[lr][1] for lr in lrs], "o-", color=colour(rule), label=label(rule))
+        for ax, mean, spread in ((axes[0], 0, 2), (axes[1], 1, 3)):
+            ax.errorbar(lrs, [by_lr[lr][mean] for lr in lrs], yerr=[by_lr[lr][spread] for lr in lrs], fmt="o-",
+                        capsize=3, color=colour(rule), label=label(rule))
     for ax, lab in zip(axes, ["final training loss (last 10% of steps)", "test accuracy"]):
         ax.set_xscale("log")
         ax.set_xlabel("learning rate")
@@ -225,7 +243,7 @@ def write_lr_sweep_outputs(results: dict, out_dir: str, command: str) -> list[st
                              ([r["rule"], r["lr"], r["seed"], r["final_train_loss"], r["test_accuracy"], r["diverged"]]
                               for r in results["rows"]))
     plot_lr_sweep(results, files["lr_sweep.png"])
-    lines = [f"# Learning-rate sweep: {results['dataset']['name']}", "", f"Command: `{command}`", "",
+    lines = [f"# Learning-rate sweep: {results['dataset']['name']}", "", f"Command as run: `{command}`", "",
              *lr_sweep_table(results).markdown()]
     harness.atomic_write(files["lr_sweep.md"], "\n".join(lines) + "\n")
     return list(files.values())
