@@ -74,7 +74,10 @@ _DOC = """{title}
             ``HV`` not a multiple of ``H``, or malformed ``cu_seqlens``; and on the CPU (on a
             GPU with ``EFLA_CHECK_VALUES=1``) NaN/Inf, ``beta < 0``, ``g > 0``, a key whose
             ``||k||^2`` overflows the compute dtype, or finite inputs whose result overflows it
-            (value checks are skipped inside ``torch.compile``d code).
+            (value checks are skipped inside ``torch.compile``d code). On a GPU, keys whose
+            ``||k||^2`` overflows float32 are refused whatever ``EFLA_CHECK_VALUES`` says (one
+            device sync per call), except by the exact rules' scan without autograd, which
+            computes them exactly.
 
     Example:
         >>> import torch

@@ -4,7 +4,9 @@ Every failure raises :class:`ValueError` naming the argument, what was expected 
 received. Checks never modify their inputs. Structure (types, shapes, dtypes, devices) is
 always checked; values (NaN/Inf, signs, key norms, an overflowing result) on the CPU always
 and on a GPU only with ``EFLA_CHECK_VALUES=1`` (there each scan costs a device sync); neither
-inside code that ``torch.compile`` traces (see ``values_checked``).
+inside code that ``torch.compile`` traces (see ``values_checked``). Keys whose ``||k||^2``
+overflows float32 are also refused on the GPU's PyTorch path (``check_key_energy``) and by the
+exact rules' chunk kernels (``key_energy_error``), whatever ``EFLA_CHECK_VALUES`` says.
 """
 
 from __future__ import annotations
@@ -186,18 +188,24 @@ def _check_values(q, k, v, beta, g, initial_state) -> None:
         raise ValueError(f"beta: the step size must be >= 0, got min {beta.min().item():.4g}")
     if initial_state is not None:
         _check_finite("initial_state", initial_state)
-    _check_key_energy(k)
+    check_key_energy(k)
 
 
-def _check_key_energy(k: torch.Tensor) -> None:
+def check_key_energy(k: torch.Tensor) -> None:
     """Every op forms ``k k^T`` in the compute dtype, so ``||k||^2`` must be representable there."""
     cdt = compute_dtype(k.dtype)
     kc = k.detach().to(cdt)
     if bool(torch.isfinite((kc * kc).sum(-1)).all()):
         return
+    raise key_energy_error(k)
+
+
+def key_energy_error(k: torch.Tensor) -> ValueError:
+    """The error for keys whose largest ``||k||^2`` overflows their compute dtype."""
+    cdt = compute_dtype(k.dtype)
     k64 = k.detach().to(torch.float64)  # measured where no float32 key overflows, for the message
     largest = (k64 * k64).sum(-1).max().item()
-    raise ValueError(
+    return ValueError(
         f"k: a key's squared norm ||k||^2 = {largest:.4g} overflows the compute dtype {cdt} "
         f"(max {torch.finfo(cdt).max:.4g}); scale the keys down"
     )

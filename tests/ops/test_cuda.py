@@ -222,6 +222,33 @@ _SCRIPT = textwrap.dedent(
         ro, rS = getattr(ops, "recurrent_" + rule)(*a, scale=0.3, initial_state=h0.double(),
                                                    output_final_state=True, cu_seqlens=cu)
         assert rel(o, ro) < 1e-4 and rel(S, rS) < 1e-4, rule
+    # keys whose ||k||^2 overflows float32 (and a zero key): the exact rules' scan stays exact
+    big = kk.clone()
+    big[0, 2] *= 1e19
+    big[0, 6, 0] = 0.0
+    for rule in ("efla", "gated_efla"):
+        gated = rule.startswith("gated")
+        o, S = recurrent_forward(rule, q, big, vv, lg if gated else None, bb, 0.3, h0, True, cu)
+        a = [q.double(), big.double(), vv.double()] + ([lg.double()] if gated else []) + [bb.double()]
+        ro, rS = getattr(ops, "recurrent_" + rule)(*a, scale=0.3, initial_state=h0.double(),
+                                                   output_final_state=True, cu_seqlens=cu)
+        assert rel(o, ro) < 1e-4 and rel(S, rS) < 1e-4, ("overflowing keys", rule)
+    # ... and the chunk form's coefficient pass flags them, then refuses them with the CPU's error
+    for gated in (False, True):
+        extra = dict(g=g, v=v) if gated else {{}}
+        flag = C._overflow_flag(k)
+        C.coef_fwd(k, beta, overflow=flag, **extra)
+        assert flag.item() == 0
+        C.refuse_overflowing_keys(flag, k)
+        huge = k.clone()
+        huge[1, 4, 1] *= 1e19
+        C.coef_fwd(huge, beta, overflow=flag, **extra)
+        assert flag.item() == 1, gated
+        try:
+            C.refuse_overflowing_keys(flag, huge)
+            raise AssertionError("overflowing keys were not refused")
+        except ValueError as e:
+            assert str(e).startswith("k: a key's squared norm ||k||^2 = "), e
     print("OK")
     """
 )
@@ -313,6 +340,42 @@ def test_coefficient_gradients_float32_accurate_under_triton_interpreter():
 def test_coefficient_gradients_float32_accurate_on_gpu():
     pytest.importorskip("mpmath")
     _run_coef_grad_script("cuda", interpret=False)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_gpu_refuses_overflowing_keys_by_default(rule, mode, monkeypatch):
+    # without EFLA_CHECK_VALUES: a bf16 key whose ||k||^2 overflows float32 (fla's kernels would
+    # return NaN) is refused, in bf16 and in the PyTorch path's float32; only the exact rules'
+    # scan without autograd takes it (test_gpu_scan_is_exact_for_overflowing_keys)
+    if mode == "recurrent" and "efla" in rule:
+        pytest.skip("the exact rules' scan computes these keys exactly")
+    monkeypatch.delenv("EFLA_CHECK_VALUES", raising=False)
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v, beta, g, _ = (x.cuda().to(dtype) for x in _inputs(1, 70, 2, 16, 16, 1, rule))
+        k[0, 33, 1] *= 1e20
+        with pytest.raises(ValueError, match=r"^k: a key's squared norm"):
+            _call(getattr(ops, f"{mode}_{rule}"), rule, q, k, v, beta, g, None, None)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", ["efla", "gated_efla"])
+def test_gpu_scan_is_exact_for_overflowing_keys(rule, monkeypatch):
+    # decoding: the scan writes the step in keys scaled by their largest entry, so a key whose
+    # ||k||^2 overflows float32 gives the float64 result (finite there)
+    monkeypatch.delenv("EFLA_CHECK_VALUES", raising=False)
+    q, k, v, beta, g, h0 = _inputs(1, 12, 2, 16, 16, 1, rule)
+    k = k.to(torch.bfloat16).double()  # what the kernel reads
+    k[0, 5] *= 1e19
+    ref = _call(getattr(ops, f"recurrent_{rule}"), rule, q.double(), k, v.double(), beta.double(), g.double(),
+                h0.double(), None)
+    with torch.no_grad():
+        out = _call(getattr(ops, f"recurrent_{rule}"), rule, *(x.cuda().to(torch.bfloat16) for x in (q, k, v)),
+                    beta.cuda().to(torch.bfloat16), g.cuda(), h0.cuda(), None)
+    assert _rel(out[0], ref[0]) < 2e-2 and _rel(out[1], ref[1]) < 2e-2
 
 
 @needs_cuda

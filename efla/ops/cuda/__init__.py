@@ -80,6 +80,18 @@ def fall_back(reason: str) -> None:
     return None
 
 
+def _refuse_overflowing_raw_keys(k) -> None:
+    """The Euler rules' kernels form ``k k^T`` in float32 from raw keys: refuse keys whose ``||k||^2``
+    overflows it, as the CPU does (one reduction and one device sync; the exact rules' chunk form
+    flags them in its coefficient pass instead, and their scan computes them exactly). Skipped where
+    a sync is not allowed (compiled code, CUDA-graph capture) and where validation has checked them."""
+    from ..validate import check_key_energy, values_checked
+
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing() or values_checked(k):
+        return
+    check_key_energy(k)
+
+
 def _needs_grad(*xs) -> bool:
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
@@ -116,6 +128,9 @@ def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_st
     q, k, v, beta = q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous()
     if gated:
         g = g.contiguous()
+
+    if kind in ("delta_rule", "gated_delta_rule") and not k_l2norm:
+        _refuse_overflowing_raw_keys(k)
 
     if mode == "recurrent" and not _needs_grad(q, k, v, beta, g, h0):
         from ..normalize import l2_normalize

@@ -21,6 +21,7 @@ import torch
 import triton
 
 from . import kernels as kn
+from ..validate import key_energy_error
 
 CHUNK = 64
 COEF_DTYPE = {torch.bfloat16: torch.bfloat16}
@@ -73,9 +74,10 @@ def _rows_cfg(K, V):
     return BK, BV, BR, (4 if width <= 128 else 8)
 
 
-def coef_fwd(k, beta, g=None, v=None, launch=None):
+def coef_fwd(k, beta, g=None, v=None, launch=None, overflow=None):
     """EFLA: alpha [B,T,H] f32. Gated: (c f32, gl f32, v' like v). ``launch``: ``(BR, num_warps)``
-    instead of the default rows per program and warps (benchmarks compare them)."""
+    instead of the default rows per program and warps (benchmarks compare them). ``overflow``: an
+    int32 tensor of one element, set to 1 when a key's ``||k||^2`` overflows float32."""
     B, T, H, K = k.shape
     R = B * T * H
     V = v.shape[-1] if v is not None else K
@@ -88,8 +90,8 @@ def coef_fwd(k, beta, g=None, v=None, launch=None):
     gl = torch.empty(B, T, H, device=k.device, dtype=torch.float32) if gated else None  # gate cumsum in float32
     vout = torch.empty_like(v) if gated else None
     kn.coef_fwd_kernel[(triton.cdiv(R, BR),)](
-        k, v, beta, g, erase, gl, vout, R,
-        K=K, V=V, BK=BK, BV=BV, BR=BR, GATED=gated, G_MIN=kn.G_FLOOR, num_warps=nw,
+        k, v, beta, g, erase, gl, vout, overflow, R,
+        K=K, V=V, BK=BK, BV=BV, BR=BR, GATED=gated, G_MIN=kn.G_FLOOR, FLAG=overflow is not None, num_warps=nw,
     )
     return (erase, gl, vout) if gated else erase
 
@@ -158,6 +160,23 @@ def l2norm_grads(q, q_rstd, dq, k, k_rstd, dk):
     return dq, dk
 
 
+# ------------------------------------------------------------------ keys whose ||k||^2 overflows
+def _overflow_flag(k):
+    return torch.zeros(1, dtype=torch.int32, device=k.device)
+
+
+def refuse_overflowing_keys(overflow, k):
+    """Raise the CPU path's ``ValueError`` when the coefficient pass found a key whose ``||k||^2``
+    overflows float32 (fla's kernels would form ``k k^T`` = Inf and return NaN).
+
+    Reading the flag costs one device sync per forward call; it is skipped while a CUDA graph is
+    captured, where a sync is not allowed."""
+    if overflow.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    if overflow.item():
+        raise key_energy_error(k)
+
+
 # ------------------------------------------------------------------ forward and backward stages
 # Shared by the eager autograd Functions below and the custom ops of ``custom_ops.py`` (torch.compile).
 def chunk_indices(cu_seqlens):
@@ -170,7 +189,12 @@ def delta_fwd(q, k, v, beta, h0, scale, output_final_state, cu_seqlens, exact, q
     ``alpha`` is ``beta`` for DeltaNet, ``q``/``k`` the normalised inputs (the inputs where not
     normalised), ``None`` for what is absent."""
     q, q_rstd, k, k_rstd = l2norm_inputs(q, k, q_l2norm, k_l2norm)
-    alpha = coef_fwd(k, beta) if exact else beta
+    if exact:
+        overflow = _overflow_flag(k)
+        alpha = coef_fwd(k, beta, overflow=overflow)
+        refuse_overflowing_keys(overflow, k)
+    else:
+        alpha = beta
     o, A, ht = F["chunk_delta_rule_fwd"](
         q=q, k=k, v=v, beta=alpha, scale=scale, initial_state=h0, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(cu_seqlens),
@@ -200,7 +224,9 @@ def gated_fwd(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact
     the erase (``beta`` for Gated DeltaNet), ``vp`` the rescaled value (``v`` for Gated DeltaNet)."""
     q, q_rstd, k, k_rstd = l2norm_inputs(q, k, q_l2norm, k_l2norm)
     if exact:
-        c, gl, vp = coef_fwd(k, beta, g=g, v=v)
+        overflow = _overflow_flag(k)
+        c, gl, vp = coef_fwd(k, beta, g=g, v=v, overflow=overflow)
+        refuse_overflowing_keys(overflow, k)
     else:
         c, gl, vp = beta, g.float(), v
     gcum, o, A, ht, _, _ = F["chunk_gated_delta_rule_fwd"](

@@ -43,6 +43,9 @@ def _tunable(configs: list) -> list:
     return configs[:1] if os.environ.get("TRITON_INTERPRET") == "1" else configs
 
 
+FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
+
+
 @triton.jit
 def _phi(x):
     """(1 - exp(-x)) / x, phi(0) = 1; series for |x| < 0.1 (truncation ~x^5/720)."""
@@ -51,6 +54,12 @@ def _phi(x):
     big = (1.0 - tl.exp(-xs)) / xs
     ser = 1.0 - x * (0.5 - x * (1.0 / 6.0 - x * (1.0 / 24.0 - x * (1.0 / 120.0))))
     return tl.where(small, ser, big)
+
+
+@triton.jit
+def _one_minus_exp_neg(x):
+    """1 - exp(-x) = x phi(x), x >= 0, also for x = Inf (where x phi(x) would be Inf * 0)."""
+    return tl.where(x < 0.1, x * _phi(x), 1.0 - tl.exp(-x))
 
 
 @triton.jit
@@ -116,15 +125,19 @@ def _q_step64(x1, delta, q1, dq1, em_neg1, q_eta, dq_eta, em_pos_eta):
 def coef_fwd_kernel(
     k, v, beta, g,  # inputs: k [R, K], v [R, V] (gated only), beta [R], g [R] (gated only)
     erase, gl, vout,  # outputs: erase [R] f32; gated: gl [R] f32 = expm1(g), vout [R, V]
+    overflow,  # FLAG: int32 [1], set to 1 where a key's ||k||^2 overflows float32 (else untouched)
     R,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
-    GATED: tl.constexpr, G_MIN: tl.constexpr,
+    GATED: tl.constexpr, G_MIN: tl.constexpr, FLAG: tl.constexpr,
 ):
     i_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     m_r = i_r < R
     o_k = tl.arange(0, BK)
     b_k = tl.load(k + i_r[:, None] * K + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
     lam = tl.sum(b_k * b_k, 1)
+    if FLAG:
+        n_over = tl.sum((m_r & (lam > FLOAT32_MAX)).to(tl.int32), 0)
+        tl.atomic_max(overflow, 1, mask=n_over > 0)
     b_beta = tl.load(beta + i_r, mask=m_r, other=0.0).to(tl.float32)
     if GATED:
         b_g = tl.load(g + i_r, mask=m_r, other=0.0).to(tl.float32)
@@ -398,25 +411,35 @@ def recurrent_kernel(
         if GATED:
             b_g = tl.load(g + t * H + i_h).to(tl.float32)
         if EXACT:
-            lam = tl.sum(b_k * b_k)
+            # k = m u with max |u| = 1: lambda = m^2 ||u||^2 may overflow float32 where the step
+            # S += k (w v - e k^T S)^T = u (lambda w / (m s) v - lambda e / s u^T S)^T stays finite
+            # (s = ||u||^2 in [1, K]; lambda e and lambda w are bounded fractions)
+            m = tl.max(tl.abs(b_k), 0)
+            m1 = tl.where(m > 0, m, 1.0)
+            b_u = b_k / m1
+            s = tl.sum(b_u * b_u)
+            s1 = tl.where(s > 0, s, 1.0)
+            lam = m * m * s
             if GATED:
                 a_c = tl.exp(tl.maximum(b_g, G_MIN))
-                rho = a_c * b_b
-                x1 = rho * lam
+                x1 = a_c * b_b * lam
                 b_gl = _expm1(b_g)
-                b_e = rho * _phi(x1)
-                b_w = b_b * _phi(x1 - b_gl)
+                frac_e = _one_minus_exp_neg(x1)
+                eta = x1 - b_gl
+                big = tl.maximum(x1, 1.0)
+                frac_w = tl.where(x1 < 1.0, x1 / a_c * _phi(eta),
+                                  _one_minus_exp_neg(eta) / (a_c * (1.0 - b_gl / big)))
                 b_s = b_s * tl.exp(b_gl)
             else:
-                b_e = b_b * _phi(b_b * lam)
-                b_w = b_e
+                frac_e = _one_minus_exp_neg(b_b * lam)
+                frac_w = frac_e
+            b_uh = tl.sum(b_s * b_u[:, None], 0)  # [BV]
+            b_s += b_u[:, None] * (frac_w / (m1 * s1) * b_v - frac_e / s1 * b_uh)[None, :]
         else:
-            b_e = b_b
-            b_w = b_b
             if GATED:
                 b_s = b_s * tl.exp(b_g)
-        b_kh = tl.sum(b_s * b_k[:, None], 0)  # [BV]
-        b_s += b_k[:, None] * (b_w * b_v - b_e * b_kh)[None, :]
+            b_kh = tl.sum(b_s * b_k[:, None], 0)  # [BV]
+            b_s += b_k[:, None] * (b_b * b_v - b_b * b_kh)[None, :]
         b_o = tl.sum(b_s * b_q[:, None], 0) * scale
         tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     if STORE_HT:
