@@ -15,6 +15,16 @@ R=${R:-.devmad/memorization}
 EXTRA=${EXTRA:-}
 mkdir -p "$R/logs"
 if [ "$DEVICE" = cuda ]; then source scripts/device_env.sh; else export PYTHONPATH=$PWD; fi
+if [ "$DEVICE" = cuda ]; then
+  # fla's fused modules compile and autotune their Triton kernels on first use. On 2026-12-01 each
+  # of the 12 processes, started together, spent about 240 s on its first step (later steps 0.3 s),
+  # most likely doing that side by side. One short run of every setting first fills a shared cache
+  # (kernels and autotuning results) for the others to load.
+  export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache} TRITON_CACHE_AUTOTUNING=1
+  timeout 300 python3 -m efla mad --preset paper --tasks memorization --rules exact --lrs 1e-3 --wds 0.0 \
+    --epochs 1 --device cuda --threads 1 --out /tmp/mad-warmup > "$R/logs/warmup.log" 2>&1
+  echo "warm-up exit $? at ${SECONDS}s"
+fi
 for rule in exact euler; do for lr in 1e-4 5e-4 1e-3; do for wd in 0.0 0.1; do
   timeout "$DEADLINE" python3 -m efla mad --preset paper --tasks memorization --rules $rule --lrs $lr --wds $wd \
     --device "$DEVICE" --threads 1 --out "$R" $EXTRA > "$R/logs/$rule-$lr-$wd.log" 2>&1 &
