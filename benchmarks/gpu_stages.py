@@ -66,9 +66,10 @@ def efla_stages(ch, F, q, k, v, beta, do, scale):
     dq, dk, _, dalpha, _ = F["chunk_delta_rule_bwd"](q=qn, k=k, v=v, beta=alpha, A=A, scale=scale,
                                                     initial_state=None, do=do, dht=None)
     dk = dk.contiguous()
+    # the coefficient passes flag overflowing keys as the model's do (the flag's read is not timed)
     return {
         "q l2norm fwd": lambda: F["l2norm_fwd"](q),
-        "coefficient fwd": lambda: ch.coef_fwd(k, beta),
+        "coefficient fwd": lambda: ch.coef_fwd(k, beta, overflow=ch.overflow_flag(k)),
         "(DeltaNet: k l2norm fwd)": lambda: F["l2norm_fwd"](k),
         "fla chunk_delta_rule_fwd": lambda: F["chunk_delta_rule_fwd"](q=qn, k=k, v=v, beta=alpha, scale=scale,
                                                                      initial_state=None, output_final_state=False),
@@ -106,7 +107,7 @@ def gated_stages(ch, F, q, k, v, g, beta, do, scale):
 
     return {
         "q l2norm fwd": lambda: F["l2norm_fwd"](q),
-        "coefficient fwd (gated)": lambda: ch.coef_fwd(k, beta, g=g, v=v),
+        "coefficient fwd (gated)": lambda: ch.coef_fwd(k, beta, g=g, v=v, overflow=ch.overflow_flag(k)),
         "fla chunk_gated_delta_rule_fwd": lambda: F["chunk_gated_delta_rule_fwd"](
             q=qn, k=k, v=vp, g=ch.coef_fwd(k, beta, g=g, v=v)[1], beta=c, scale=scale, initial_state=None,
             output_final_state=False, chunk_size=ch.CHUNK),
@@ -141,9 +142,9 @@ def coef_sweep(out, ch, F, q, k, v, g, beta, do, scale, rounds, rep):
         c, gl, vp = ch.coef_fwd(k, beta, g=g, v=v)
         dc, dgl, dvp = torch.randn_like(c), torch.randn_like(gl), torch.randn_like(vp)
         kernels = {
-            "fwd": lambda lc: ch.coef_fwd(k, beta, launch=lc),
+            "fwd": lambda lc: ch.coef_fwd(k, beta, launch=lc, overflow=ch.overflow_flag(k)),
             "bwd": lambda lc: ch.coef_bwd(k, beta, dalpha, dk, launch=lc),
-            "gated fwd": lambda lc: ch.coef_fwd(k, beta, g=g, v=v, launch=lc),
+            "gated fwd": lambda lc: ch.coef_fwd(k, beta, g=g, v=v, launch=lc, overflow=ch.overflow_flag(k)),
             "gated bwd": lambda lc: ch.coef_bwd(k, beta, dc, dk, g=g, v=v, dgl=dgl, dvin=dvp, launch=lc),
         }
         emit(out, "| coefficient kernel | default | best (rows, warps) | best ms | all (rows, warps): ms |")

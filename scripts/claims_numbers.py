@@ -54,8 +54,9 @@ def lr_sweep() -> None:
         losses = [r["final_train_loss"] for r in rows]
         accs = [r["test_accuracy"] for r in rows]
         failed = [r["seed"] for r in rows if r["test_accuracy"] < 0.5]
-        print(f"lr-sweep lr {lr:<6g} {rule:5s} loss {statistics.mean(losses):.3f} ± {statistics.stdev(losses):.3f}"
-              f"  accuracy {statistics.mean(accs):.4f} ± {statistics.stdev(accs):.4f}  min {min(accs):.4f}"
+        spread = (lambda x: statistics.stdev(x)) if len(rows) > 1 else (lambda x: 0.0)
+        print(f"lr-sweep lr {lr:<6g} {rule:5s} loss {statistics.mean(losses):.3f} ± {spread(losses):.3f}"
+              f"  accuracy {statistics.mean(accs):.4f} ± {spread(accs):.4f}  min {min(accs):.4f}"
               f"  seeds below 0.5: {failed or 'none'} (n = {len(rows)})")
 
 

@@ -45,4 +45,4 @@ for part in $PARTS; do
 done
 wait
 echo "parts $PARTS done in ${SECONDS}s"
-[ -n "${PACK:-}" ] && tar -czf "$PACK" -C "$ROOT" . && echo "packed into $PACK"
+[ -n "${PACK:-}" ] && tar -czf "$PACK" -C "$ROOT" $PARTS && echo "packed into $PACK"

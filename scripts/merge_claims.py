@@ -35,7 +35,7 @@ def merge(kind: str, parts: list[dict]) -> dict:
             raise SystemExit("merge_claims: parts ran on different data")
     merged = {k: v for k, v in first.items() if k not in ("aggregate", "command", "wall_seconds")}
     walls = [part["wall_seconds"] for part in parts if "wall_seconds" in part]
-    if walls:  # the parts ran side by side: the longest is the record's wall time
+    if walls:  # each part's own time, and the longest (the parts ran side by side, in waves)
         merged.update(wall_seconds=max(walls), part_wall_seconds=walls)
     merged[items] = [item for part in parts for item in part[items]]
     keys = [(i.get("setting"), i["rule"], i["seed"], i.get("lr")) for i in merged[items]]

@@ -305,11 +305,14 @@ def context_parallel(
     q = args[0]
     _check_layout(layout, group, q, cu_seqlens)
     local_cu = layout.local_cu_seqlens(q.device)
-    o, states = op(*args, scale=scale, initial_state=_own_initial_state(initial_state, layout),
-                   output_final_state=True, cu_seqlens=local_cu)
-    o_P = P = None
-    if layout.continues_previous:
-        o_P, P = _transition_pass(op, args, layout, scale)
+
+    def local_passes():
+        o, states = op(*args, scale=scale, initial_state=_own_initial_state(initial_state, layout),
+                       output_final_state=True, cu_seqlens=local_cu)
+        o_P, P = _transition_pass(op, args, layout, scale) if layout.continues_previous else (None, None)
+        return o, states, o_P, P
+
+    o, states, o_P, P = _on_every_rank_or_none(local_passes, group, q.device)
     gathered = _all_gather(_outgoing(states, P, layout), group)
     with torch.autocast(q.device.type, enabled=False):  # the state algebra stays in the states' dtype
         S_in = _incoming(gathered, layout.rank, q.shape[-1])
@@ -318,6 +321,23 @@ def context_parallel(
     o = _depend_on(o, gathered)
     final = _depend_on(states, gathered) if output_final_state else None
     return o, final
+
+
+def _on_every_rank_or_none(fn, group, device):
+    """``fn()``, or a ``ValueError`` on every rank when ``fn`` raised one on any: a rank that refused
+    its part of the inputs alone would leave the others waiting in the exchange that follows."""
+    error = None
+    try:
+        result = fn()
+    except ValueError as e:
+        error, result = e, None
+    failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise ValueError("another rank of the context-parallel group refused its part of the inputs")
+    return result
 
 
 # -- short-convolution history ----------------------------------------------------------------------

@@ -77,7 +77,8 @@ _DOC = """{title}
             (value checks are skipped inside ``torch.compile``d code). On a GPU, keys whose
             ``||k||^2`` overflows float32 are refused whatever ``EFLA_CHECK_VALUES`` says (one
             device sync per call), except by the exact rules' scan without autograd, which
-            computes them exactly.
+            computes them exactly; the check is skipped where a sync is not allowed (CUDA-graph
+            capture and replay; compiled code, apart from the exact rules' chunk ops).
 
     Example:
         >>> import torch

@@ -82,8 +82,9 @@ def _compute(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_st
                                    q_l2norm=q_l2norm, k_l2norm=k_l2norm)
             if out is not None:
                 return out
-        if not values_checked(k) and not torch.compiler.is_compiling():
+        if not (values_checked(k) or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
             # the PyTorch engines form k k^T in float32 like the CPU, which always checks this
+            # (one device sync per call)
             check_key_energy(k)
     return _compute_torch(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims,
                           norms)

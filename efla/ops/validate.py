@@ -4,9 +4,10 @@ Every failure raises :class:`ValueError` naming the argument, what was expected 
 received. Checks never modify their inputs. Structure (types, shapes, dtypes, devices) is
 always checked; values (NaN/Inf, signs, key norms, an overflowing result) on the CPU always
 and on a GPU only with ``EFLA_CHECK_VALUES=1`` (there each scan costs a device sync); neither
-inside code that ``torch.compile`` traces (see ``values_checked``). Keys whose ``||k||^2``
-overflows float32 are also refused on the GPU's PyTorch path (``check_key_energy``) and by the
-exact rules' chunk kernels (``key_energy_error``), whatever ``EFLA_CHECK_VALUES`` says.
+inside code that ``torch.compile`` traces (see ``values_checked``). On a GPU, keys whose
+``||k||^2`` overflows float32 are refused whatever ``EFLA_CHECK_VALUES`` says: by the exact rules'
+chunk kernels (``key_energy_error``) and, before the Euler rules' kernels, an in-kernel key
+normalisation or the PyTorch path, by ``check_key_energy``.
 """
 
 from __future__ import annotations

@@ -168,6 +168,8 @@ def _refusals(rank: int, world: int) -> dict:
         "too many tokens": (_op_args(x), {}),
         "other offsets": (fitting, {"cu_seqlens": torch.tensor(other_offsets, dtype=torch.int32)}),
         "other rank": (fitting, {"layout": shard_layout(40, world, (rank + 1) % world, documents)}),
+        # rank 0's keys overflow float64's ||k||^2: every rank raises (none waits in the exchange)
+        "keys refused on rank 0": ([t * 1e155 if i == 1 and rank == 0 else t for i, t in enumerate(fitting)], {}),
     }
     refused = {}
     for name, (args, kwargs) in cases.items():

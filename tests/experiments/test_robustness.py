@@ -165,10 +165,14 @@ def test_sweep_records_of_separate_lrs_and_seeds_merge_with_spread(tmp_path):
         for lr in ("1e-3", "1e-2"):
             parts.append(str(tmp_path / f"s{seed}-lr{lr}"))
             assert main(["lr-sweep", *args, "--seeds", str(seed), "--lrs", lr, "--out", parts[-1]]) == 0
+    parts.append(str(tmp_path / "s0-lr1e-1"))  # a cell whose other seed did not finish
+    assert main(["lr-sweep", *args, "--seeds", "0", "--lrs", "1e-1", "--out", parts[-1]]) == 0
     assert merge_claims.main(["lr-sweep", str(tmp_path / "merged"), *parts, "--command", "two seeds"]) == 0
     merged = json.loads((tmp_path / "merged" / "lr_sweep.json").read_text())
-    assert merged["lrs"] == [1e-3, 1e-2] and merged["options"]["seeds"] == [0, 1] and len(merged["rows"]) == 4
-    assert merged["wall_seconds"] == max(merged["part_wall_seconds"]) and len(merged["part_wall_seconds"]) == 4
+    assert merged["lrs"] == [1e-3, 1e-2, 1e-1] and merged["options"]["seeds"] == [0, 1] and len(merged["rows"]) == 5
+    assert merged["wall_seconds"] == max(merged["part_wall_seconds"]) and len(merged["part_wall_seconds"]) == 5
     accs = [r["test_accuracy"] for r in merged["rows"] if r["lr"] == 1e-2]
     table = (tmp_path / "merged" / "lr_sweep.md").read_text()
     assert f"acc {statistics.mean(accs):.4f} ± {statistics.stdev(accs):.4f}" in table
+    single = next(r for r in merged["rows"] if r["lr"] == 1e-1)
+    assert f"| loss {single['final_train_loss']:.3f} / acc {single['test_accuracy']:.4f} |" in table

@@ -225,18 +225,22 @@ _SCRIPT = textwrap.dedent(
     # keys whose ||k||^2 overflows float32 (and a zero key): the exact rules' scan stays exact
     big = kk.clone()
     big[0, 2] *= 1e19
+    big[0, 3] *= 1e19
     big[0, 6, 0] = 0.0
+    b0 = bb.clone()
+    b0[0, 3, 0] = 0.0  # beta = 0 and beta = 1e-45 (subnormal) with an overflowing key
+    b0[0, 3, 1] = 1e-45
     for rule in ("efla", "gated_efla"):
         gated = rule.startswith("gated")
-        o, S = recurrent_forward(rule, q, big, vv, lg if gated else None, bb, 0.3, h0, True, cu)
-        a = [q.double(), big.double(), vv.double()] + ([lg.double()] if gated else []) + [bb.double()]
+        o, S = recurrent_forward(rule, q, big, vv, lg if gated else None, b0, 0.3, h0, True, cu)
+        a = [q.double(), big.double(), vv.double()] + ([lg.double()] if gated else []) + [b0.double()]
         ro, rS = getattr(ops, "recurrent_" + rule)(*a, scale=0.3, initial_state=h0.double(),
                                                    output_final_state=True, cu_seqlens=cu)
-        assert rel(o, ro) < 1e-4 and rel(S, rS) < 1e-4, ("overflowing keys", rule)
+        assert rel(o, ro) < 1e-4 and rel(S, rS) < 1e-4, ("overflowing keys", rule, rel(o, ro))
     # ... and the chunk form's coefficient pass flags them, then refuses them with the CPU's error
     for gated in (False, True):
         extra = dict(g=g, v=v) if gated else {{}}
-        flag = C._overflow_flag(k)
+        flag = C.overflow_flag(k)
         C.coef_fwd(k, beta, overflow=flag, **extra)
         assert flag.item() == 0
         C.refuse_overflowing_keys(flag, k)

@@ -174,8 +174,8 @@ def _sample_std(values: list) -> float:
 
 
 def _lr_sweep_means(results: dict) -> dict:
-    """``{rule: {lr: (mean final train loss, mean test accuracy, loss std, accuracy std)}}`` over seeds
-    (sample standard deviations, 0 for one seed)."""
+    """``{rule: {lr: (mean final train loss, mean test accuracy, loss std, accuracy std, seeds)}}``
+    over the seeds of each cell (sample standard deviations, 0 for one seed)."""
     by_rule: dict = {}
     for r in results["rows"]:
         by_rule.setdefault(r["rule"], {}).setdefault(r["lr"], []).append(r)
@@ -183,12 +183,13 @@ def _lr_sweep_means(results: dict) -> dict:
     def stats(rows):
         losses = [x["final_train_loss"] for x in rows]
         accs = [x["test_accuracy"] for x in rows]
-        return statistics.mean(losses), statistics.mean(accs), _sample_std(losses), _sample_std(accs)
+        return statistics.mean(losses), statistics.mean(accs), _sample_std(losses), _sample_std(accs), len(rows)
 
     return {rule: {lr: stats(rows) for lr, rows in sorted(by_lr.items())} for rule, by_lr in by_rule.items()}
 
 
 def _sweep_cell(loss: float, acc: float, loss_std: float, acc_std: float, seeds: int) -> str:
+    """One table cell; a spread only where the cell has two or more seeds."""
     if seeds < 2:
         return f"loss {loss:.3f} / acc {acc:.4f}"
     return f"loss {loss:.3f} ± {loss_std:.3f} / acc {acc:.4f} ± {acc_std:.4f}"
@@ -203,7 +204,7 @@ def lr_sweep_table(results: dict) -> harness.Table:
                           columns=["rule", *(f"lr {lr:g}" for lr in results["lrs"])],
                           right=set(range(1, len(results["lrs"]) + 1)))
     for rule, by_lr in _lr_sweep_means(results).items():
-        table.add_row(label(rule), *(_sweep_cell(*by_lr[lr], seeds) if lr in by_lr else "–" for lr in results["lrs"]))
+        table.add_row(label(rule), *(_sweep_cell(*by_lr[lr]) if lr in by_lr else "–" for lr in results["lrs"]))
     return table
 
 

@@ -81,10 +81,12 @@ def fall_back(reason: str) -> None:
 
 
 def _refuse_overflowing_raw_keys(k) -> None:
-    """The Euler rules' kernels form ``k k^T`` in float32 from raw keys: refuse keys whose ``||k||^2``
-    overflows it, as the CPU does (one reduction and one device sync; the exact rules' chunk form
-    flags them in its coefficient pass instead, and their scan computes them exactly). Skipped where
-    a sync is not allowed (compiled code, CUDA-graph capture) and where validation has checked them."""
+    """Refuse keys whose ``||k||^2`` overflows float32, as the CPU does, where the kernels cannot
+    see it themselves: the Euler rules form ``k k^T`` from raw keys, and an in-kernel L2
+    normalisation turns such a key into a zero key (one reduction and one device sync per call; the
+    exact rules' chunk form flags raw keys in its coefficient pass instead, and their scan computes
+    them exactly). Skipped where a sync is not allowed (compiled code, CUDA-graph capture) and where
+    validation has checked them."""
     from ..validate import check_key_energy, values_checked
 
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing() or values_checked(k):
@@ -129,7 +131,7 @@ def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_st
     if gated:
         g = g.contiguous()
 
-    if kind in ("delta_rule", "gated_delta_rule") and not k_l2norm:
+    if k_l2norm or kind in ("delta_rule", "gated_delta_rule"):
         _refuse_overflowing_raw_keys(k)
 
     if mode == "recurrent" and not _needs_grad(q, k, v, beta, g, h0):

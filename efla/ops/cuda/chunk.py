@@ -161,7 +161,7 @@ def l2norm_grads(q, q_rstd, dq, k, k_rstd, dk):
 
 
 # ------------------------------------------------------------------ keys whose ||k||^2 overflows
-def _overflow_flag(k):
+def overflow_flag(k):
     return torch.zeros(1, dtype=torch.int32, device=k.device)
 
 
@@ -190,7 +190,7 @@ def delta_fwd(q, k, v, beta, h0, scale, output_final_state, cu_seqlens, exact, q
     normalised), ``None`` for what is absent."""
     q, q_rstd, k, k_rstd = l2norm_inputs(q, k, q_l2norm, k_l2norm)
     if exact:
-        overflow = _overflow_flag(k)
+        overflow = overflow_flag(k)
         alpha = coef_fwd(k, beta, overflow=overflow)
         refuse_overflowing_keys(overflow, k)
     else:
@@ -224,7 +224,7 @@ def gated_fwd(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact
     the erase (``beta`` for Gated DeltaNet), ``vp`` the rescaled value (``v`` for Gated DeltaNet)."""
     q, q_rstd, k, k_rstd = l2norm_inputs(q, k, q_l2norm, k_l2norm)
     if exact:
-        overflow = _overflow_flag(k)
+        overflow = overflow_flag(k)
         c, gl, vp = coef_fwd(k, beta, g=g, v=v, overflow=overflow)
         refuse_overflowing_keys(overflow, k)
     else:

@@ -419,10 +419,11 @@ def recurrent_kernel(
             b_u = b_k / m1
             s = tl.sum(b_u * b_u)
             s1 = tl.where(s > 0, s, 1.0)
-            lam = m * m * s
+            # beta * lambda in an order that stays 0 for beta = 0 and finite wherever it is
+            # (lambda = m^2 s itself may be Inf)
             if GATED:
                 a_c = tl.exp(tl.maximum(b_g, G_MIN))
-                x1 = a_c * b_b * lam
+                x1 = (b_b * m) * (a_c * m) * s
                 b_gl = _expm1(b_g)
                 frac_e = _one_minus_exp_neg(x1)
                 eta = x1 - b_gl
@@ -431,7 +432,7 @@ def recurrent_kernel(
                                   _one_minus_exp_neg(eta) / (a_c * (1.0 - b_gl / big)))
                 b_s = b_s * tl.exp(b_gl)
             else:
-                frac_e = _one_minus_exp_neg(b_b * lam)
+                frac_e = _one_minus_exp_neg((b_b * m) * m * s)
                 frac_w = frac_e
             b_uh = tl.sum(b_s * b_u[:, None], 0)  # [BV]
             b_s += b_u[:, None] * (frac_w / (m1 * s1) * b_v - frac_e / s1 * b_uh)[None, :]
