@@ -17,7 +17,9 @@ the warm-up; a compile failure is that model's failed row) and ``<preset>-no-out
 preset with ``use_gate=False`` at the ungated preset's depth: the plain model plus the decay gate, so
 its ratio to ``efla`` is what the gate's arithmetic costs), ``<preset>+fusedproj`` (its layers'
 input projections as one matrix product, ``fuse_input_projections=True``, now the presets' default)
-and ``<preset>+separateproj`` (one product per projection, the default before).
+and ``<preset>+separateproj`` (one product per projection, the default before), ``<preset>+nokeycheck``
+(the preset with ``EFLA_CHECK_KEYS=0`` during its steps: no device sync per layer call for the
+overflowing-key check, so its ratio to the preset is what the check costs).
 
 ``--profile`` adds, per shape, one profiled step of every model (``torch.profiler``): its GPU kernel
 time, kernel launches, the share of the median step the GPU is busy (well below 100%: the step is
@@ -56,6 +58,7 @@ OURS = ("efla", "efla+flce", "deltanet", "gated-efla", "gated-deltanet")
 NO_OUTPUT_GATE = "-no-output-gate"  # e.g. gated-efla-no-output-gate: the gated preset without its SiLU output gate
 FUSED_PROJECTIONS = "+fusedproj"  # e.g. gated-efla+fusedproj: the layers' input projections as one product
 SEPARATE_PROJECTIONS = "+separateproj"  # e.g. efla+separateproj: one product per projection
+NO_KEY_CHECK = "+nokeycheck"  # e.g. efla+nokeycheck: EFLA_CHECK_KEYS=0 during its steps (no sync per layer call)
 LINES: list[str] = []
 
 
@@ -80,6 +83,8 @@ def build_fla(size: str):
 
 
 def build(kind: str, size: str):
+    if kind.endswith(NO_KEY_CHECK):
+        return build(kind.removesuffix(NO_KEY_CHECK), size)
     torch.manual_seed(0)
     with torch.device("cuda"):  # initialised on the GPU: a 1.3B model's CPU init takes a minute
         if kind == "fla":
@@ -122,6 +127,23 @@ def error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0][:160]}".replace("|", "/")
 
 
+@contextlib.contextmanager
+def key_checks(kind: str):
+    """``EFLA_CHECK_KEYS=0`` while a ``+nokeycheck`` model steps (the ops read it at every call)."""
+    if not kind.endswith(NO_KEY_CHECK):
+        yield
+        return
+    before = os.environ.get("EFLA_CHECK_KEYS")
+    os.environ["EFLA_CHECK_KEYS"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["EFLA_CHECK_KEYS"]
+        else:
+            os.environ["EFLA_CHECK_KEYS"] = before
+
+
 def train_step(model, opt, ids) -> tuple[float, int, float]:
     """One step; returns (seconds, bytes allocated above the pre-step level at the peak, loss)."""
     opt.zero_grad(set_to_none=True)
@@ -160,7 +182,8 @@ def bench_size(size: str, kinds, shapes, warmup: int, steps: int, out_dir: str, 
                 if kind in failed:
                     continue
                 try:
-                    sec, peak, loss = train_step(model, opt, ids)
+                    with key_checks(kind):
+                        sec, peak, loss = train_step(model, opt, ids)
                 except Exception as e:
                     failed[kind] = error_line(e)
                     traceback.print_exc()

@@ -20,6 +20,8 @@
 #   faults   every gated dqkwg launch setting as written, at head dims 32, 64 x 96 and 64, one process each;
 #   launch   tests/ops/test_launch_settings.py: every launch setting of our autotuned kernels at
 #            every head size, against the first;
+#   keytests the GPU tests of keys whose ||k||^2 overflows float32 (refused, or exact in the scan);
+#            time what the check's sync costs with MODELS13 / MODELS340 including efla+nokeycheck;
 #   headdims the GPU head-dim tests (32 to 256, K and V apart) against the float64 reference, first launch
 #            setting of each autotuned kernel (autotuning them all took more than 300 s for 3 of 10 cases).
 # Carry: .whl (fla wheels); optionally .devcache/autotune.tgz (the autotuning results of an earlier
@@ -87,6 +89,8 @@ for phase in $PHASES; do
     faults) run_phase faults 120 python3 benchmarks/gpu_launch_faults.py --dims 32x32,64x96,64x64 --out "$RESULTS/faults" ;;
     launch) run_phase launch 300 env TRITON_CACHE_DIR=/tmp/triton-cache-tests python3 -m pytest -q -m gpu \
               -p no:cacheprovider -rfs tests/ops/test_launch_settings.py ;;
+    keytests) run_phase keytests 240 env EFLA_TEST_FIRST_CONFIG=1 TRITON_CACHE_DIR=/tmp/triton-cache-tests python3 -m pytest -v \
+                -m gpu -p no:cacheprovider -rfs tests/ops/test_cuda.py -k "overflow" ;;
     headdims) run_phase headdims 300 env EFLA_TEST_FIRST_CONFIG=1 TRITON_CACHE_DIR=/tmp/triton-cache-tests python3 -m pytest -v -m gpu \
                 -p no:cacheprovider -rfs "tests/ops/test_cuda.py::test_gpu_head_dims" ;;
     *) echo "unknown phase $phase" ;;

@@ -8,7 +8,7 @@ from .chunk import chunk_generic
 from .coefficients import coefficients
 from .normalize import l2_normalize
 from .recurrent import recurrent_generic
-from .validate import check_key_energy, check_result, compute_dtype, validate, values_checked
+from .validate import check_key_energy, check_result, compute_dtype, key_checks_enabled, validate, values_checked
 from ..variants import Variant
 
 _cuda_backend = None  # False once the import failed; the module once it succeeded
@@ -82,7 +82,8 @@ def _compute(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_st
                                    q_l2norm=q_l2norm, k_l2norm=k_l2norm)
             if out is not None:
                 return out
-        if not (values_checked(k) or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
+        if not (values_checked(k) or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
+                or not key_checks_enabled()):
             # the PyTorch engines form k k^T in float32 like the CPU, which always checks this
             # (one device sync per call)
             check_key_energy(k)

@@ -7,7 +7,7 @@ and on a GPU only with ``EFLA_CHECK_VALUES=1`` (there each scan costs a device s
 inside code that ``torch.compile`` traces (see ``values_checked``). On a GPU, keys whose
 ``||k||^2`` overflows float32 are refused whatever ``EFLA_CHECK_VALUES`` says: by the exact rules'
 chunk kernels (``key_energy_error``) and, before the Euler rules' kernels, an in-kernel key
-normalisation or the PyTorch path, by ``check_key_energy``.
+normalisation or the PyTorch path, by ``check_key_energy`` (both off with ``EFLA_CHECK_KEYS=0``).
 """
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ def values_checked(x: torch.Tensor) -> bool:
     if not x.is_cuda:
         return True
     return os.environ.get("EFLA_CHECK_VALUES", "0") not in ("", "0", "false", "False")
+
+
+def key_checks_enabled() -> bool:
+    """Whether the GPU paths refuse keys whose ``||k||^2`` overflows float32 (default on; each check
+    costs a device sync per call). ``EFLA_CHECK_KEYS=0`` turns them off: such keys then give NaN."""
+    return os.environ.get("EFLA_CHECK_KEYS", "1") not in ("", "0", "false", "False")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -253,6 +253,9 @@ _SCRIPT = textwrap.dedent(
             raise AssertionError("overflowing keys were not refused")
         except ValueError as e:
             assert str(e).startswith("k: a key's squared norm ||k||^2 = "), e
+    os.environ["EFLA_CHECK_KEYS"] = "0"  # checks off: no flag, no sync, nothing refused
+    assert C.overflow_flag(k) is None
+    C.refuse_overflowing_keys(None, huge)
     print("OK")
     """
 )

@@ -85,11 +85,12 @@ def _refuse_overflowing_raw_keys(k) -> None:
     see it themselves: the Euler rules form ``k k^T`` from raw keys, and an in-kernel L2
     normalisation turns such a key into a zero key (one reduction and one device sync per call; the
     exact rules' chunk form flags raw keys in its coefficient pass instead, and their scan computes
-    them exactly). Skipped where a sync is not allowed (compiled code, CUDA-graph capture) and where
-    validation has checked them."""
-    from ..validate import check_key_energy, values_checked
+    them exactly). Skipped where a sync is not allowed (compiled code, CUDA-graph capture), where
+    validation has checked them and with ``EFLA_CHECK_KEYS=0``."""
+    from ..validate import check_key_energy, key_checks_enabled, values_checked
 
-    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing() or values_checked(k):
+    if (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing() or values_checked(k)
+            or not key_checks_enabled()):
         return
     check_key_energy(k)
 

@@ -21,7 +21,7 @@ import torch
 import triton
 
 from . import kernels as kn
-from ..validate import key_energy_error
+from ..validate import key_checks_enabled, key_energy_error
 
 CHUNK = 64
 COEF_DTYPE = {torch.bfloat16: torch.bfloat16}
@@ -162,7 +162,8 @@ def l2norm_grads(q, q_rstd, dq, k, k_rstd, dk):
 
 # ------------------------------------------------------------------ keys whose ||k||^2 overflows
 def overflow_flag(k):
-    return torch.zeros(1, dtype=torch.int32, device=k.device)
+    """The coefficient pass's flag for overflowing keys; ``None`` (no flag, no sync) with the checks off."""
+    return torch.zeros(1, dtype=torch.int32, device=k.device) if key_checks_enabled() else None
 
 
 def refuse_overflowing_keys(overflow, k):
@@ -170,8 +171,8 @@ def refuse_overflowing_keys(overflow, k):
     overflows float32 (fla's kernels would form ``k k^T`` = Inf and return NaN).
 
     Reading the flag costs one device sync per forward call; it is skipped while a CUDA graph is
-    captured, where a sync is not allowed."""
-    if overflow.is_cuda and torch.cuda.is_current_stream_capturing():
+    captured, where a sync is not allowed, and there is no flag with ``EFLA_CHECK_KEYS=0``."""
+    if overflow is None or (overflow.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     if overflow.item():
         raise key_energy_error(k)
