@@ -4,6 +4,7 @@ resume and the CLI."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 
@@ -334,6 +335,49 @@ def test_early_stop_and_best_checkpoint(monkeypatch):
     assert res["test_acc"] == best["test_acc"] and res["best_epoch"] == best["epoch"]
     lrs = [h["lr"] for h in res["history"]]
     assert lrs[0] == pytest.approx(3e-3) and all(a > b for a, b in zip(lrs, lrs[1:]))  # per-epoch cosine
+
+
+def test_a_killed_run_resumes_to_the_same_result(tmp_path):
+    """A run killed part-way continues from its last saved epoch (same weights, optimizer, schedule
+    and data order): the result equals the uninterrupted run's."""
+    s = D.MADSetting("memorization", 16, 16, 256, 64)
+    cfg = E.RunConfig(setting=s, rule="exact", lr=3e-3, epochs=6, batch_size=32, width=32, num_heads=2, early_stop=None)
+    whole = E.train_run(cfg)
+
+    class Kill(Exception):
+        pass
+
+    class KillingBar:  # stops the run in its fourth epoch, after three saved ones
+        def __init__(self):
+            self.steps = 0
+
+        def update(self, n):
+            self.steps += n
+            if self.steps > 3 * whole["steps"] // 6:
+                raise Kill
+
+        def set_postfix(self, **kw):
+            pass
+
+    ckpt = str(tmp_path / "partial" / "run.pt")
+    with pytest.raises(Kill):
+        E.train_run(cfg, bar=KillingBar(), checkpoint=ckpt, checkpoint_every=0.0)
+    assert os.path.exists(ckpt)
+    resumed = E.train_run(cfg, checkpoint=ckpt, checkpoint_every=0.0)
+    assert not os.path.exists(ckpt)  # removed once the run ends
+    for key in ("train_loss", "test_acc", "test_ppl", "lr"):
+        assert [h[key] for h in resumed["history"]] == [h[key] for h in whole["history"]], key
+    assert resumed["steps"] == whole["steps"] and resumed["test_acc"] == whole["test_acc"]
+    other = dataclasses.replace(cfg, lr=1e-3)  # a state saved by another run is not used
+    E._save_state(ckpt, cfg, *_fresh(cfg), dict(history=[{"epoch": 1}], best=None, steps=1, seconds=0.0))
+    assert E._resume_state(ckpt, other, *_fresh(other))["history"] == []
+    assert E._resume_state(ckpt, cfg, *_fresh(cfg))["steps"] == 1
+
+
+def _fresh(cfg):
+    model = E.build_model(cfg.setting, cfg.rule, cfg.width, cfg.num_heads, cfg.blocks)
+    opt = torch.optim.AdamW(model.parameters())
+    return model, opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=2), torch.Generator()
 
 
 # ----------------------------------------------------------------------------- end to end

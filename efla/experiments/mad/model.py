@@ -24,6 +24,7 @@ the epoch value is the batch-size-weighted mean over batches. Perplexity likewis
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -246,8 +247,40 @@ def tensors(dataset: dict, device) -> _Data:
     return _Data(*t, leakage=dataset.get("leakage", 0.0))
 
 
+def _save_state(path: str, cfg: RunConfig, model, opt, sched, gen, progress: dict) -> None:
+    """The run's state after an epoch, written whole or not at all."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    state = dict(key=cfg.key, model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
+                 generator=gen.get_state(), progress=progress)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _resume_state(path: str | None, cfg: RunConfig, model, opt, sched, gen) -> dict:
+    """Load the state of an interrupted run of ``cfg`` from ``path`` (tensors and plain values only:
+    nothing in the file runs) into the model, optimizer, scheduler and generator; the progress so
+    far (empty for a fresh run; a file of another run or an unreadable one is ignored)."""
+    fresh = dict(history=[], best=None, steps=0, seconds=0.0)
+    if not path or not os.path.exists(path):
+        return fresh
+    from efla.experiments.lm.checkpoint import CheckpointError, load_checkpoint_state
+
+    try:
+        state = load_checkpoint_state(path)
+    except (CheckpointError, OSError):
+        return fresh
+    if state.get("key") != cfg.key:
+        return fresh
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    gen.set_state(state["generator"])
+    return state["progress"]
+
+
 def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", time_limit: float | None = None,
-              bar=None) -> dict:
+              bar=None, checkpoint: str | None = None, checkpoint_every: float = 60.0) -> dict:
     """Train one model on one setting with the MAD recipe and return a plain dict.
 
     AdamW (weight decay on every parameter), cosine annealing stepped once per epoch to 1e-6,
@@ -255,8 +288,12 @@ def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", 
     ``cfg.early_stop``; the reported ``test_acc`` is the one of the epoch with the lowest test
     perplexity (MAD-lab's best checkpoint). ``time_limit`` (seconds) stops training early and
     marks the run ``truncated``. ``bar``: optional tqdm-like object (``update``, ``set_postfix``).
+
+    ``checkpoint``: a file that holds the run's state after its last epoch, written at most every
+    ``checkpoint_every`` seconds (and removed when the run ends), so that a run killed part-way
+    resumes from there, with the same data order, when called again: long protocol runs span
+    several device calls.
     """
-    t0 = time.perf_counter()
     dev = torch.device(device)
     if dataset is None:
         dataset = make_dataset(cfg.setting, seed=cfg.seed)
@@ -268,11 +305,14 @@ def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", 
     bf16 = cfg.precision == "bf16"
     n = len(data.train_x)
     V = cfg.setting.vocab_size
-    history = []
-    best = None
-    steps = 0
+    progress = _resume_state(checkpoint, cfg, model, opt, sched, gen)
+    history, best, steps = progress["history"], progress["best"], progress["steps"]
+    t0 = time.perf_counter() - progress["seconds"]
+    last_save = time.perf_counter()
+    if bar is not None and steps:
+        bar.update(steps)
     stopped_early = truncated = diverged = False
-    for epoch in range(cfg.epochs):
+    for epoch in range(len(history), cfg.epochs):
         model.train()
         perm = torch.randperm(n, generator=gen).to(dev)
         loss_sum = torch.zeros((), device=dev)
@@ -314,6 +354,12 @@ def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", 
             break
         if truncated:
             break
+        if checkpoint and time.perf_counter() - last_save >= checkpoint_every:
+            _save_state(checkpoint, cfg, model, opt, sched, gen, dict(history=history, best=best, steps=steps,
+                                                                       seconds=time.perf_counter() - t0))
+            last_save = time.perf_counter()
+    if checkpoint and os.path.exists(checkpoint):
+        os.remove(checkpoint)
     best = best or history[-1]
     return {
         "key": cfg.key, "config": cfg.to_dict(), "task": cfg.setting.task, "setting": cfg.setting.id,

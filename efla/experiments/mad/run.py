@@ -2,7 +2,8 @@
 output files are in :mod:`efla.experiments.mad.report`).
 
 Every finished run is stored as ``<out>/runs/<key>.json``; re-invoking with the same output
-directory skips those runs.
+directory skips those runs. A run in progress keeps its state in ``<out>/partial/<key>.pt`` (at
+most a minute old) and continues from there when re-invoked after a kill.
 """
 
 from __future__ import annotations
@@ -130,6 +131,11 @@ def run_path(out_dir: str, cfg: RunConfig) -> str:
     return os.path.join(out_dir, "runs", cfg.key + ".json")
 
 
+def partial_path(out_dir: str, cfg: RunConfig) -> str:
+    """Where an unfinished run keeps its state between calls (removed when it finishes)."""
+    return os.path.join(out_dir, "partial", cfg.key + ".pt")
+
+
 def load_run(out_dir: str, cfg: RunConfig, time_limit: float | None = None, any_stored: bool = False) -> dict | None:
     """The stored result of ``cfg`` if it counts as finished: complete, or truncated by a time
     limit at least as long as ``time_limit`` (``any_stored``: every stored result counts)."""
@@ -164,7 +170,8 @@ def run_mad(opts: MADOptions, out_dir: str, progress_factory=None, log=None) -> 
             desc = f"[{i + 1}/{len(cfgs)}] {cfg.setting.id} {label(cfg.rule)} lr={cfg.lr:g} wd={cfg.weight_decay:g}"
             bar = progress_factory(total=n_steps, desc=desc) if progress_factory else None
             try:
-                res = train_run(cfg, cache[cfg.setting.id], device=opts.device, time_limit=opts.time_limit, bar=bar)
+                res = train_run(cfg, cache[cfg.setting.id], device=opts.device, time_limit=opts.time_limit, bar=bar,
+                                checkpoint=partial_path(out_dir, cfg))
             finally:
                 if bar is not None:
                     bar.close()
