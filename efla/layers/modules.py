@@ -102,7 +102,8 @@ class ShortConvolution(nn.Conv1d):
         if cache is not None and cache.shape != (N, D, W):
             raise ValueError(f"cache: expected shape ({N}, {D}, {W}), got {tuple(cache.shape)}")
         return fused.causal_conv1d(
-            x, weight=self.weight[:, 0], bias=self.bias,
+            # squeeze, not [:, 0]: a select's backward writes a zeroed copy (two more GPU ops per step)
+            x, weight=self.weight.squeeze(1), bias=self.bias,
             initial_state=cache.to(x.dtype) if cache is not None else None,
             output_final_state=output_final_state, activation=self.activation, cu_seqlens=cu_seqlens,
         )
@@ -123,7 +124,7 @@ class ShortConvolution(nn.Conv1d):
         pos = torch.arange(T, device=x.device) - cu[:-1][seq_id]  # position inside its sequence
         hist = cache.to(x.dtype) if cache is not None else x.new_zeros(N, D, W)
         xs = x[0]  # [T, D]
-        w = self.weight[:, 0, :]  # [D, W]; w[:, W-1] multiplies the current input
+        w = self.weight.squeeze(1)  # [D, W]; w[:, W-1] multiplies the current input
         y = xs * w[:, W - 1]
         for j in range(1, W):
             inside = (pos - j) >= 0  # [T]
