@@ -253,6 +253,9 @@ _SCRIPT = textwrap.dedent(
             raise AssertionError("overflowing keys were not refused")
         except ValueError as e:
             assert str(e).startswith("k: a key's squared norm ||k||^2 = "), e
+        assert C.overflow_flag(k) is flag and flag.item() == 0  # one buffer, zeroed again for the next call
+        C.coef_fwd(k, beta, overflow=flag, **extra)
+        C.refuse_overflowing_keys(flag, k)
     os.environ["EFLA_CHECK_KEYS"] = "0"  # checks off: no flag, no sync, nothing refused
     assert C.overflow_flag(k) is None
     C.refuse_overflowing_keys(None, huge)

@@ -161,21 +161,29 @@ def l2norm_grads(q, q_rstd, dq, k, k_rstd, dk):
 
 
 # ------------------------------------------------------------------ keys whose ||k||^2 overflows
+_OVERFLOW_FLAGS: dict = {}  # device -> int32 [1]: stays 0 until a pass finds an overflowing key
+
+
 def overflow_flag(k):
-    """The coefficient pass's flag for overflowing keys; ``None`` (no flag, no sync) with the checks off."""
-    return torch.zeros(1, dtype=torch.int32, device=k.device) if key_checks_enabled() else None
+    """The coefficient pass's flag for overflowing keys: one zeroed buffer per device, kept (no fill
+    per call) since the kernel only ever writes 1 into it; ``None`` (no flag, no sync) with the
+    checks off or while a CUDA graph is captured, where the flag could not be read."""
+    if not key_checks_enabled() or (k.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    flag = _OVERFLOW_FLAGS.get(k.device)
+    if flag is None:
+        flag = _OVERFLOW_FLAGS[k.device] = torch.zeros(1, dtype=torch.int32, device=k.device)
+    return flag
 
 
 def refuse_overflowing_keys(overflow, k):
     """Raise the CPU path's ``ValueError`` when the coefficient pass found a key whose ``||k||^2``
-    overflows float32 (fla's kernels would form ``k k^T`` = Inf and return NaN).
-
-    Reading the flag costs one device sync per forward call; it is skipped while a CUDA graph is
-    captured, where a sync is not allowed, and there is no flag with ``EFLA_CHECK_KEYS=0``."""
-    if overflow is None or (overflow.is_cuda and torch.cuda.is_current_stream_capturing()):
+    overflows float32 (fla's kernels would form ``k k^T`` = Inf and return NaN), and zero the flag
+    for the next call. Reading the flag costs one device sync per forward call."""
+    if overflow is None or not overflow.item():
         return
-    if overflow.item():
-        raise key_energy_error(k)
+    overflow.zero_()
+    raise key_energy_error(k)
 
 
 # ------------------------------------------------------------------ forward and backward stages
