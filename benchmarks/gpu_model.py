@@ -207,8 +207,9 @@ def bench_size(size: str, kinds, shapes, warmup: int, steps: int, out_dir: str, 
             medians = {r["model"]: r.get("step_s_median") for r in rows if r["T"] == T and r["size"] == size}
             for kind, (model, opt) in models.items():
                 if kind not in failed:
-                    rows.append(dict(size=size, model=kind, T=T, B=B, profile=profile_step(model, opt, ids),
-                                     step_s_median=medians.get(kind)))
+                    with key_checks(kind):
+                        profile = profile_step(model, opt, ids)
+                    rows.append(dict(size=size, model=kind, T=T, B=B, profile=profile, step_s_median=medians.get(kind)))
             emit_profiles(out_dir, size, T, B, [r for r in rows if r["T"] == T and "profile" in r], profile)
         on_shape(rows)
     del models

@@ -2,9 +2,10 @@
 # One H200 call for MAD's memorization task at the protocol's settings (vocabularies 256 ... 8192,
 # the paper preset's 3 lr x 2 wd grid, 200 epochs): 72 runs, one process per (rule, lr, wd), all in
 # parallel on the GPU (the model is tiny), each under DEADLINE seconds; then the report over what
-# finished. Finished runs are stored in the output folder and never repeated, and a run cut short
-# keeps its state (partial/, at most a minute old), so a call resumes where the last one stopped
-# when its output comes back as the folder carried next time:
+# finished. Finished runs are stored in the output folder and never repeated, so a call resumes
+# where the last one stopped when its output comes back as the folder carried next time (a run cut
+# short also keeps its state in partial/, but at 5-30 MB a run those files stay on the machine:
+# a call returns at most 16 MiB a file, so the archive leaves them out):
 #   here:   mkdir -p .devmad   (git-ignored; unpack the last call's archive into it)
 #   device: PACK=$OUT/mad_memorization.tgz bash scripts/device_mad_memorization.sh   (carry .devmad)
 # Local smoke test on the CPU: DEVICE=cpu EXTRA="--epochs 1" R=/tmp/madm bash scripts/device_mad_memorization.sh
@@ -33,4 +34,4 @@ done; done; done
 wait
 python3 -m efla mad --preset paper --tasks memorization --report-only --out "$R" $EXTRA > "$R/logs/report.log" 2>&1
 echo "report exit $?; $(find "$R" -name '*.json' | wc -l) JSON files; done in ${SECONDS}s"
-[ -n "${PACK:-}" ] && tar -czf "$PACK" -C "$(dirname "$R")" "$(basename "$R")" && echo "packed into $PACK"
+[ -n "${PACK:-}" ] && tar -czf "$PACK" --exclude=partial -C "$(dirname "$R")" "$(basename "$R")" && echo "packed into $PACK"

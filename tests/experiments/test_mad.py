@@ -364,14 +364,22 @@ def test_a_killed_run_resumes_to_the_same_result(tmp_path):
         E.train_run(cfg, bar=KillingBar(), checkpoint=ckpt, checkpoint_every=0.0)
     assert os.path.exists(ckpt)
     resumed = E.train_run(cfg, checkpoint=ckpt, checkpoint_every=0.0)
-    assert not os.path.exists(ckpt)  # removed once the run ends
     for key in ("train_loss", "test_acc", "test_ppl", "lr"):
         assert [h[key] for h in resumed["history"]] == [h[key] for h in whole["history"]], key
     assert resumed["steps"] == whole["steps"] and resumed["test_acc"] == whole["test_acc"]
     other = dataclasses.replace(cfg, lr=1e-3)  # a state saved by another run is not used
     E._save_state(ckpt, cfg, *_fresh(cfg), dict(history=[{"epoch": 1}], best=None, steps=1, seconds=0.0))
-    assert E._resume_state(ckpt, other, *_fresh(other))["history"] == []
+    assert E._resume_state(ckpt, other, *_fresh(other)) is None
     assert E._resume_state(ckpt, cfg, *_fresh(cfg))["steps"] == 1
+    wrong_model = dataclasses.replace(cfg, width=16)  # same key format, other shapes: refused, not raised
+    E._save_state(ckpt, wrong_model, *_fresh(wrong_model), dict(history=[], best=None, steps=0, seconds=0.0))
+    torch.save({**torch.load(ckpt, weights_only=True), "key": cfg.key}, ckpt)
+    assert E._resume_state(ckpt, cfg, *_fresh(cfg)) is None
+    with open(ckpt, "w") as f:
+        f.write("not a checkpoint")
+    assert E._resume_state(ckpt, cfg, *_fresh(cfg)) is None
+    again = E.train_run(cfg, checkpoint=ckpt)  # a damaged file: the run starts over, same result
+    assert [h["train_loss"] for h in again["history"]] == [h["train_loss"] for h in whole["history"]]
 
 
 def _fresh(cfg):

@@ -23,6 +23,7 @@ the epoch value is the batch-size-weighted mean over batches. Perplexity likewis
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -247,36 +248,57 @@ def tensors(dataset: dict, device) -> _Data:
     return _Data(*t, leakage=dataset.get("leakage", 0.0))
 
 
+STATE_FORMAT = 1  # the layout of a partial run's file
+
+
 def _save_state(path: str, cfg: RunConfig, model, opt, sched, gen, progress: dict) -> None:
-    """The run's state after an epoch, written whole or not at all."""
+    """The run's state after an epoch, written whole or not at all (a temporary file, synced, then
+    renamed; removed if the write fails)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    state = dict(key=cfg.key, model=model.state_dict(), optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                 generator=gen.get_state(), progress=progress)
+    state = dict(format=STATE_FORMAT, key=cfg.key, model=model.state_dict(), optimizer=opt.state_dict(),
+                 scheduler=sched.state_dict(), generator=gen.get_state(), progress=progress)
     tmp = f"{path}.tmp-{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
 
 
-def _resume_state(path: str | None, cfg: RunConfig, model, opt, sched, gen) -> dict:
+def _fresh_training(cfg: RunConfig, dev: torch.device):
+    """Model, optimizer, schedule and data-order generator of a run's first epoch."""
+    model = build_model(cfg.setting, cfg.rule, cfg.width, cfg.num_heads, cfg.blocks, seed=cfg.seed).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.epochs, eta_min=1e-6)
+    return model, opt, sched, torch.Generator().manual_seed(cfg.seed)
+
+
+def _resume_state(path: str | None, cfg: RunConfig, model, opt, sched, gen) -> dict | None:
     """Load the state of an interrupted run of ``cfg`` from ``path`` (tensors and plain values only:
-    nothing in the file runs) into the model, optimizer, scheduler and generator; the progress so
-    far (empty for a fresh run; a file of another run or an unreadable one is ignored)."""
-    fresh = dict(history=[], best=None, steps=0, seconds=0.0)
+    nothing in the file runs) into the model, optimizer, schedule and generator, and return the
+    progress so far; ``None`` when there is nothing to resume (no file, another run's, an unreadable
+    or malformed one), in which case the objects may be half-loaded and must be built afresh."""
     if not path or not os.path.exists(path):
-        return fresh
-    from efla.experiments.lm.checkpoint import CheckpointError, load_checkpoint_state
+        return None
+    from efla.experiments.lm.checkpoint import load_checkpoint_state
 
     try:
         state = load_checkpoint_state(path)
-    except (CheckpointError, OSError):
-        return fresh
-    if state.get("key") != cfg.key:
-        return fresh
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    sched.load_state_dict(state["scheduler"])
-    gen.set_state(state["generator"])
-    return state["progress"]
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or state.get("key") != cfg.key:
+            return None
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        gen.set_state(state["generator"])
+        progress = state["progress"]
+        return dict(history=list(progress["history"]), best=progress["best"], steps=int(progress["steps"]),
+                    seconds=float(progress["seconds"]))
+    except Exception:  # noqa: BLE001  any damage: the run starts over rather than failing every call
+        return None
 
 
 def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", time_limit: float | None = None,
@@ -290,24 +312,25 @@ def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", 
     marks the run ``truncated``. ``bar``: optional tqdm-like object (``update``, ``set_postfix``).
 
     ``checkpoint``: a file that holds the run's state after its last epoch, written at most every
-    ``checkpoint_every`` seconds (and removed when the run ends), so that a run killed part-way
-    resumes from there, with the same data order, when called again: long protocol runs span
-    several device calls.
+    ``checkpoint_every`` seconds (the caller removes it once the result is stored), so that a run
+    killed part-way resumes from there, with the same data order, when called again.
     """
+    started = time.perf_counter()
     dev = torch.device(device)
     if dataset is None:
         dataset = make_dataset(cfg.setting, seed=cfg.seed)
     data = tensors(dataset, dev)
-    model = build_model(cfg.setting, cfg.rule, cfg.width, cfg.num_heads, cfg.blocks, seed=cfg.seed).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.epochs, eta_min=1e-6)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    model, opt, sched, gen = _fresh_training(cfg, dev)
+    progress = _resume_state(checkpoint, cfg, model, opt, sched, gen)
+    if progress is None:
+        if checkpoint and os.path.exists(checkpoint):  # a failed load may have filled them in part
+            model, opt, sched, gen = _fresh_training(cfg, dev)
+        progress = dict(history=[], best=None, steps=0, seconds=0.0)
     bf16 = cfg.precision == "bf16"
     n = len(data.train_x)
     V = cfg.setting.vocab_size
-    progress = _resume_state(checkpoint, cfg, model, opt, sched, gen)
     history, best, steps = progress["history"], progress["best"], progress["steps"]
-    t0 = time.perf_counter() - progress["seconds"]
+    t0 = started - progress["seconds"]  # seconds count this call's set-up and the earlier calls' training
     last_save = time.perf_counter()
     if bar is not None and steps:
         bar.update(steps)
@@ -358,8 +381,6 @@ def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", 
             _save_state(checkpoint, cfg, model, opt, sched, gen, dict(history=history, best=best, steps=steps,
                                                                        seconds=time.perf_counter() - t0))
             last_save = time.perf_counter()
-    if checkpoint and os.path.exists(checkpoint):
-        os.remove(checkpoint)
     best = best or history[-1]
     return {
         "key": cfg.key, "config": cfg.to_dict(), "task": cfg.setting.task, "setting": cfg.setting.id,

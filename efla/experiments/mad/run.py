@@ -8,6 +8,7 @@ most a minute old) and continues from there when re-invoked after a kill.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -176,6 +177,8 @@ def run_mad(opts: MADOptions, out_dir: str, progress_factory=None, log=None) -> 
                 if bar is not None:
                     bar.close()
             harness.atomic_write(run_path(out_dir, cfg), json.dumps(res))
+            with contextlib.suppress(FileNotFoundError):  # stored: its partial state is done with
+                os.remove(partial_path(out_dir, cfg))
             if log:
                 log(f"{desc}: test acc {res['test_acc']:.4f} (best-ppl epoch {res['best_epoch']}/{res['epochs_run']}"
                     f"{', early stop' if res['stopped_early'] else ''}{', TRUNCATED' if res['truncated'] else ''}) "

@@ -17,6 +17,8 @@ other stages and our own ``gated_dqkwg_kernel`` for that stage.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 
@@ -161,18 +163,23 @@ def l2norm_grads(q, q_rstd, dq, k, k_rstd, dk):
 
 
 # ------------------------------------------------------------------ keys whose ||k||^2 overflows
-_OVERFLOW_FLAGS: dict = {}  # device -> int32 [1]: stays 0 until a pass finds an overflowing key
+_flags = threading.local()  # per thread: (device, stream) -> int32 [1], 0 until a pass finds an overflowing key
 
 
 def overflow_flag(k):
-    """The coefficient pass's flag for overflowing keys: one zeroed buffer per device, kept (no fill
-    per call) since the kernel only ever writes 1 into it; ``None`` (no flag, no sync) with the
-    checks off or while a CUDA graph is captured, where the flag could not be read."""
+    """The coefficient pass's flag for overflowing keys: one zeroed buffer per thread, device and
+    stream (calls in one stream run, and are read, in order), kept from call to call (no fill per
+    call) since the kernel only ever writes 1 into it; ``None`` (no flag, no sync) with the checks
+    off or while a CUDA graph is captured, where the flag could not be read."""
     if not key_checks_enabled() or (k.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
-    flag = _OVERFLOW_FLAGS.get(k.device)
+    stream = torch.cuda.current_stream(k.device).cuda_stream if k.is_cuda else None
+    flags = getattr(_flags, "by_stream", None)
+    if flags is None:
+        flags = _flags.by_stream = {}
+    flag = flags.get((k.device, stream))
     if flag is None:
-        flag = _OVERFLOW_FLAGS[k.device] = torch.zeros(1, dtype=torch.int32, device=k.device)
+        flag = flags[(k.device, stream)] = torch.zeros(1, dtype=torch.int32, device=k.device)
     return flag
 
 
