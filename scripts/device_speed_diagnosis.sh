@@ -27,7 +27,7 @@
 # Carry: .whl (fla wheels); optionally .devcache/autotune.tgz (the autotuning results of an earlier
 # visit: fla's and our kernels then skip their autotuning). Results in $RESULTS/<phase>/ and
 # $RESULTS/autotune.tgz; scripts/device_collect.sh packs them.
-#   PHASES="stages model13 ops tests" bash scripts/device_speed_diagnosis.sh
+#   PHASES="stages model13 ops tests" PACK=$OUT/speed.tgz bash scripts/device_speed_diagnosis.sh
 set -uo pipefail
 RESULTS=${RESULTS:-/tmp/results}
 PHASES=${PHASES-"stages2 ops model340 compile340 dims ops96"}
@@ -99,3 +99,5 @@ done
 (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$RESULTS/autotune.tgz" -T -)
 echo "visit done in ${SECONDS}s"
 touch "$RESULTS/visit.done"
+# a call returns at most 8 files, two folders deep: PACK=$OUT/speed.tgz brings everything back as one
+[ -n "${PACK:-}" ] && tar -czf "$PACK" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")" && echo "packed into $PACK"
