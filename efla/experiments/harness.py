@@ -75,19 +75,32 @@ class Provenance:
                     wall_seconds=round(self.wall_seconds, 3))
 
 
-def atomic_write(path: str, text: str) -> None:
-    """Replaces ``path`` with ``text`` in one step: a reader sees the old file or the new one, never a part."""
+def _atomic_replace(path: str, write, binary: bool) -> None:
+    """Replaces ``path`` with what ``write(file)`` writes, in one step: a reader sees the old file or
+    the new one, never a part (a synced temporary file, renamed; removed if the write fails)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "w", newline="") as f:
-            f.write(text)
+        with open(tmp, "wb") if binary else open(tmp, "w", newline="") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+
+
+def atomic_write(path: str, text: str) -> None:
+    """Replaces ``path`` with ``text`` in one step: a reader sees the old file or the new one, never a part."""
+    _atomic_replace(path, lambda f: f.write(text), binary=False)
+
+
+def atomic_save_torch(path: str, obj) -> None:
+    """``torch.save(obj)`` to ``path`` in one step, like :func:`atomic_write`."""
+    import torch
+
+    _atomic_replace(path, lambda f: torch.save(obj, f), binary=True)
 
 
 def atomic_write_json(path: str, obj, indent: int = 1) -> None:

@@ -23,7 +23,6 @@ the epoch value is the batch-size-weighted mean over batches. Perplexity likewis
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
@@ -35,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from efla.data.mad_tasks import IGNORE, MADSetting, make_dataset
+from efla.experiments import harness
 from efla.layers import EFLA, GatedEFLA, GatedMLP, RMSNorm
 from efla.variants import EXPERIMENT_KEYS, Variant
 
@@ -252,21 +252,10 @@ STATE_FORMAT = 1  # the layout of a partial run's file
 
 
 def _save_state(path: str, cfg: RunConfig, model, opt, sched, gen, progress: dict) -> None:
-    """The run's state after an epoch, written whole or not at all (a temporary file, synced, then
-    renamed; removed if the write fails)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    """The run's state after an epoch, written whole or not at all."""
     state = dict(format=STATE_FORMAT, key=cfg.key, model=model.state_dict(), optimizer=opt.state_dict(),
                  scheduler=sched.state_dict(), generator=gen.get_state(), progress=progress)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
+    harness.atomic_save_torch(path, state)
 
 
 def _fresh_training(cfg: RunConfig, dev: torch.device):
