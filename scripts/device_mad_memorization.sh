@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call for MAD's memorization task at the protocol's settings (vocabularies 256 ... 8192,
 # the paper preset's 3 lr x 2 wd grid, 200 epochs): 72 runs, one process per (rule, lr, wd), all in
-# parallel on the GPU (the model is tiny), each under DEADLINE seconds; then the report over what
+# parallel on the GPU (the model is tiny), the whole call (warm-up included) under DEADLINE seconds; then the report over what
 # finished. Finished runs are stored in the output folder and never repeated, so a call resumes
 # where the last one stopped when its output comes back as the folder carried next time (a run cut
 # short also keeps its state in partial/, but at 5-30 MB a run those files stay on the machine:
@@ -23,12 +23,13 @@ if [ "$DEVICE" = cuda ]; then
   # most likely doing that side by side. One short run of every setting first fills a shared cache
   # (kernels and autotuning results) for the others to load.
   export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache} TRITON_CACHE_AUTOTUNING=1
-  timeout 300 python3 -m efla mad --preset paper --tasks memorization --rules exact --lrs 1e-3 --wds 0.0 \
+  timeout $((DEADLINE / 3)) python3 -m efla mad --preset paper --tasks memorization --rules exact --lrs 1e-3 --wds 0.0 \
     --epochs 1 --device cuda --threads 1 --out /tmp/mad-warmup > "$R/logs/warmup.log" 2>&1
   echo "warm-up exit $? at ${SECONDS}s"
 fi
+RUN_LIMIT=$((DEADLINE - SECONDS - 30))  # DEADLINE bounds the whole call: warm-up, runs, report and packing
 for rule in exact euler; do for lr in 1e-4 5e-4 1e-3; do for wd in 0.0 0.1; do
-  timeout "$DEADLINE" python3 -m efla mad --preset paper --tasks memorization --rules $rule --lrs $lr --wds $wd \
+  timeout "$RUN_LIMIT" python3 -m efla mad --preset paper --tasks memorization --rules $rule --lrs $lr --wds $wd \
     --device "$DEVICE" --threads 1 --out "$R" $EXTRA > "$R/logs/$rule-$lr-$wd.log" 2>&1 &
 done; done; done
 wait

@@ -8,6 +8,7 @@ Module names follow flash-linear-attention's DeltaNet / Gated DeltaNet models
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from efla.layers import EFLA, GatedEFLA, GatedMLP, RMSNorm
 from efla.layers.fused import kernels_for
+from efla.ops import deferred_key_checks
 
 from .cache import EFLACache
 from .configuration_efla import EFLAConfig
@@ -45,6 +47,13 @@ def _refuse_unknown_kwargs(kwargs: dict) -> None:
     unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _REDUNDANT_KWARGS)
     if unknown:
         raise ValueError(f"unsupported forward arguments: {', '.join(unknown)} (packed sequences: pass cu_seqlens)")
+
+
+def _keys_checked_once():
+    """The GPU chunk calls of all layers checked for overflowing keys once, after the last layer (one
+    device sync per forward instead of one per layer); compiled code keeps the per-call check, as
+    a traced context manager would break its graph."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else deferred_key_checks()
 
 
 def _refuse_attention_weights(output_attentions: bool | None) -> None:
@@ -233,11 +242,12 @@ class EFLAModel(EFLAPreTrainedModel):
             past_key_values = EFLACache(len(self.layers))
 
         all_hidden = () if output_hidden_states else None
-        for layer in self.layers:
-            if output_hidden_states:
-                all_hidden += (hidden_states,)
-            hidden_states = layer(hidden_states, attention_mask=attention_mask, past_key_values=past_key_values,
-                                  use_cache=use_cache, cu_seqlens=cu_seqlens)
+        with _keys_checked_once():
+            for layer in self.layers:
+                if output_hidden_states:
+                    all_hidden += (hidden_states,)
+                hidden_states = layer(hidden_states, attention_mask=attention_mask, past_key_values=past_key_values,
+                                      use_cache=use_cache, cu_seqlens=cu_seqlens)
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden += (hidden_states,)

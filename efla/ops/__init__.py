@@ -30,12 +30,14 @@ from __future__ import annotations
 from .api import run as _run
 from .coefficients import efla_coefficient, gated_efla_coefficients
 from .normalize import l2_normalize
+from .validate import deferred_key_checks
 from ..variants import Variant
 
 __all__ = [
     "efla_coefficient",
     "gated_efla_coefficients",
     "l2_normalize",
+    "deferred_key_checks",
     "chunk_efla",
     "recurrent_efla",
     "chunk_gated_efla",

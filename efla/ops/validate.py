@@ -8,11 +8,15 @@ inside code that ``torch.compile`` traces (see ``values_checked``). On a GPU, ke
 ``||k||^2`` overflows float32 are refused whatever ``EFLA_CHECK_VALUES`` says: by the exact rules'
 chunk kernels (``key_energy_error``) and, before the Euler rules' kernels, an in-kernel key
 normalisation or the PyTorch path, by ``check_key_energy`` (both off with ``EFLA_CHECK_KEYS=0``).
+Inside ``deferred_key_checks()`` the chunk kernels' refusals wait for the block's end: one device
+sync there instead of one per call (the models run their layers so).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +67,47 @@ def key_checks_enabled() -> bool:
     """Whether the GPU paths refuse keys whose ``||k||^2`` overflows float32 (default on; each check
     costs a device sync per call). ``EFLA_CHECK_KEYS=0`` turns them off: such keys then give NaN."""
     return os.environ.get("EFLA_CHECK_KEYS", "1") not in ("", "0", "false", "False")
+
+
+_deferred = threading.local()  # per thread: id -> overflow flag of each chunk call inside deferred_key_checks()
+
+
+@contextlib.contextmanager
+def deferred_key_checks():
+    """Read the GPU chunk kernels' overflowing-key flags once, when the block ends, instead of after
+    every call (each read is a device sync that stalls the host until the GPU catches up). A call
+    with such keys then returns NaN, and the block raises the ``ValueError`` as it ends, before
+    anything computed inside leaves it. Nested blocks leave the check to the outermost."""
+    if getattr(_deferred, "flags", None) is not None:
+        yield
+        return
+    _deferred.flags = flags = {}
+    try:
+        yield
+    except BaseException:
+        _reset_flags(flags)  # the block failed anyway: no stale flag may fail a later call
+        raise
+    finally:
+        _deferred.flags = None
+    if any(flag.item() for flag in flags.values()):
+        _reset_flags(flags)
+        raise ValueError("k: a key's squared norm ||k||^2 overflows float32 in a chunk call of this block "
+                         f"(max {torch.finfo(torch.float32).max:.4g}); scale the keys down")
+
+
+def _reset_flags(flags: dict) -> None:
+    for flag in flags.values():
+        flag.zero_()
+
+
+def defer_key_check(flag: torch.Tensor) -> bool:
+    """Hand a chunk call's overflow flag to the enclosing ``deferred_key_checks()`` (``True``), or
+    leave reading it to the caller where there is none (``False``)."""
+    flags = getattr(_deferred, "flags", None)
+    if flags is None:
+        return False
+    flags[id(flag)] = flag
+    return True
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -256,6 +256,17 @@ _SCRIPT = textwrap.dedent(
         assert C.overflow_flag(k) is flag and flag.item() == 0  # one buffer, zeroed again for the next call
         C.coef_fwd(k, beta, overflow=flag, **extra)
         C.refuse_overflowing_keys(flag, k)
+    # inside deferred_key_checks() the refusal waits for the block's end, which resets the flag
+    reached = False
+    try:
+        with ops.deferred_key_checks():
+            C.coef_fwd(huge, beta, overflow=flag)
+            C.refuse_overflowing_keys(flag, huge)
+            reached = True
+        raise AssertionError("the block did not refuse overflowing keys")
+    except ValueError as e:
+        assert reached and "overflows float32" in str(e), e
+    assert flag.item() == 0
     os.environ["EFLA_CHECK_KEYS"] = "0"  # checks off: no flag, no sync, nothing refused
     assert C.overflow_flag(k) is None
     C.refuse_overflowing_keys(None, huge)
@@ -402,3 +413,29 @@ def test_gpu_overflowing_keys_raise_with_value_checks(rule, mode, monkeypatch):
     expected = r"^k: a key's squared norm" if "efla" in rule else r"^q/k/v/beta: the inputs are finite but the result"
     with pytest.raises(ValueError, match=expected):
         _call(getattr(ops, f"{mode}_{rule}"), rule, q, k * 1e19, v, beta, g, None, None)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny-efla", "tiny-gated-efla"])
+def test_gpu_model_refuses_overflowing_keys_once_per_forward(preset, monkeypatch):
+    # the model reads its layers' overflow flags once, after the last layer: the forward still
+    # raises the ValueError, and a clean forward afterwards is not failed by a stale flag
+    from efla.models import EFLAForCausalLM
+    from efla.models.presets import get_preset_config
+
+    monkeypatch.delenv("EFLA_CHECK_VALUES", raising=False)
+    monkeypatch.delenv("EFLA_CHECK_KEYS", raising=False)
+    torch.manual_seed(0)
+    model = EFLAForCausalLM(get_preset_config(preset)).cuda().to(torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (2, 80), device="cuda")
+    clean = model(ids).logits
+    k_proj = model.model.layers[0].attn.k_proj.weight
+    saved = k_proj.detach().clone()
+    with torch.no_grad():
+        k_proj.mul_(1e20)
+    with pytest.raises(ValueError, match=r"^k: a key's squared norm \|\|k\|\|\^2 overflows float32"):
+        model(ids)
+    with torch.no_grad():
+        k_proj.copy_(saved)
+    assert _rel(model(ids).logits, clean) < 1e-3

@@ -23,7 +23,7 @@ import torch
 import triton
 
 from . import kernels as kn
-from ..validate import key_checks_enabled, key_energy_error
+from ..validate import defer_key_check, key_checks_enabled, key_energy_error
 
 CHUNK = 64
 COEF_DTYPE = {torch.bfloat16: torch.bfloat16}
@@ -186,8 +186,9 @@ def overflow_flag(k):
 def refuse_overflowing_keys(overflow, k):
     """Raise the CPU path's ``ValueError`` when the coefficient pass found a key whose ``||k||^2``
     overflows float32 (fla's kernels would form ``k k^T`` = Inf and return NaN), and zero the flag
-    for the next call. Reading the flag costs one device sync per forward call."""
-    if overflow is None or not overflow.item():
+    for the next call. Reading the flag costs one device sync per forward call, unless an enclosing
+    ``deferred_key_checks()`` reads it once at its end."""
+    if overflow is None or defer_key_check(overflow) or not overflow.item():
         return
     overflow.zero_()
     raise key_energy_error(k)

@@ -1,0 +1,64 @@
+"""``deferred_key_checks()``: the chunk kernels' overflowing-key flags read once, at the block's end."""
+
+import pytest
+import torch
+
+from efla.ops import deferred_key_checks
+from efla.ops.validate import defer_key_check
+
+
+def raised_flag():
+    return torch.ones(1, dtype=torch.int32)
+
+
+def test_outside_a_block_the_caller_reads_the_flag():
+    assert defer_key_check(raised_flag()) is False
+
+
+def test_a_raised_flag_fails_the_block_at_its_end_and_is_reset():
+    flag, clean = raised_flag(), torch.zeros(1, dtype=torch.int32)
+    reached_end = False
+    with pytest.raises(ValueError, match=r"^k: a key's squared norm \|\|k\|\|\^2 overflows float32"):
+        with deferred_key_checks():
+            assert defer_key_check(clean) and defer_key_check(flag)
+            reached_end = True
+    assert reached_end and flag.item() == 0 and clean.item() == 0
+    assert defer_key_check(flag) is False  # the block is closed
+
+
+def test_clean_flags_pass_and_blocks_repeat():
+    for _ in range(3):
+        with deferred_key_checks():
+            assert defer_key_check(torch.zeros(1, dtype=torch.int32))
+
+
+def test_nested_blocks_leave_the_check_to_the_outermost():
+    flag = raised_flag()
+    with pytest.raises(ValueError):
+        with deferred_key_checks():
+            with deferred_key_checks():
+                defer_key_check(flag)
+            assert flag.item() == 1  # the inner block's end read nothing
+    assert flag.item() == 0
+
+
+def test_a_failing_block_resets_its_flags_and_keeps_its_own_error():
+    flag = raised_flag()
+    with pytest.raises(KeyError, match="its own"):
+        with deferred_key_checks():
+            defer_key_check(flag)
+            raise KeyError("its own")
+    assert flag.item() == 0  # no stale flag to fail a later, innocent call
+    with deferred_key_checks():
+        pass
+
+
+def test_flags_are_per_thread():
+    import threading
+
+    seen = []
+    with deferred_key_checks():
+        worker = threading.Thread(target=lambda: seen.append(defer_key_check(raised_flag())))
+        worker.start()
+        worker.join()
+    assert seen == [False]
