@@ -208,8 +208,9 @@ def bench_size(size: str, kinds, shapes, warmup: int, steps: int, out_dir: str, 
             for kind, (model, opt) in models.items():
                 if kind not in failed:
                     with key_checks(kind):
-                        profile = profile_step(model, opt, ids)
-                    rows.append(dict(size=size, model=kind, T=T, B=B, profile=profile, step_s_median=medians.get(kind)))
+                        step_profile = profile_step(model, opt, ids)
+                    rows.append(dict(size=size, model=kind, T=T, B=B, profile=step_profile,
+                                     step_s_median=medians.get(kind)))
             emit_profiles(out_dir, size, T, B, [r for r in rows if r["T"] == T and "profile" in r], profile)
         on_shape(rows)
     del models
