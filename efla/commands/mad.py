@@ -23,6 +23,9 @@ def add_parser(subparsers) -> None:
                    help="; ".join(f"{k}: {v.description}" for k, v in PRESETS.items()))
     p.add_argument("--tasks", nargs="+", default=list(TASKS), metavar="TASK",
                    help=f"tasks by name or abbreviation ({abbr}); default: all six")
+    p.add_argument("--settings", nargs="+", default=None, metavar="ID",
+                   help="only these task settings, by the id the results use (e.g. M-v1024-l32-n256); "
+                        "default: every setting of the preset")
     p.add_argument("--rules", nargs="+", default=["exact", "euler"], choices=["exact", "euler", "gated-exact",
                                                                               "gated-euler"],
                    help="update rules (exact = EFLA, euler = DeltaNet); default: exact euler")
@@ -67,6 +70,15 @@ def _check_arguments(args) -> None:
     check.output_dir(args.out)
 
 
+def _check_settings(opts) -> None:
+    from efla.experiments.mad.run import chosen_settings
+
+    try:
+        chosen_settings(opts)
+    except ValueError as e:
+        raise UsageError(f"{e} (--settings)") from None
+
+
 def cmd_mad(args) -> int:
     import torch
     from rich.console import Console
@@ -85,7 +97,8 @@ def cmd_mad(args) -> int:
     opts = MADOptions(preset=preset, tasks=_resolve_tasks(args.tasks), rules=list(dict.fromkeys(args.rules)),
                       num_heads=args.num_heads, lrs=args.lrs, wds=args.wds, epochs=args.epochs,
                       max_steps=args.max_steps, precision=args.precision, device=args.device,
-                      time_limit=args.time_limit, train=not args.report_only)
+                      time_limit=args.time_limit, train=not args.report_only, settings=args.settings)
+    _check_settings(opts)
     console.rule(f"[bold]MAD[/bold] ({preset} preset) -> {args.out}")
 
     provenance = harness.Provenance(command=args.command_line, device=args.device)

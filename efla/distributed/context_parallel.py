@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from efla.ops.validate import immediate_key_checks
+
 __all__ = [
     "ShardLayout",
     "shard_layout",
@@ -328,7 +330,8 @@ def _on_every_rank_or_none(fn, group, device):
     its part of the inputs alone would leave the others waiting in the exchange that follows."""
     error = None
     try:
-        result = fn()
+        with immediate_key_checks():  # a model's deferred check would raise after the exchange, on this rank alone
+            result = fn()
     except ValueError as e:
         error, result = e, None
     failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)

@@ -69,35 +69,70 @@ def key_checks_enabled() -> bool:
     return os.environ.get("EFLA_CHECK_KEYS", "1") not in ("", "0", "false", "False")
 
 
-_deferred = threading.local()  # per thread: id -> overflow flag of each chunk call inside deferred_key_checks()
+_deferred = threading.local()  # per thread: id -> (flag, stream) of each chunk call inside deferred_key_checks()
 
 
 @contextlib.contextmanager
 def deferred_key_checks():
     """Read the GPU chunk kernels' overflowing-key flags once, when the block ends, instead of after
     every call (each read is a device sync that stalls the host until the GPU catches up). A call
-    with such keys then returns NaN, and the block raises the ``ValueError`` as it ends, before
-    anything computed inside leaves it. Nested blocks leave the check to the outermost."""
+    with such keys returns NaN meanwhile, and the block raises the ``ValueError`` as it ends, also
+    when that NaN made something else inside fail first (with that failure as the cause). What the
+    block changed in place stays changed: a cache passed to a model then holds NaN states. Each
+    flag is read in the stream its kernel ran in. Nested blocks leave the check to the outermost."""
     if getattr(_deferred, "flags", None) is not None:
         yield
         return
     _deferred.flags = flags = {}
     try:
         yield
-    except BaseException:
-        _reset_flags(flags)  # the block failed anyway: no stale flag may fail a later call
+    except BaseException as failure:
+        if _read_and_reset(flags, quiet=True):
+            raise _deferred_key_error() from failure
         raise
     finally:
         _deferred.flags = None
-    if any(flag.item() for flag in flags.values()):
-        _reset_flags(flags)
-        raise ValueError("k: a key's squared norm ||k||^2 overflows float32 in a chunk call of this block "
-                         f"(max {torch.finfo(torch.float32).max:.4g}); scale the keys down")
+    if _read_and_reset(flags):
+        raise _deferred_key_error()
 
 
-def _reset_flags(flags: dict) -> None:
-    for flag in flags.values():
-        flag.zero_()
+@contextlib.contextmanager
+def immediate_key_checks():
+    """Every chunk call inside reads its own flag, also within ``deferred_key_checks()``: where the
+    error must come from the call itself (a context-parallel rank, whose peers learn of it there)."""
+    saved = getattr(_deferred, "flags", None)
+    _deferred.flags = None
+    try:
+        yield
+    finally:
+        _deferred.flags = saved
+
+
+def _deferred_key_error() -> ValueError:
+    return ValueError("k: a key's squared norm ||k||^2 overflows float32 in a chunk call of this block "
+                      f"(max {torch.finfo(torch.float32).max:.4g}); scale the keys down")
+
+
+def _read_and_reset(flags: dict, quiet: bool = False) -> bool:
+    """Whether any flag is set, each read in its own stream (read in another, it could overtake the
+    kernel that sets it); zeroed again for later calls when set. ``quiet``: a read that fails (the
+    block failed already, perhaps on the device) counts as not set."""
+    try:
+        overflowed = False
+        for flag, stream in flags.values():
+            with _in_stream(stream):
+                if flag.item():
+                    overflowed = True
+                    flag.zero_()
+        return overflowed
+    except Exception:
+        if quiet:
+            return False
+        raise
+
+
+def _in_stream(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def defer_key_check(flag: torch.Tensor) -> bool:
@@ -106,7 +141,8 @@ def defer_key_check(flag: torch.Tensor) -> bool:
     flags = getattr(_deferred, "flags", None)
     if flags is None:
         return False
-    flags[id(flag)] = flag
+    stream = torch.cuda.current_stream(flag.device) if flag.is_cuda else None
+    flags[id(flag)] = (flag, stream)
     return True
 
 

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 
 from efla import ops
+from efla.ops import deferred_key_checks
+from efla.ops.validate import defer_key_check
 from efla.distributed import context_parallel, conv_histories, shard, shard_layout
 from efla.layers.modules import ShortConvolution
 
@@ -157,28 +159,44 @@ def _conv_errors(name: str, B: int, T: int, documents, rank: int, world: int) ->
     return dict(zip(["conv_output", "conv_grads"], errors.tolist()))
 
 
+def _flagging_on_rank(rank: int, flagging_rank: int):
+    """``chunk_efla`` as it acts on a GPU whose coefficient pass flagged an overflowing key on one
+    rank: the flag goes to an enclosing ``deferred_key_checks()`` if one takes it, else it raises."""
+    def op(*args, **kwargs):
+        if rank == flagging_rank and not defer_key_check(torch.ones(1, dtype=torch.int32)):
+            raise ValueError("k: a key's squared norm ||k||^2 overflows float32")
+        return ops.chunk_efla(*args, **kwargs)
+    return op
+
+
 def _refusals(rank: int, world: int) -> dict:
-    """Inputs that do not fit the layout are refused on every rank before any exchange."""
+    """Inputs that do not fit the layout are refused on every rank before any exchange (0: refused
+    on every rank; 1: some rank went on)."""
     documents = (0, 7, 31, 40)
     layout = shard_layout(40, world, rank, documents)
     x = _inputs("efla", 1, layout.length + 1, 3, seed=0)
     fitting = _op_args(x, lambda t: t[:, :-1])
     other_offsets = (0, layout.length) if len(layout.local_offsets) > 2 else (0, 1, layout.length)
+    efla = ops.chunk_efla
     cases = {
-        "too many tokens": (_op_args(x), {}),
-        "other offsets": (fitting, {"cu_seqlens": torch.tensor(other_offsets, dtype=torch.int32)}),
-        "other rank": (fitting, {"layout": shard_layout(40, world, (rank + 1) % world, documents)}),
+        "too many tokens": (efla, _op_args(x), {}),
+        "other offsets": (efla, fitting, {"cu_seqlens": torch.tensor(other_offsets, dtype=torch.int32)}),
+        "other rank": (efla, fitting, {"layout": shard_layout(40, world, (rank + 1) % world, documents)}),
         # rank 0's keys overflow float64's ||k||^2: every rank raises (none waits in the exchange)
-        "keys refused on rank 0": ([t * 1e155 if i == 1 and rank == 0 else t for i, t in enumerate(fitting)], {}),
+        "keys refused on rank 0": (efla, [t * 1e155 if i == 1 and rank == 0 else t for i, t in enumerate(fitting)], {}),
+        # ... also where a model reads its layers' flags once per forward: the call itself raises
+        "GPU flag on rank 0 in a model's block": (_flagging_on_rank(rank, 0), fitting, {}),
     }
-    refused = {}
-    for name, (args, kwargs) in cases.items():
+    went_on = torch.zeros(len(cases))
+    for i, (op, args, kwargs) in enumerate(cases.values()):
         try:
-            context_parallel(ops.chunk_efla, *args, **{"layout": layout, **kwargs})
-            refused[name] = 1.0
+            with deferred_key_checks():
+                context_parallel(op, *args, **{"layout": layout, **kwargs})
+            went_on[i] = 1.0
         except ValueError:
-            refused[name] = 0.0
-    return refused
+            pass
+    dist.all_reduce(went_on, op=dist.ReduceOp.MAX)
+    return dict(zip(cases, went_on.tolist()))
 
 
 def compare_all(rank: int, world: int) -> dict:

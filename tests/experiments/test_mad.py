@@ -469,6 +469,22 @@ def test_quick_preset_plan():
     assert {c.epochs for c in R.plan(R.MADOptions(preset="quick", epochs=200))} == {200}
 
 
+def test_settings_narrow_the_plan_to_the_named_ids():
+    wanted = ["M-v1024-l32-n256", "M-v8192-l32-n256"]
+    cfgs = R.plan(R.MADOptions(preset="paper", tasks=["memorization"], settings=wanted))
+    assert sorted({c.setting.id for c in cfgs}) == wanted and len(cfgs) == 2 * 6 * 2  # 3 lr x 2 wd x 2 rules each
+    with pytest.raises(ValueError, match="M-v999-l32-n256 not among the paper preset's settings"):
+        R.plan(R.MADOptions(preset="paper", tasks=["memorization"], settings=["M-v999-l32-n256"]))
+
+
+def test_cli_refuses_an_unknown_setting_before_writing(tmp_path, capsys):
+    out = tmp_path / "never"
+    assert main(["mad", "--preset", "paper", "--tasks", "M", "--settings", "M-v1024", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("efla mad: settings: M-v1024 not among") and err[0].endswith("(--settings)")
+    assert not out.exists()
+
+
 def test_cli(tmp_path):
     args = build_parser().parse_args(["mad", "--quick", "--out", str(tmp_path)])
     assert args.quick and args.out == str(tmp_path) and args.func.__name__ == "cmd_mad"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from efla.ops import deferred_key_checks
-from efla.ops.validate import defer_key_check
+from efla.ops.validate import defer_key_check, immediate_key_checks
 
 
 def raised_flag():
@@ -42,15 +42,34 @@ def test_nested_blocks_leave_the_check_to_the_outermost():
     assert flag.item() == 0
 
 
-def test_a_failing_block_resets_its_flags_and_keeps_its_own_error():
-    flag = raised_flag()
+def test_a_block_failing_without_a_raised_flag_keeps_its_own_error():
     with pytest.raises(KeyError, match="its own"):
         with deferred_key_checks():
-            defer_key_check(flag)
+            defer_key_check(torch.zeros(1, dtype=torch.int32))
             raise KeyError("its own")
-    assert flag.item() == 0  # no stale flag to fail a later, innocent call
+
+
+def test_a_block_failing_after_an_overflow_names_the_overflow_as_the_root():
+    # the NaN of an overflowing key can make a later layer fail first: the key error is raised,
+    # with that failure as its cause, and the flag is reset for later calls
+    flag = raised_flag()
+    with pytest.raises(ValueError, match="overflows float32") as caught:
+        with deferred_key_checks():
+            defer_key_check(flag)
+            raise ValueError("hidden_states: contains 5 non-finite value(s) (NaN or Inf)")
+    assert "non-finite" in str(caught.value.__cause__)
+    assert flag.item() == 0
     with deferred_key_checks():
         pass
+
+
+def test_immediate_checks_inside_a_block_leave_the_flag_to_the_call():
+    flag = raised_flag()
+    with deferred_key_checks():
+        with immediate_key_checks():
+            assert defer_key_check(flag) is False
+        assert defer_key_check(torch.zeros(1, dtype=torch.int32))  # deferral resumes after it
+    assert flag.item() == 1  # never handed over, so never read or reset by the block
 
 
 def test_flags_are_per_thread():

@@ -79,12 +79,26 @@ class MADOptions:
     device: str = "cpu"
     time_limit: float | None = None  # seconds per run
     train: bool = True  # False: only aggregate the stored runs
+    settings: list | None = None  # only these setting ids (e.g. "M-v1024-l32-n256"); None: all of the preset's
 
 
 def settings_for(preset: Preset, task: str) -> list[MADSetting]:
     if preset.tiny:
         return [_TINY[task]]
     return benchmark_settings(task) if preset.all_settings else [baseline_setting(task)]
+
+
+def chosen_settings(opts: MADOptions) -> list[MADSetting]:
+    """The preset's settings of ``opts.tasks``, narrowed to ``opts.settings`` when given."""
+    every = [s for task in opts.tasks for s in settings_for(PRESETS[opts.preset], task)]
+    if opts.settings is None:
+        return every
+    known = {s.id for s in every}
+    unknown = [sid for sid in opts.settings if sid not in known]
+    if unknown:
+        raise ValueError(f"settings: {', '.join(unknown)} not among the {opts.preset} preset's settings of these "
+                         f"tasks ({', '.join(sorted(known))})")
+    return [s for s in every if s.id in opts.settings]
 
 
 def _epochs_for(setting: MADSetting, epochs: int, max_steps: int | None, batch_size: int) -> int:
@@ -112,15 +126,14 @@ def plan(opts: MADOptions) -> list[RunConfig]:
     epochs = opts.epochs or p.epochs
     max_steps = opts.max_steps if opts.max_steps is not None else (None if opts.epochs else p.max_steps)
     runs = []
-    for task in opts.tasks:
-        for s in settings_for(p, task):
-            e = _epochs_for(s, epochs, max_steps, bs)
-            for lr in lrs:
-                for wd in wds:
-                    for rule in opts.rules:
-                        runs.append(RunConfig(setting=s, rule=rule, lr=lr, weight_decay=wd, epochs=e, batch_size=bs,
-                                              width=width, num_heads=opts.num_heads, blocks=opts.blocks,
-                                              seed=opts.seed, precision=opts.precision))
+    for s in chosen_settings(opts):
+        e = _epochs_for(s, epochs, max_steps, bs)
+        for lr in lrs:
+            for wd in wds:
+                for rule in opts.rules:
+                    runs.append(RunConfig(setting=s, rule=rule, lr=lr, weight_decay=wd, epochs=e, batch_size=bs,
+                                          width=width, num_heads=opts.num_heads, blocks=opts.blocks,
+                                          seed=opts.seed, precision=opts.precision))
     return runs
 
 
