@@ -78,7 +78,8 @@ _DOC = """{title}
             ``||k||^2`` overflows the compute dtype, or finite inputs whose result overflows it
             (value checks are skipped inside ``torch.compile``d code). On a GPU, keys whose
             ``||k||^2`` overflows float32 are refused whatever ``EFLA_CHECK_VALUES`` says (one
-            device sync per call), except by the exact rules' scan without autograd, which
+            device sync per call; inside ``deferred_key_checks()`` the exact rules' chunk ops
+            leave it to the block's end), except by the exact rules' scan without autograd, which
             computes them exactly; the check is skipped where a sync is not allowed (CUDA-graph
             capture and replay; compiled code, apart from the exact rules' chunk ops).
 
