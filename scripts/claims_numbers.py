@@ -6,6 +6,8 @@ Robustness (the first record and the equal-lr ones): per run, the accuracy avera
 perturbation's levels; then mean, sample standard deviation over seeds, and the EFLA - DeltaNet gap
 in units of its standard error. LR sweep: per lr and rule, mean ± sample std over seeds. LM: the bits per
 byte of each seed's model on WikiText-2 test and its final validation loss, CPU and H200 runs.
+MAD memorization at the protocol's settings: per vocabulary size the best (lr, wd) cell of each rule
+where its grid is complete, and every cell with the device that ran it.
 """
 
 from __future__ import annotations
@@ -87,6 +89,23 @@ def _lm_table(title: str, paths: list) -> None:
         print(f"{line} (n = {len(records)})")
 
 
+def mad_memorization() -> None:
+    runs = [json.loads(p.read_text()) for p in (RESULTS / "mad" / "memorization-protocol" / "runs").glob("*.json")]
+    by_setting = defaultdict(dict)
+    for run in runs:
+        by_setting[run["setting"]][run["rule"], run["lr"], run["weight_decay"]] = run
+    for setting, cells in sorted(by_setting.items(), key=lambda kv: int(kv[0].split("-v")[1].split("-")[0])):
+        for (rule, lr, wd), run in sorted(cells.items()):
+            print(f"mad {setting} {rule:5s} lr {lr:<6g} wd {wd:<3g} accuracy {100 * run['test_acc']:5.1f} "
+                  f"(best epoch {run['best_epoch']}, {run['device']})")
+        for rule in ("exact", "euler"):
+            own = [run for (r, _, _), run in cells.items() if r == rule]
+            best = max(own, key=lambda run: run["test_acc"]) if len(own) == 6 else None
+            print(f"mad {setting} {rule:5s} best cell: "
+                  + (f"{100 * best['test_acc']:.1f} (lr {best['lr']:g}, wd {best['weight_decay']:g})" if best
+                     else f"grid not complete ({len(own)} of 6)"))
+
+
 def _find(record, key):
     """The first value stored under ``key`` anywhere in a nested record."""
     if isinstance(record, dict):
@@ -103,3 +122,4 @@ if __name__ == "__main__":
     robustness()
     lr_sweep()
     language_model()
+    mad_memorization()
