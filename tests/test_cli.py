@@ -194,15 +194,16 @@ def test_current_load_falls_back_to_the_load_average(monkeypatch):
 
 def test_demo_estimates_the_time_left_from_finished_parts():
     import efla.experiments.demo as demo
-    from efla.experiments.demo import PART_SHARE, remaining_seconds
+    from efla.experiments.demo import PART_SHARE, projected_rest
 
     assert sum(PART_SHARE.values()) == pytest.approx(1.0)
-    # a pure function of the parts finished and an elapsed time given here: no clock is read
+    # a pure function of the parts finished and an elapsed span given here: no clock is read
     done = {"one_step": [], "robustness": {}}
     share = PART_SHARE["one_step"] + PART_SHARE["robustness"]
-    assert remaining_seconds(done, 46.0) == pytest.approx(46.0 * (1 - share) / share)
-    assert remaining_seconds(dict(done, mad={}, cpu_timings=[]), 80.0) == pytest.approx(0.0, abs=1e-9)
-    assert remaining_seconds({"one_step": []}, 0.2) == pytest.approx(demo.MEASURED_SECONDS * (1 - PART_SHARE["one_step"]))
+    measured = demo.MEASURED_SECONDS
+    assert projected_rest(done, 46.0) == pytest.approx(46.0 * (1 - share) / share)
+    assert projected_rest(dict(done, mad={}, cpu_timings=[]), 80.0) == pytest.approx(0.0, abs=1e-9)
+    assert projected_rest({"one_step": []}, 0.2) == pytest.approx(measured * (1 - PART_SHARE["one_step"]))
 
 
 def test_demo_states_one_measured_time_in_readme_help_and_banner(tmp_path, capsys, monkeypatch):

@@ -59,7 +59,7 @@ def threads_for_load(cpus: int, load: float) -> int:
     return max(1, min(cpus, cpus - int(round(load))))
 
 
-def remaining_seconds(res: dict, elapsed: float) -> float:
+def projected_rest(res: dict, elapsed: float) -> float:
     """Estimated seconds left: from the time the finished parts took and their share of the whole, or
     from the measured time while too little is finished to go by."""
     done = sum(share for part, share in PART_SHARE.items() if part in res)
@@ -106,7 +106,7 @@ def run_demo(quick: bool = False, progress_factory=None, log=lambda msg: None, e
 
     def finished(part: str) -> None:
         res["seconds"] = time.perf_counter() - t0
-        left = remaining_seconds(res, res["seconds"])
+        left = projected_rest(res, res["seconds"])
         log(f"{PART_TITLE[part]} done at {res['seconds']:.0f} s" + (f"; about {left:.0f} s left" if left >= 1 else ""))
         on_part_done(res)
 
