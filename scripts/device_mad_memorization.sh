@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One H200 call for MAD's memorization task at the protocol's settings (vocabularies 256 ... 8192,
 # the paper preset's 3 lr x 2 wd grid, 200 epochs): 72 runs, one process per run, JOBS at a
-# time on the GPU (the model is tiny), the whole call (warm-up included) under DEADLINE seconds; then the report over what
-# finished. Finished runs are stored in the output folder and never repeated, so a call resumes
+# time on the GPU (the model is tiny), the whole call (warm-up included) under DEADLINE seconds;
+# then the report over what finished. Finished runs are stored in the output folder and never repeated, so a call resumes
 # where the last one stopped when its output comes back as the folder carried next time (a run cut
 # short also keeps its state in partial/, but at 5-30 MB a run those files stay on the machine:
 # a call returns at most 16 MiB a file, so the archive leaves them out):
