@@ -92,6 +92,7 @@ def _lm_table(title: str, paths: list) -> None:
 def mad_memorization() -> None:
     runs = [json.loads(p.read_text()) for p in (RESULTS / "mad" / "memorization-protocol" / "runs").glob("*.json")]
     by_setting = defaultdict(dict)
+    best_per_setting = defaultdict(list)
     for run in runs:
         by_setting[run["setting"]][run["rule"], run["lr"], run["weight_decay"]] = run
     for setting, cells in sorted(by_setting.items(), key=lambda kv: int(kv[0].split("-v")[1].split("-")[0])):
@@ -101,9 +102,14 @@ def mad_memorization() -> None:
         for rule in ("exact", "euler"):
             own = [run for (r, _, _), run in cells.items() if r == rule]
             best = max(own, key=lambda run: run["test_acc"]) if len(own) == 6 else None
+            if best:
+                best_per_setting[rule].append(best["test_acc"])
             print(f"mad {setting} {rule:5s} best cell: "
                   + (f"{100 * best['test_acc']:.1f} (lr {best['lr']:g}, wd {best['weight_decay']:g})" if best
                      else f"grid not complete ({len(own)} of 6)"))
+    for rule, bests in best_per_setting.items():
+        score = f"{100 * statistics.mean(bests):.1f}" if len(bests) == len(by_setting) else "not complete"
+        print(f"mad memorization {rule:5s} task score (mean of the per-setting best cells): {score}")
 
 
 def _find(record, key):
