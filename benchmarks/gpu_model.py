@@ -59,6 +59,7 @@ NO_OUTPUT_GATE = "-no-output-gate"  # e.g. gated-efla-no-output-gate: the gated 
 FUSED_PROJECTIONS = "+fusedproj"  # e.g. gated-efla+fusedproj: the layers' input projections as one product
 SEPARATE_PROJECTIONS = "+separateproj"  # e.g. efla+separateproj: one product per projection
 NO_KEY_CHECK = "+nokeycheck"  # e.g. efla+nokeycheck: EFLA_CHECK_KEYS=0 during its steps (no sync per layer call)
+GATES_IN_LAYER = "+gates-in-layer"  # gated-efla+gates-in-layer: the layer activates gate and beta, not the op
 LINES: list[str] = []
 
 
@@ -85,6 +86,12 @@ def build_fla(size: str):
 def build(kind: str, size: str):
     if kind.endswith(NO_KEY_CHECK):
         return build(kind.removesuffix(NO_KEY_CHECK), size)
+    if kind.endswith(GATES_IN_LAYER):
+        model, opt = build(kind.removesuffix(GATES_IN_LAYER), size)
+        for layer in model.modules():
+            if hasattr(layer, "_gates_in_op"):
+                layer._gates_in_op = lambda *args, **kwargs: False
+        return model, opt
     torch.manual_seed(0)
     with torch.device("cuda"):  # initialised on the GPU: a 1.3B model's CPU init takes a minute
         if kind == "fla":

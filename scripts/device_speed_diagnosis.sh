@@ -22,6 +22,7 @@
 #            every head size, against the first;
 #   keytests the GPU tests of keys whose ||k||^2 overflows float32 (refused, or exact in the scan);
 #            time what the check's sync costs with MODELS13 / MODELS340 including efla+nokeycheck;
+#   gatetests the GPU tests of raw gates activated inside the Gated EFLA op, and the gated ops' GPU tests;
 #   headdims the GPU head-dim tests (32 to 256, K and V apart) against the float64 reference, first launch
 #            setting of each autotuned kernel (autotuning them all took more than 300 s for 3 of 10 cases).
 # Carry: .whl (fla wheels); optionally .devcache/autotune.tgz (the autotuning results of an earlier
@@ -91,6 +92,9 @@ for phase in $PHASES; do
               -p no:cacheprovider -rfs tests/ops/test_launch_settings.py ;;
     keytests) run_phase keytests 240 env EFLA_TEST_FIRST_CONFIG=1 TRITON_CACHE_DIR=/tmp/triton-cache-tests python3 -m pytest -v \
                 -m gpu -p no:cacheprovider -rfs tests/ops/test_cuda.py -k "overflow" ;;
+    gatetests) run_phase gatetests 240 env EFLA_TEST_FIRST_CONFIG=1 TRITON_CACHE_DIR=/tmp/triton-cache-tests python3 -m pytest \
+                 -v -m gpu -p no:cacheprovider -rfs tests/ops/test_raw_gates.py tests/ops/test_cuda.py \
+                 -k "raw or (matches_reference and gated) or coefficient_gradients or (overflow and gated)" ;;
     headdims) run_phase headdims 300 env EFLA_TEST_FIRST_CONFIG=1 TRITON_CACHE_DIR=/tmp/triton-cache-tests python3 -m pytest -v -m gpu \
                 -p no:cacheprovider -rfs "tests/ops/test_cuda.py::test_gpu_head_dims" ;;
     *) echo "unknown phase $phase" ;;

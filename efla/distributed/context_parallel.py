@@ -433,6 +433,11 @@ def context_parallel_scope(layout: ShardLayout, group=None):
         _active.context = previous
 
 
+def context_parallel_inactive() -> bool:
+    """Whether no :func:`context_parallel_scope` is open (ops run over the whole sequence)."""
+    return current_context() is None
+
+
 def context_parallel_aware(op: Callable) -> Callable:
     """``op`` itself, or inside a :func:`context_parallel_scope` ``op`` run over the scope's part."""
     context = current_context()

@@ -17,7 +17,11 @@ import torch.nn.functional as F
 
 from efla.ops import chunk_gated_delta_rule, chunk_gated_efla, recurrent_gated_delta_rule, recurrent_gated_efla
 
-from efla.distributed.context_parallel import context_parallel_aware, context_parallel_conv_states
+from efla.distributed.context_parallel import (
+    context_parallel_aware,
+    context_parallel_conv_states,
+    context_parallel_inactive,
+)
 
 from ._common import (
     check_hidden_states,
@@ -194,9 +198,10 @@ class GatedEFLA(nn.Module):
         q, k = per_value_head(l2_normalize(q), self.num_v_heads), per_value_head(k, self.num_v_heads)
         return q, k, v, g, beta, conv_state, mask
 
-    def _recurrence_inputs(self, hidden_states, attention_mask, last_state, use_cache, cu_seqlens):
+    def _recurrence_inputs(self, hidden_states, attention_mask, last_state, use_cache, cu_seqlens, raw_gates=False):
         # q (and the Euler rule's k) before their L2 normalisation, which the op fuses into its kernels;
-        # last, the output gate's projection
+        # last, the output gate's projection. ``raw_gates``: g and beta as the projections left them,
+        # for the op to activate (no padding mask then: a masked step needs the gate g = 0 itself)
         B, T = hidden_states.shape[:2]
         mask = padding_mask(attention_mask, B, T, cu_seqlens)
         q, k, v, a, b, gate = self.input_projections(hidden_states)
@@ -216,6 +221,8 @@ class GatedEFLA(nn.Module):
         q = q.view(B, T, self.num_heads, self.head_k_dim)
         k = k.view(B, T, self.num_heads, self.head_k_dim)
         v = v.view(B, T, self.num_v_heads, self.head_v_dim)
+        if raw_gates and mask is None:
+            return q, k, v, a, b.to(q.dtype), conv_state, mask, gate
         beta = b.sigmoid()
         if self.allow_neg_eigval:
             beta = beta * 2.0
@@ -225,6 +232,17 @@ class GatedEFLA(nn.Module):
             k, v = k * mask[..., None], v * mask[..., None]
             g = g * mask
         return q, k, v, g, beta, conv_state, mask, gate
+
+    def _gates_in_op(self, hidden_states, attention_mask, recurrent: bool) -> bool:
+        """Whether the op activates the gate and beta (the Gated EFLA chunk kernels do it in their
+        coefficient pass on the GPU): training and prefill on CUDA without padding, statistics or
+        context parallelism; everything else activates them here, as before."""
+        return (self.update_rule == "exact" and not recurrent and hidden_states.is_cuda and attention_mask is None
+                and not self.record_stats and context_parallel_inactive())
+
+    def _gate_kwargs(self) -> dict:
+        return dict(use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True,
+                    allow_neg_eigval=self.allow_neg_eigval)
 
     def _op(self, recurrent: bool):
         if self.update_rule == "exact":
@@ -248,14 +266,16 @@ class GatedEFLA(nn.Module):
         last_state = get_layer_state(past_key_values, self.layer_idx)
         use_cache = bool(use_cache) and past_key_values is not None
 
-        q, k, v, g, beta, conv_state, mask, gate = self._recurrence_inputs(hidden_states, attention_mask, last_state,
-                                                                           use_cache, cu_seqlens)
         recurrent = self.mode == "recurrent" or (T == 1 and cu_seqlens is None)
+        raw_gates = self._gates_in_op(hidden_states, attention_mask, recurrent)
+        q, k, v, g, beta, conv_state, mask, gate = self._recurrence_inputs(hidden_states, attention_mask, last_state,
+                                                                           use_cache, cu_seqlens, raw_gates)
         initial_state = last_state.get("recurrent_state") if last_state is not None else None
         euler = self.update_rule == "euler"
         op = context_parallel_aware(self._op(recurrent))
+        gate_kwargs = self._gate_kwargs() if raw_gates else {}
         o, state = op(q, k, v, g, beta, initial_state=initial_state, output_final_state=use_cache,
-                      cu_seqlens=cu_seqlens, use_q_l2norm_in_kernel=True, use_qk_l2norm_in_kernel=euler)
+                      cu_seqlens=cu_seqlens, use_q_l2norm_in_kernel=True, use_qk_l2norm_in_kernel=euler, **gate_kwargs)
         if self.record_stats:
             k_seen = per_value_head(l2_normalize(k) if euler else k, self.num_v_heads)
             self.stats = stiffness_stats(k_seen, beta, g, self.update_rule)

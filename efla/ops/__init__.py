@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from .api import run as _run
 from .coefficients import efla_coefficient, gated_efla_coefficients
+from .gates import raw_gates
 from .normalize import l2_normalize
 from .validate import deferred_key_checks
 from ..variants import Variant
@@ -65,7 +66,7 @@ _DOC = """{title}
         use_q_l2norm_in_kernel: L2-normalise ``q`` inside the op (EFLA's layers: unit queries,
             raw keys); on the GPU it is fused into the kernels' prologue and backward.
         use_qk_l2norm_in_kernel: L2-normalise ``q`` and ``k`` inside the op (DeltaNet's layers;
-            flash-linear-attention's keyword).
+            flash-linear-attention's keyword).{gkw}
 
     Returns:
         ``(o, final_state)``: ``o`` is ``[B, T, HV, V]`` in the input dtype; ``final_state``
@@ -95,6 +96,17 @@ _DOC = """{title}
     """
 
 
+_GATE_KEYWORDS = """
+        use_gate_in_kernel: ``g`` is the decay's raw input ``a`` and the op forms
+            ``g = -exp(A_log) * softplus(a + dt_bias)`` (flash-linear-attention's keyword; Gated
+            DeltaNet's gate). On the GPU the Gated EFLA chunk op does it inside its coefficient
+            pass, forward and backward; elsewhere PyTorch does it first.
+        A_log: ``[HV]``, required with ``use_gate_in_kernel`` (gradients flow to it).
+        dt_bias: ``[HV]`` or ``None``, used with ``use_gate_in_kernel``.
+        use_beta_sigmoid_in_kernel: ``beta`` is a logit and the step is ``sigmoid(beta)``.
+        allow_neg_eigval: with ``use_beta_sigmoid_in_kernel``, the step is ``2 * sigmoid(beta)``."""
+
+
 def _make(rule: str, mode: str, title: str):
     variant = Variant.parse(rule)
     gated, exact = variant.gated, variant.exact
@@ -102,11 +114,13 @@ def _make(rule: str, mode: str, title: str):
 
     if gated:
         def op(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-               use_q_l2norm_in_kernel=False, use_qk_l2norm_in_kernel=False):
+               use_q_l2norm_in_kernel=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
+               dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False):
+            gates = raw_gates(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
             return _run(rule, mode, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                         output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                         q_l2norm=bool(use_q_l2norm_in_kernel or use_qk_l2norm_in_kernel),
-                        k_l2norm=bool(use_qk_l2norm_in_kernel))
+                        k_l2norm=bool(use_qk_l2norm_in_kernel), gates=gates)
     else:
         def op(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                use_q_l2norm_in_kernel=False, use_qk_l2norm_in_kernel=False):
@@ -124,6 +138,7 @@ def _make(rule: str, mode: str, title: str):
         bnote=" (the exact coefficient is computed inside)" if exact else " (used directly)",
         gex="\n        >>> g = -torch.rand(B, T, H)" if gated else "",
         gargs="g, " if gated else "",
+        gkw=_GATE_KEYWORDS if gated else "",
     )
     return op
 

@@ -6,6 +6,7 @@ import torch
 
 from .chunk import chunk_generic
 from .coefficients import coefficients
+from .gates import RawGates, activate, check_gate_parameters
 from .normalize import l2_normalize
 from .recurrent import recurrent_generic
 from .validate import check_key_energy, check_result, compute_dtype, key_checks_enabled, validate, values_checked
@@ -60,28 +61,53 @@ def expand_query_key_heads(q: torch.Tensor, k: torch.Tensor, groups: int) -> tup
 
 
 def run(rule, mode, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, q_l2norm=False,
-        k_l2norm=False):
+        k_l2norm=False, gates: RawGates | None = None):
     gated = Variant.parse(rule).gated
     g = g if gated else None
+    if gates is not None and not _gates_in_kernel(rule, mode, q):
+        g, beta = _activated(q, g, beta, gates)
+        gates = None
     dims = validate(q, k, v, beta, g, initial_state=initial_state, cu_seqlens=cu_seqlens, scale=scale, gated=gated)
+    if gates is not None:
+        check_gate_parameters(gates, dims.HV, q.device)
     scale = float(dims.K ** -0.5) if scale is None else float(scale)
     norms = (q_l2norm, k_l2norm)
     q, k = expand_query_key_heads(q, k, dims.groups)
-    o, final = _compute(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms)
+    o, final = _compute(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms,
+                        gates)
     if values_checked(q):
         check_result(o, final, q, k, v, beta, initial_state)
     return o, final
 
 
-def _compute(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms):
+def _gates_in_kernel(rule, mode, q) -> bool:
+    """Whether raw gates may reach the GPU backend (the Gated EFLA chunk kernels take them; value
+    checks and compiled code see the activated values)."""
+    return (rule == "gated_efla" and mode == "chunk" and isinstance(q, torch.Tensor) and q.is_cuda
+            and not values_checked(q) and not torch.compiler.is_compiling())
+
+
+def _activated(q, g, beta, gates):
+    """``activate`` after the checks that its arithmetic needs (tensors, devices)."""
+    if not isinstance(g, torch.Tensor) or not isinstance(beta, torch.Tensor):
+        raise ValueError("g, beta: expected torch.Tensors of shape [B, T, HV]")
+    if gates.gate_in_kernel:
+        check_gate_parameters(gates, g.shape[-1], g.device)
+    return activate(g, beta, gates)
+
+
+def _compute(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms,
+             gates=None):
     q_l2norm, k_l2norm = norms
     if q.is_cuda:
         backend = _cuda()
         if backend is not None:
             out = backend.dispatch(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                   q_l2norm=q_l2norm, k_l2norm=k_l2norm)
+                                   q_l2norm=q_l2norm, k_l2norm=k_l2norm, gates=gates)
             if out is not None:
                 return out
+    g, beta = activate(g, beta, gates)
+    if q.is_cuda:
         if not (values_checked(k) or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
                 or not key_checks_enabled()):
             # the PyTorch engines form k k^T in float32 like the CPU, which always checks this

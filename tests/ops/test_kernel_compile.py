@@ -12,7 +12,11 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton not installed (GPU extra; CI does not install it)")
 
 COEF_TYPES = {"k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*fp32", "erase": "*bf16", "gl": "*fp32",
-              "vout": "*bf16", "overflow": "*i32", "R": "i32"}
+              "vout": "*bf16", "overflow": "*i32", "R": "i32", "H": "i32"}
+RAW_GATE_TYPES = {"g": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32"}
+COEF_BWD_TYPES = {"k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32",
+                  "derase": "*bf16", "dgl": "*fp32", "dvin": "*bf16", "dk": "*bf16", "dk_more": "*bf16",
+                  "dbeta": "*bf16", "dg": "*bf16", "dv": "*bf16", "dgate": "*fp32", "R": "i32", "H": "i32"}
 RECURRENT_TYPES = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*fp32", "h0": "*fp32",
                    "ht": "*fp32", "o": "*bf16", "cu_seqlens": "*i64", "scale": "fp32", "T": "i32"}
 
@@ -40,8 +44,23 @@ def test_coefficient_forward_compiles_for_sm90(gated, flag):
     from efla.ops.cuda import kernels as kn
 
     compiled = _compile_sm90(kn.coef_fwd_kernel, COEF_TYPES, dict(K=128, V=128, BK=128, BV=128, BR=32, GATED=gated,
-                                                                   G_MIN=kn.G_FLOOR, FLAG=flag))
+                                                                   G_MIN=kn.G_FLOOR, FLAG=flag, A_log=None,
+                                                                   dt_bias=None, GATE_ACT=False, HAS_DT_BIAS=False,
+                                                                   BETA_SCALE=0.0))
     assert ("atom" in compiled.asm["ptx"]) == flag  # the overflow flag is one atomic per program
+
+
+@pytest.mark.parametrize("dt_bias", [False, True])
+@pytest.mark.parametrize("beta_scale", [0.0, 1.0, 2.0])
+def test_coefficient_kernels_with_raw_gates_compile_for_sm90(dt_bias, beta_scale):
+    from efla.ops.cuda import kernels as kn
+
+    raw = dict(GATE_ACT=True, HAS_DT_BIAS=dt_bias, BETA_SCALE=beta_scale, **({} if dt_bias else dict(dt_bias=None)))
+    fwd = _compile_sm90(kn.coef_fwd_kernel, {**COEF_TYPES, **RAW_GATE_TYPES},
+                        dict(K=128, V=128, BK=128, BV=128, BR=32, GATED=True, G_MIN=kn.G_FLOOR, FLAG=True, **raw))
+    bwd = _compile_sm90(kn.coef_bwd_kernel.fn, COEF_BWD_TYPES,
+                        dict(K=128, V=128, BR=64, BC=8, GATED=True, G_MIN=kn.G_FLOOR, HAS_DK_MORE=True, **raw))
+    assert len(fwd.asm["cubin"]) > 0 and len(bwd.asm["cubin"]) > 0
 
 
 @pytest.mark.parametrize("exact", [False, True])

@@ -34,6 +34,8 @@ import warnings
 
 import torch
 
+from ..gates import activate
+
 __all__ = ["dispatch", "fla_available"]
 
 KINDS = ("efla", "gated_efla", "delta_rule", "gated_delta_rule")
@@ -100,9 +102,10 @@ def _needs_grad(*xs) -> bool:
 
 
 def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, q_l2norm=False,
-             k_l2norm=False):
+             k_l2norm=False, gates=None):
     """Run ``kind`` (efla | gated_efla | delta_rule | gated_delta_rule) in ``mode`` (chunk |
-    recurrent) on the GPU; ``None`` means "not handled here, use the PyTorch path".
+    recurrent) on the GPU; ``None`` means "not handled here, use the PyTorch path". ``gates``: raw
+    gate inputs (``efla.ops.gates``), taken by the Gated EFLA chunk kernels.
 
     Every tensor has the same number of heads: with grouped values the public ops have already
     repeated q and k to one head per value head."""
@@ -135,6 +138,9 @@ def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_st
     if k_l2norm or kind in ("delta_rule", "gated_delta_rule"):
         _refuse_overflowing_raw_keys(k)
 
+    if gates is not None and (kind != "gated_efla" or mode != "chunk"):
+        g, beta = activate(g, beta, gates)
+        gates = None
     if mode == "recurrent" and not _needs_grad(q, k, v, beta, g, h0):
         from ..normalize import l2_normalize
         from .recurrent import recurrent_forward
@@ -150,6 +156,6 @@ def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_st
     if kind == "gated_efla" and dt == torch.float16:
         # v * (w / c) grows like 1 / exp(g); bf16 has the range for it, fp16 may not.
         o, ht = chunk_forward(kind, q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16),
-                              g, beta, scale, h0, output_final_state, cu, q_l2norm, k_l2norm)
+                              g, beta, scale, h0, output_final_state, cu, q_l2norm, k_l2norm, gates)
         return o.to(dt), ht
-    return chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu, q_l2norm, k_l2norm)
+    return chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu, q_l2norm, k_l2norm, gates)

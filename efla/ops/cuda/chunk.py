@@ -23,6 +23,7 @@ import torch
 import triton
 
 from . import kernels as kn
+from ..gates import RawGates
 from ..validate import defer_key_check, key_checks_enabled, key_energy_error
 
 CHUNK = 64
@@ -76,10 +77,20 @@ def _rows_cfg(K, V):
     return BK, BV, BR, (4 if width <= 128 else 8)
 
 
-def coef_fwd(k, beta, g=None, v=None, launch=None, overflow=None):
+def _gate_launch_args(gates) -> tuple[tuple, dict]:
+    """The coefficient kernels' ``(A_log, dt_bias)`` and constants for raw gates (``efla.ops.gates``)."""
+    if gates is None:
+        return (None, None), {}
+    consts = dict(GATE_ACT=gates.gate_in_kernel, HAS_DT_BIAS=gates.dt_bias is not None,
+                  BETA_SCALE=float(gates.beta_scale or 0.0))
+    return (gates.A_log, gates.dt_bias), consts
+
+
+def coef_fwd(k, beta, g=None, v=None, launch=None, overflow=None, gates=None):
     """EFLA: alpha [B,T,H] f32. Gated: (c f32, gl f32, v' like v). ``launch``: ``(BR, num_warps)``
     instead of the default rows per program and warps (benchmarks compare them). ``overflow``: an
-    int32 tensor of one element, set to 1 when a key's ``||k||^2`` overflows float32."""
+    int32 tensor of one element, set to 1 when a key's ``||k||^2`` overflows float32. ``gates``
+    (gated only): ``g`` and ``beta`` are raw, activated in the kernel."""
     B, T, H, K = k.shape
     R = B * T * H
     V = v.shape[-1] if v is not None else K
@@ -91,16 +102,19 @@ def coef_fwd(k, beta, g=None, v=None, launch=None, overflow=None):
     gated = g is not None
     gl = torch.empty(B, T, H, device=k.device, dtype=torch.float32) if gated else None  # gate cumsum in float32
     vout = torch.empty_like(v) if gated else None
+    gate_params, gate_consts = _gate_launch_args(gates)
     kn.coef_fwd_kernel[(triton.cdiv(R, BR),)](
-        k, v, beta, g, erase, gl, vout, overflow, R,
+        k, v, beta, g, *gate_params, erase, gl, vout, overflow, R, H,
         K=K, V=V, BK=BK, BV=BV, BR=BR, GATED=gated, G_MIN=kn.G_FLOOR, FLAG=overflow is not None, num_warps=nw,
+        **gate_consts,
     )
     return (erase, gl, vout) if gated else erase
 
 
-def coef_bwd(k, beta, derase, dk, g=None, v=None, dgl=None, dvin=None, launch=None, dk_more=None):
+def coef_bwd(k, beta, derase, dk, g=None, v=None, dgl=None, dvin=None, launch=None, dk_more=None, gates=None):
     """Fold coefficient grads (and ``dk_more``, a second part of k's grad) into dk (in place); return
-    dbeta (, dg, dv) in the inputs' dtypes.
+    dbeta (, dg, dv) in the inputs' dtypes; with raw ``gates`` (gated only) the grads are those of the
+    raw inputs, followed by those of ``A_log`` and ``dt_bias`` (``None`` where absent).
     ``launch``: ``(BR, num_warps)`` or ``(BR, num_warps, BC)`` (rows per program, warps, columns per
     block; whole rows by default) instead of the autotuned setting (benchmarks compare them)."""
     B, T, H, K = k.shape
@@ -110,14 +124,31 @@ def coef_bwd(k, beta, derase, dk, g=None, v=None, dgl=None, dvin=None, launch=No
     dbeta = torch.empty_like(beta)
     dg = torch.empty_like(g) if gated else None
     dv = torch.empty_like(v) if gated else None
-    args = (k, v, beta, g, derase, dgl, dvin, dk, dk_more, dbeta, dg, dv, R)
-    consts = dict(K=K, V=V, GATED=gated, G_MIN=kn.G_FLOOR, HAS_DK_MORE=dk_more is not None)
+    gate_params, gate_consts = _gate_launch_args(gates)
+    dgate = torch.empty(2, R, device=k.device, dtype=torch.float32) if gate_consts.get("GATE_ACT") else None
+    args = (k, v, beta, g, *gate_params, derase, dgl, dvin, dk, dk_more, dbeta, dg, dv, dgate, R, H)
+    consts = dict(K=K, V=V, GATED=gated, G_MIN=kn.G_FLOOR, HAS_DK_MORE=dk_more is not None, **gate_consts)
     if launch is None:
         kn.coef_bwd_kernel[lambda meta: (triton.cdiv(R, meta["BR"]),)](*args, **consts)
     else:
         BR, nw, BC = (*launch, triton.next_power_of_2(max(K, V)))[:3]
         kn.coef_bwd_kernel.fn[(triton.cdiv(R, BR),)](*args, **consts, BR=BR, BC=BC, num_warps=nw)
-    return (dbeta, dg, dv) if gated else dbeta
+    if not gated:
+        return dbeta
+    if gates is None:
+        return dbeta, dg, dv
+    return (dbeta, dg, dv, *gate_parameter_grads(dgate, gates, H))
+
+
+def gate_parameter_grads(dgate, gates, heads: int):
+    """Grads of ``A_log`` and ``dt_bias`` from the rows' parts the backward kernel wrote (``None``
+    where the parameter is absent)."""
+    if dgate is None:
+        return None, None
+    sums = dgate.view(2, -1, heads).sum(1)
+    d_A_log = sums[0].to(gates.A_log.dtype)
+    d_dt_bias = sums[1].to(gates.dt_bias.dtype) if gates.dt_bias is not None else None
+    return d_A_log, d_dt_bias
 
 
 def gated_dqkwg(q, k, v_new, g, h, do, dh, dv, scale, cu_seqlens, chunk_indices, launch=None):
@@ -235,14 +266,15 @@ def delta_bwd(q, q_rstd, k, k_rstd, v, beta, alpha, A, h0, cu_seqlens, do, dht, 
     return dq, dk, dv, dbeta, dh0
 
 
-def gated_fwd(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact, q_l2norm, k_l2norm):
+def gated_fwd(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact, q_l2norm, k_l2norm, gates=None):
     """Gated EFLA (``exact``) or Gated DeltaNet chunk forward. Returns
     ``(o, ht, A, gcum, c, vp, q, q_rstd, k, k_rstd)``: ``gcum`` the chunk-local gate cumsum, ``c``
-    the erase (``beta`` for Gated DeltaNet), ``vp`` the rescaled value (``v`` for Gated DeltaNet)."""
+    the erase (``beta`` for Gated DeltaNet), ``vp`` the rescaled value (``v`` for Gated DeltaNet).
+    ``gates``: raw ``g`` and ``beta`` (Gated EFLA only), activated in the coefficient pass."""
     q, q_rstd, k, k_rstd = l2norm_inputs(q, k, q_l2norm, k_l2norm)
     if exact:
         overflow = overflow_flag(k)
-        c, gl, vp = coef_fwd(k, beta, g=g, v=v, overflow=overflow)
+        c, gl, vp = coef_fwd(k, beta, g=g, v=v, overflow=overflow, gates=gates)
         refuse_overflowing_keys(overflow, k)
     else:
         c, gl, vp = beta, g.float(), v
@@ -253,8 +285,9 @@ def gated_fwd(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact
     return o, ht, A, gcum, c, vp, q, q_rstd, k, k_rstd
 
 
-def gated_bwd(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens, do, dht, scale, exact):
-    """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` of ``gated_fwd``."""
+def gated_bwd(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens, do, dht, scale, exact, gates=None):
+    """Gradients ``(dq, dk, dv, dg, dbeta, dh0)`` of ``gated_fwd``, then, with ``gates``, those of
+    ``A_log`` and ``dt_bias``."""
     cu, ci = cu_seqlens, chunk_indices(cu_seqlens)
     do = do.contiguous()
     dht = dht.contiguous() if dht is not None else None
@@ -275,14 +308,15 @@ def gated_bwd(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens, 
     )
     dgc.add_(dg2)
     dgl = F["chunk_local_cumsum"](dgc, chunk_size=CHUNK, reverse=True, cu_seqlens=cu, chunk_indices=ci)
+    d_gate_params = ()
     if exact:  # the coefficient pass reads and writes dk anyway: dk2 joins it there
-        dbeta, dg, dv_out = coef_bwd(k, beta, dc.contiguous(), dk, g=g, v=v,
-                                     dgl=dgl.contiguous(), dvin=dvp.contiguous(), dk_more=dk2.contiguous())
+        dbeta, dg, dv_out, *d_gate_params = coef_bwd(k, beta, dc.contiguous(), dk, g=g, v=v, dgl=dgl.contiguous(),
+                                                     dvin=dvp.contiguous(), dk_more=dk2.contiguous(), gates=gates)
     else:
         dk.add_(dk2)
         dbeta, dg, dv_out = dc.to(beta.dtype), dgl.to(g.dtype), dvp
     dq, dk = l2norm_grads(q, q_rstd, dq, k, k_rstd, dk)
-    return dq, dk, dv_out, dg, dbeta, dh0
+    return (dq, dk, dv_out, dg, dbeta, dh0, *d_gate_params)
 
 
 # ------------------------------------------------------------------ autograd Functions (eager)
@@ -304,27 +338,40 @@ class ChunkEFLA(torch.autograd.Function):
 
 
 class ChunkGated(torch.autograd.Function):
-    """Gated chunk op: ``exact`` = Gated EFLA, else Gated DeltaNet (Euler), with our backward."""
+    """Gated chunk op: ``exact`` = Gated EFLA, else Gated DeltaNet (Euler), with our backward.
+    ``A_log``, ``dt_bias``, ``beta_scale``: raw gates (``efla.ops.gates.RawGates``), Gated EFLA only."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact, q_l2norm, k_l2norm):
+    def forward(ctx, q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact, q_l2norm, k_l2norm,
+                A_log=None, dt_bias=None, beta_scale=None):
+        gates = _raw_gates(A_log, dt_bias, beta_scale)
         o, ht, A, gcum, c, vp, q, q_rstd, k, k_rstd = gated_fwd(q, k, v, g, beta, h0, scale, output_final_state,
-                                                                cu_seqlens, exact, q_l2norm, k_l2norm)
-        ctx.save_for_backward(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0)
-        ctx.scale, ctx.cu, ctx.exact = scale, cu_seqlens, exact
+                                                                cu_seqlens, exact, q_l2norm, k_l2norm, gates)
+        ctx.save_for_backward(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, A_log, dt_bias)
+        ctx.scale, ctx.cu, ctx.exact, ctx.beta_scale = scale, cu_seqlens, exact, beta_scale
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0 = ctx.saved_tensors
-        dq, dk, dv, dg, dbeta, dh0 = gated_bwd(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, ctx.cu, do, dht,
-                                               ctx.scale, ctx.exact)
+        q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, A_log, dt_bias = ctx.saved_tensors
+        gates = _raw_gates(A_log, dt_bias, ctx.beta_scale)
+        dq, dk, dv, dg, dbeta, dh0, *d_gate_params = gated_bwd(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0,
+                                                               ctx.cu, do, dht, ctx.scale, ctx.exact, gates)
+        d_A_log, d_dt_bias = d_gate_params or (None, None)
         return (dq, dk, dv, dg, dbeta, (dh0 if h0 is not None else None),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, d_A_log, d_dt_bias, None)
 
 
-def eager_chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm, k_l2norm):
-    """``(o, final_state or None)`` through the autograd Functions (and fla's DeltaNet as is)."""
+def _raw_gates(A_log, dt_bias, beta_scale):
+    if A_log is None and beta_scale is None:
+        return None
+    return RawGates(A_log, dt_bias, beta_scale)
+
+
+def eager_chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm, k_l2norm,
+                        gates=None):
+    """``(o, final_state or None)`` through the autograd Functions (and fla's DeltaNet as is);
+    ``gates``: raw gate inputs, for ``gated_efla`` only."""
     if kind == "efla":
         o, ht = ChunkEFLA.apply(q, k, v, beta, h0, scale, output_final_state, cu_seqlens, q_l2norm, k_l2norm)
     elif kind == "delta_rule":
@@ -340,6 +387,7 @@ def eager_chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, c
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                  use_qk_l2norm_in_kernel=both)
     else:
+        raw = (gates.A_log, gates.dt_bias, gates.beta_scale) if gates is not None else ()
         o, ht = ChunkGated.apply(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens,
-                                 kind == "gated_efla", q_l2norm, k_l2norm)
+                                 kind == "gated_efla", q_l2norm, k_l2norm, *raw)
     return o, (ht if output_final_state else None)

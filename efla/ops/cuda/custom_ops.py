@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from . import chunk as C
+from ..gates import activate
 
 _T5 = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 _T6 = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -198,9 +199,14 @@ def op_chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_s
     return out[0], (out[1] if output_final_state else None)
 
 
-def chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm=False, k_l2norm=False):
+def chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm=False, k_l2norm=False,
+                  gates=None):
     """Returns (o, final_state or None). Inputs already checked by the dispatcher. Under
-    ``torch.compile`` the custom ops, in eager the autograd Functions (same stages)."""
+    ``torch.compile`` the custom ops (raw ``gates`` activated first), in eager the autograd
+    Functions (same stages; Gated EFLA's take the raw gates)."""
     C.load()
-    run = op_chunk_forward if torch.compiler.is_compiling() else C.eager_chunk_forward
-    return run(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm, k_l2norm)
+    if torch.compiler.is_compiling():
+        g, beta = activate(g, beta, gates)
+        return op_chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm, k_l2norm)
+    return C.eager_chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm, k_l2norm,
+                                 gates)

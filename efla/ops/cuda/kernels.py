@@ -69,6 +69,37 @@ def _expm1(x):
     return tl.where(small, ser, tl.exp(x) - 1.0)
 
 
+@triton.jit
+def _softplus(x):
+    """log(1 + e^x) without overflow, and without losing e^x where it is below float32's epsilon."""
+    e = tl.exp(-tl.abs(x))
+    log1p_e = tl.where(e < 1e-4, e * (1.0 - e * (0.5 - e * (1.0 / 3.0))), tl.log(1.0 + e))
+    return tl.maximum(x, 0.0) + log1p_e
+
+
+@triton.jit
+def _raw_gate_inputs(g, beta, A_log, dt_bias, i_r, m_r, H, GATE_ACT: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                     BETA_SCALE: tl.constexpr):
+    """Rows' ``(g, beta, x, sigmoid(beta logit), exp(A_log))`` in float32 from what the op was given:
+    with ``GATE_ACT`` ``g`` is the raw decay input (``x = g + dt_bias``, log-gate
+    ``-exp(A_log) softplus(x)``), with ``BETA_SCALE > 0`` ``beta`` is a logit (step
+    ``BETA_SCALE * sigmoid``); otherwise they are taken as given (x, sigmoid and exp(A_log) unused)."""
+    b_beta = tl.load(beta + i_r, mask=m_r, other=0.0).to(tl.float32)
+    b_sig = tl.sigmoid(b_beta)
+    if BETA_SCALE > 0:
+        b_beta = BETA_SCALE * b_sig
+    b_g = tl.load(g + i_r, mask=m_r, other=0.0).to(tl.float32)
+    b_x = b_g
+    b_A = tl.zeros_like(b_g)
+    if GATE_ACT:
+        i_h = i_r % H
+        if HAS_DT_BIAS:
+            b_x = b_g + tl.load(dt_bias + i_h, mask=m_r, other=0.0).to(tl.float32)
+        b_A = tl.exp(tl.load(A_log + i_h, mask=m_r, other=0.0).to(tl.float32))
+        b_g = -b_A * _softplus(b_x)
+    return b_g, b_beta, b_x, b_sig, b_A
+
+
 # float64 helpers of the coefficient backward. Its gradients feed d alpha / d beta = exp(-beta
 # lambda), whose condition number is beta * lambda (up to 87 where the value is a normal float32):
 # lambda and beta * lambda formed in float32 alone would cost that factor times 6e-8, so the row
@@ -124,11 +155,13 @@ def _q_step64(x1, delta, q1, dq1, em_neg1, q_eta, dq_eta, em_pos_eta):
 @triton.jit
 def coef_fwd_kernel(
     k, v, beta, g,  # inputs: k [R, K], v [R, V] (gated only), beta [R], g [R] (gated only)
+    A_log, dt_bias,  # [H]: with GATE_ACT, g is the decay's raw input (see _raw_gate_inputs)
     erase, gl, vout,  # outputs: erase [R] f32; gated: gl [R] f32 = expm1(g), vout [R, V]
     overflow,  # FLAG: int32 [1], set to 1 where a key's ||k||^2 overflows float32 (else untouched)
-    R,
+    R, H,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
     GATED: tl.constexpr, G_MIN: tl.constexpr, FLAG: tl.constexpr,
+    GATE_ACT: tl.constexpr = False, HAS_DT_BIAS: tl.constexpr = False, BETA_SCALE: tl.constexpr = 0.0,
 ):
     i_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     m_r = i_r < R
@@ -138,9 +171,9 @@ def coef_fwd_kernel(
     if FLAG:
         n_over = tl.sum((m_r & (lam > FLOAT32_MAX)).to(tl.int32), 0)
         tl.atomic_max(overflow, 1, mask=n_over > 0)
-    b_beta = tl.load(beta + i_r, mask=m_r, other=0.0).to(tl.float32)
     if GATED:
-        b_g = tl.load(g + i_r, mask=m_r, other=0.0).to(tl.float32)
+        b_g, b_beta, _, _, _ = _raw_gate_inputs(g, beta, A_log, dt_bias, i_r, m_r, H, GATE_ACT, HAS_DT_BIAS,
+                                                BETA_SCALE)
         a_c = tl.exp(tl.maximum(b_g, G_MIN))
         rho = a_c * b_beta
         x1 = rho * lam
@@ -156,6 +189,7 @@ def coef_fwd_kernel(
         b_v = tl.load(v + i_r[:, None] * V + o_v[None, :], mask=m_v, other=0.0).to(tl.float32)
         tl.store(vout + i_r[:, None] * V + o_v[None, :], (b_v * r[:, None]).to(vout.dtype.element_ty), mask=m_v)
     else:
+        b_beta = tl.load(beta + i_r, mask=m_r, other=0.0).to(tl.float32)
         tl.store(erase + i_r, b_beta * _phi(b_beta * lam), mask=m_r)
 
 
@@ -181,13 +215,16 @@ COEF_BWD_CONFIGS = [
 @triton.jit(do_not_specialize=["R"])
 def coef_bwd_kernel(
     k, v, beta, g,  # inputs as in the forward
+    A_log, dt_bias,  # as in the forward (GATE_ACT)
     derase, dgl, dvin,  # grads of erase [R] (the erase's dtype), of gl [R] f32 (gated), of vout [R, V] (gated)
     dk,  # [R, K]: grad of k from the chunk kernels; updated in place
     dk_more,  # [R, K]: a second part of that grad, added in the same pass (HAS_DK_MORE)
     dbeta, dg, dv,  # outputs: dbeta [R], dg [R] (gated), dv [R, V] (gated; may alias dvin)
-    R,
+    dgate,  # GATE_ACT: [2, R] f32, each row's part of the grads of A_log (first R) and dt_bias (last R)
+    R, H,
     K: tl.constexpr, V: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
     GATED: tl.constexpr, G_MIN: tl.constexpr, HAS_DK_MORE: tl.constexpr,
+    GATE_ACT: tl.constexpr = False, HAS_DT_BIAS: tl.constexpr = False, BETA_SCALE: tl.constexpr = 0.0,
 ):
     i_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     m_r = i_r < R
@@ -199,13 +236,15 @@ def coef_bwd_kernel(
         lam += tl.sum(b_k * b_k, 1)
     # bf16 <-> float64 conversions go through float32 here: Triton's CPU interpreter, which the tests
     # run this kernel on, turns bf16 results of float64 values into zeros and NaNs
-    b_beta = tl.load(beta + i_r, mask=m_r, other=0.0).to(tl.float32).to(tl.float64)
     b_de = tl.load(derase + i_r, mask=m_r, other=0.0).to(tl.float32).to(tl.float64)
     if GATED:
         # erase c = (1 - e^-x1) / lam (x1 = rho lam, rho = a_c beta); value v' = v r with
         # r = w / c = phi(eta) / (a_c phi(x1)), eta = x1 + delta, delta = -expm1(g). The gradients of
         # log r are differences q(eta) - q(x1) of q = phi'/phi, taken by _q_step64 (no cancellation).
-        b_g = tl.load(g + i_r, mask=m_r, other=0.0).to(tl.float32).to(tl.float64)
+        g32, beta32, b_x, b_sig, b_A = _raw_gate_inputs(g, beta, A_log, dt_bias, i_r, m_r, H, GATE_ACT, HAS_DT_BIAS,
+                                                        BETA_SCALE)
+        b_beta = beta32.to(tl.float64)
+        b_g = g32.to(tl.float64)
         s_g = tl.where(b_g > G_MIN, 1.0, 0.0)  # d a_c / dg = s_g * a_c
         a = tl.exp(b_g)
         a_c = tl.exp(tl.maximum(b_g, G_MIN))
@@ -233,8 +272,16 @@ def coef_bwd_kernel(
         d_g = (b_de * s_g * rho * ex1
                + dr_scale * (s_g * x1 * dq - a * q_eta - s_g)
                + dgl_in * a)
+        if GATE_ACT:  # g = -A softplus(x), A = exp(A_log): dg/dx = -A sigmoid(x), dg/dA_log = g
+            d_x = d_g * (-b_A * tl.sigmoid(b_x)).to(tl.float64)
+            tl.store(dgate + i_r, (d_g * b_g).to(tl.float32), mask=m_r)
+            tl.store(dgate + R + i_r, d_x.to(tl.float32), mask=m_r)
+            d_g = d_x
+        if BETA_SCALE > 0:  # beta = BETA_SCALE sigmoid(logit)
+            d_beta = d_beta * (BETA_SCALE * b_sig * (1.0 - b_sig)).to(tl.float64)
         tl.store(dg + i_r, d_g.to(tl.float32).to(dg.dtype.element_ty), mask=m_r)
     else:
+        b_beta = tl.load(beta + i_r, mask=m_r, other=0.0).to(tl.float32).to(tl.float64)
         # alpha = (1 - e^-x) / lam, x = beta lam: d alpha / d beta = e^-x, d alpha / d lam = beta^2 phi'(x)
         x = b_beta * lam
         d_beta = b_de * tl.exp(-x)
