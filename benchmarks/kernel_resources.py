@@ -34,7 +34,8 @@ DQKWG_SIGNATURE = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "h": 
                    "dh": "*bf16", "dv": "*bf16", "dq": "*bf16", "dk": "*bf16", "dw": "*bf16", "dg": "*fp32",
                    "cu_seqlens": "*i64", "chunk_indices": "*i32", "scale": "fp32", "T": "i32", "TOT": "i32"}
 SIGNATURE = {"k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*fp32", "derase": "*bf16", "dgl": "*fp32",
-             "dvin": "*bf16", "dk": "*bf16", "dk_more": "*bf16", "dbeta": "*bf16", "dg": "*fp32", "dv": "*bf16", "R": "i32"}
+             "dvin": "*bf16", "dk": "*bf16", "dk_more": "*bf16", "dbeta": "*bf16", "dg": "*fp32", "dv": "*bf16", "R": "i32",
+             "H": "i32"}
 
 
 def compile_setting(gated: bool, BR: int, BC: int, num_warps: int, K: int = 128, V: int = 128):
@@ -42,7 +43,8 @@ def compile_setting(gated: bool, BR: int, BC: int, num_warps: int, K: int = 128,
     signature = {name: SIGNATURE.get(name, "constexpr") for name in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if signature[name][0] == "*"}
     # the gated backward adds its second dk part in the same pass
-    constants = dict(K=K, V=V, BR=BR, BC=BC, GATED=gated, G_MIN=kn.G_FLOOR, HAS_DK_MORE=gated)
+    constants = dict(K=K, V=V, BR=BR, BC=BC, GATED=gated, G_MIN=kn.G_FLOOR, HAS_DK_MORE=gated, A_log=None,
+                     dt_bias=None, dgate=None, GATE_ACT=False, HAS_DT_BIAS=False, BETA_SCALE=0.0)
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 

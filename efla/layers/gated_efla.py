@@ -233,12 +233,13 @@ class GatedEFLA(nn.Module):
             g = g * mask
         return q, k, v, g, beta, conv_state, mask, gate
 
-    def _gates_in_op(self, hidden_states, attention_mask, recurrent: bool) -> bool:
+    def _gates_in_op(self, hidden_states, recurrent: bool) -> bool:
         """Whether the op activates the gate and beta (the Gated EFLA chunk kernels do it in their
-        coefficient pass on the GPU): training and prefill on CUDA without padding, statistics or
-        context parallelism; everything else activates them here, as before."""
-        return (self.update_rule == "exact" and not recurrent and hidden_states.is_cuda and attention_mask is None
-                and not self.record_stats and context_parallel_inactive())
+        coefficient pass on the GPU): training and prefill on CUDA without statistics or context
+        parallelism, and without padding (a mask of all ones counts as none); everything else
+        activates them here, as before."""
+        return (self.update_rule == "exact" and not recurrent and hidden_states.is_cuda and not self.record_stats
+                and context_parallel_inactive())
 
     def _gate_kwargs(self) -> dict:
         return dict(use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True,
@@ -267,13 +268,13 @@ class GatedEFLA(nn.Module):
         use_cache = bool(use_cache) and past_key_values is not None
 
         recurrent = self.mode == "recurrent" or (T == 1 and cu_seqlens is None)
-        raw_gates = self._gates_in_op(hidden_states, attention_mask, recurrent)
+        raw_gates = self._gates_in_op(hidden_states, recurrent)
         q, k, v, g, beta, conv_state, mask, gate = self._recurrence_inputs(hidden_states, attention_mask, last_state,
                                                                            use_cache, cu_seqlens, raw_gates)
         initial_state = last_state.get("recurrent_state") if last_state is not None else None
         euler = self.update_rule == "euler"
         op = context_parallel_aware(self._op(recurrent))
-        gate_kwargs = self._gate_kwargs() if raw_gates else {}
+        gate_kwargs = self._gate_kwargs() if raw_gates and mask is None else {}
         o, state = op(q, k, v, g, beta, initial_state=initial_state, output_final_state=use_cache,
                       cu_seqlens=cu_seqlens, use_q_l2norm_in_kernel=True, use_qk_l2norm_in_kernel=euler, **gate_kwargs)
         if self.record_stats:

@@ -88,9 +88,16 @@ def _gates_in_kernel(rule, mode, q) -> bool:
 
 
 def _activated(q, g, beta, gates):
-    """``activate`` after the checks that its arithmetic needs (tensors, devices)."""
-    if not isinstance(g, torch.Tensor) or not isinstance(beta, torch.Tensor):
-        raise ValueError("g, beta: expected torch.Tensors of shape [B, T, HV]")
+    """``activate`` after the checks that its arithmetic needs, which hold the raw ``g`` and ``beta``
+    to the dtypes the kernels would take (as ``validate`` holds the activated ones)."""
+    if not isinstance(q, torch.Tensor):
+        raise ValueError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+    for name, x, also in (("g", g, (torch.float32,)), ("beta", beta, ())):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor of shape [B, T, HV], got {type(x).__name__}")
+        if x.dtype not in (q.dtype, *also):
+            expected = f"{q.dtype} (same as q)" + (" or torch.float32" if also else "")
+            raise ValueError(f"{name}: expected dtype {expected}, got {x.dtype}")
     if gates.gate_in_kernel:
         check_gate_parameters(gates, g.shape[-1], g.device)
     return activate(g, beta, gates)

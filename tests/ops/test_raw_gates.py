@@ -92,12 +92,24 @@ def test_raw_gates_in_float32_match_float64():
     (dict(use_gate_in_kernel=True, A_log=torch.zeros(4)), "A_log: expected shape (3,)"),
     (dict(use_gate_in_kernel=True, A_log=torch.zeros(3), dt_bias=torch.zeros(3, 1)), "dt_bias: expected shape (3,)"),
     (dict(use_gate_in_kernel=True, A_log=[0.0, 0.0, 0.0]), "A_log: expected a floating-point torch.Tensor"),
+    (dict(allow_neg_eigval=True), "allow_neg_eigval: only used with use_beta_sigmoid_in_kernel=True"),
 ])
 def test_gate_keyword_mistakes_are_named(kwargs, message):
     q, k, v, a, b, _, _ = raw_inputs()
     with pytest.raises(ValueError) as e:
         ops.chunk_gated_efla(q, k, v, a, torch.sigmoid(b), **kwargs)
     assert str(e.value).startswith(message), str(e.value)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda a: a.to(torch.int64), "g: expected dtype torch.float64 (same as q) or torch.float32, got torch.int64"),
+    (lambda a: a.half(), "g: expected dtype torch.float64 (same as q) or torch.float32, got torch.float16"),
+])
+def test_raw_gate_dtypes_are_held_to_what_the_kernels_take(bad, message):
+    q, k, v, a, b, A_log, dt_bias = raw_inputs()
+    with pytest.raises(ValueError) as e:
+        ops.chunk_gated_efla(q, k, v, bad(a), b, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    assert str(e.value) == message
 
 
 def test_ungated_ops_do_not_take_gate_keywords():
@@ -147,6 +159,20 @@ _SCRIPT = textwrap.dedent(
         for name, x, y in zip(("k", "beta", "a", "v", "A_log", "dt_bias"), (dk, *got), want):
             print("coef bwd", beta_scale, name, rel(x, y), sep="\\t")
 
+    # ... with strided and expanded parameters (the kernels read flat arrays) ...
+    strided = RawGates(torch.stack([A_log, A_log * 0 - 7], 1)[:, 0], torch.full((1,), 0.3).expand(H), 1.0)
+    assert not strided.A_log.is_contiguous() and not strided.dt_bias.is_contiguous()
+    flat = RawGates(strided.A_log.contiguous(), strided.dt_bias.contiguous(), 1.0)
+    for got, want in zip(C.coef_fwd(k, b, g=a, v=v, gates=strided), C.coef_fwd(k, b, g=a, v=v, gates=flat)):
+        print("strided parameters", rel(got, want.double()), sep="\t")
+    # ... and the softplus accurate where the default initialisation puts a + dt_bias (-9 to -2)
+    x = torch.linspace(-14.0, 6.0, 2001).view(1, -1, 1).repeat(1, 1, 2)
+    gates0 = RawGates(torch.zeros(2), None, None)
+    _, gl, _ = C.coef_fwd(torch.zeros(1, 2001, 2, 4), torch.ones(1, 2001, 2), g=x, v=torch.zeros(1, 2001, 2, 4),
+                          gates=gates0)
+    want = torch.expm1(-F.softplus(x.double()))
+    print("softplus", ((gl.double() - want).abs() / want.abs()).max().item() * 50, sep="\t")  # 2e-6 allowed
+
     # 2. the GPU chunk path (fla's kernels and ours) with raw gates, against the float64 scan
     B, T, H, K, V = 1, 70, 2, 16, 16
     q, k = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen)
@@ -182,7 +208,7 @@ def test_raw_gates_in_the_gpu_kernels_under_interpreter():
                        timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     errors = [line.split("\t") for line in r.stdout.strip().splitlines() if "\t" in line]
-    assert len(errors) == 2 * 3 + 2 * 6 + 10, r.stdout
+    assert len(errors) == 2 * 3 + 2 * 6 + 3 + 1 + 10, r.stdout
     for *name, err in errors:
         assert float(err) < 1e-4, (name, err)
 
@@ -201,7 +227,7 @@ def test_gated_efla_layer_raw_gates_on_gpu(neg_eigval, monkeypatch):
     layer = GatedEFLA(hidden_size=256, head_dim=64, num_heads=4, expand_v=1, allow_neg_eigval=neg_eigval)
     layer = layer.cuda().to(torch.bfloat16)
     x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
-    assert layer._gates_in_op(x, None, recurrent=False)
+    assert layer._gates_in_op(x, recurrent=False)
 
     def step():
         layer.zero_grad(set_to_none=True)

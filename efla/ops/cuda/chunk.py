@@ -81,9 +81,12 @@ def _gate_launch_args(gates) -> tuple[tuple, dict]:
     """The coefficient kernels' ``(A_log, dt_bias)`` and constants for raw gates (``efla.ops.gates``)."""
     if gates is None:
         return (None, None), {}
+    # the kernels index the parameters as flat arrays; a strided or expanded one is copied (autograd
+    # gives the copy's gradient back to it)
+    params = tuple(x.contiguous() if x is not None else None for x in (gates.A_log, gates.dt_bias))
     consts = dict(GATE_ACT=gates.gate_in_kernel, HAS_DT_BIAS=gates.dt_bias is not None,
                   BETA_SCALE=float(gates.beta_scale or 0.0))
-    return (gates.A_log, gates.dt_bias), consts
+    return params, consts
 
 
 def coef_fwd(k, beta, g=None, v=None, launch=None, overflow=None, gates=None):

@@ -71,9 +71,12 @@ def _expm1(x):
 
 @triton.jit
 def _softplus(x):
-    """log(1 + e^x) without overflow, and without losing e^x where it is below float32's epsilon."""
+    """log(1 + e^x) = max(x, 0) + log1p(e^-|x|) without overflow, to a few ulps: log1p(e) by its
+    series below e = 0.1 (truncation below 1e-9 relative), where log(1 + e) would lose e's digits
+    to the rounding of 1 + e (and to a fast log's absolute error)."""
     e = tl.exp(-tl.abs(x))
-    log1p_e = tl.where(e < 1e-4, e * (1.0 - e * (0.5 - e * (1.0 / 3.0))), tl.log(1.0 + e))
+    series = e * (1.0 - e * (0.5 - e * (1.0 / 3 - e * (0.25 - e * (0.2 - e * (1.0 / 6 - e * (1.0 / 7 - e * 0.125)))))))
+    log1p_e = tl.where(e < 0.1, series, tl.log(1.0 + e))
     return tl.maximum(x, 0.0) + log1p_e
 
 
@@ -210,7 +213,7 @@ COEF_BWD_CONFIGS = [
 ]
 
 
-@triton.autotune(configs=_tunable(COEF_BWD_CONFIGS), key=["K", "V", "GATED"], restore_value=["dk"],
+@triton.autotune(configs=_tunable(COEF_BWD_CONFIGS), key=["K", "V", "GATED", "GATE_ACT", "BETA_SCALE"], restore_value=["dk"],
                  **_autotune_kwargs())
 @triton.jit(do_not_specialize=["R"])
 def coef_bwd_kernel(
