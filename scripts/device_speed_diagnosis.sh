@@ -23,6 +23,8 @@
 #   keytests the GPU tests of keys whose ||k||^2 overflows float32 (refused, or exact in the scan);
 #            time what the check's sync costs with MODELS13 / MODELS340 including efla+nokeycheck;
 #   gatetests the GPU tests of raw gates activated inside the Gated EFLA op, and the gated ops' GPU tests;
+#   qnormtests the GPU tests of the chunk ops (queries normalised in the coefficient pass), the fused
+#            modules and model training through them, the coefficient gradients and the raw gates;
 #   headdims the GPU head-dim tests (32 to 256, K and V apart) against the float64 reference, first launch
 #            setting of each autotuned kernel (autotuning them all took more than 300 s for 3 of 10 cases).
 # Carry: .whl (fla wheels); optionally .devcache/autotune.tgz (the autotuning results of an earlier
@@ -95,6 +97,10 @@ for phase in $PHASES; do
     gatetests) run_phase gatetests 240 env EFLA_TEST_FIRST_CONFIG=1 TRITON_CACHE_DIR=/tmp/triton-cache-tests python3 -m pytest \
                  -v -m gpu -p no:cacheprovider -rfs tests/ops/test_raw_gates.py tests/ops/test_cuda.py \
                  -k "raw or (matches_reference and gated) or coefficient_gradients or (overflow and gated)" ;;
+    qnormtests) run_phase qnormtests 150 env EFLA_TEST_FIRST_CONFIG=1 TRITON_CACHE_DIR=/tmp/triton-cache-tests python3 -m pytest \
+                  -q -m gpu -p no:cacheprovider -rfs tests/layers/test_fused.py tests/ops/test_raw_gates.py \
+                  "tests/ops/test_cuda.py::test_gpu_matches_reference" \
+                  "tests/ops/test_cuda.py::test_coefficient_gradients_float32_accurate_on_gpu" ;;
     headdims) run_phase headdims 300 env EFLA_TEST_FIRST_CONFIG=1 TRITON_CACHE_DIR=/tmp/triton-cache-tests python3 -m pytest -v -m gpu \
                 -p no:cacheprovider -rfs "tests/ops/test_cuda.py::test_gpu_head_dims" ;;
     *) echo "unknown phase $phase" ;;

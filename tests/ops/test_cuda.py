@@ -209,6 +209,26 @@ _SCRIPT = textwrap.dedent(
     out3 = C.coef_bwd(k, beta, de.float(), dk3, g=g, v=v, dgl=dgl.float(), dvin=dvp.float(), dk_more=more)
     assert torch.allclose(dk3, dk + more, rtol=1e-6, atol=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(out3, (db, dg, dv)))
+    # the queries' L2 normalisation in the same passes (fla's l2norm: q / sqrt(||q||^2 + 1e-6)), both rules
+    qq = torch.randn(B, T, H, K) * 3
+    qd = qq.double().requires_grad_()
+    qn_ref = qd / (qd.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    dqn = torch.randn(B, T, H, K).double()
+    dq_ref, = torch.autograd.grad((qn_ref * dqn).sum(), qd)
+    for extra in ({{}}, dict(g=g, v=v)):
+        coefs, qn, q_rstd = C.coef_fwd(k, beta, q=qq, **extra)
+        plain = C.coef_fwd(k, beta, **extra)
+        assert all(torch.equal(a, b) for a, b in zip(coefs if extra else [coefs], plain if extra else [plain]))
+        assert rel(qn, qn_ref.detach()) < 1e-6
+        assert rel(q_rstd, 1 / (qq.double().pow(2).sum(-1) + 1e-6).sqrt()) < 1e-6
+        dq = dqn.float().clone()
+        grads = dict(dgl=dgl.float(), dvin=dvp.float()) if extra else {{}}
+        dk_q, dk_plain = torch.zeros(B, T, H, K), torch.zeros(B, T, H, K)
+        out_q = C.coef_bwd(k, beta, de.float(), dk_q, q=qn, q_rstd=q_rstd, dq=dq, **extra, **grads)
+        out_plain = C.coef_bwd(k, beta, de.float(), dk_plain, **extra, **grads)
+        assert rel(dq, dq_ref) < 1e-5, rel(dq, dq_ref)
+        assert torch.equal(dk_q, dk_plain)
+        assert all(torch.equal(a, b) for a, b in zip(out_q if extra else [out_q], out_plain if extra else [out_plain]))
     # fused recurrent kernel, all rules, with initial state, varlen
     q = torch.randn(1, 9, H, K)
     kk = torch.randn(1, 9, H, K) * 3

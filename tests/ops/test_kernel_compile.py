@@ -46,7 +46,8 @@ def test_coefficient_forward_compiles_for_sm90(gated, flag):
     compiled = _compile_sm90(kn.coef_fwd_kernel, COEF_TYPES, dict(K=128, V=128, BK=128, BV=128, BR=32, GATED=gated,
                                                                    G_MIN=kn.G_FLOOR, FLAG=flag, A_log=None,
                                                                    dt_bias=None, GATE_ACT=False, HAS_DT_BIAS=False,
-                                                                   BETA_SCALE=0.0))
+                                                                   BETA_SCALE=0.0, QNORM=False, q=None, q_out=None,
+                                                                   q_rstd=None))
     assert ("atom" in compiled.asm["ptx"]) == flag  # the overflow flag is one atomic per program
 
 
@@ -60,6 +61,22 @@ def test_coefficient_kernels_with_raw_gates_compile_for_sm90(dt_bias, beta_scale
                         dict(K=128, V=128, BK=128, BV=128, BR=32, GATED=True, G_MIN=kn.G_FLOOR, FLAG=True, **raw))
     bwd = _compile_sm90(kn.coef_bwd_kernel.fn, COEF_BWD_TYPES,
                         dict(K=128, V=128, BR=64, BC=8, GATED=True, G_MIN=kn.G_FLOOR, HAS_DK_MORE=True, **raw))
+    assert len(fwd.asm["cubin"]) > 0 and len(bwd.asm["cubin"]) > 0
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_coefficient_kernels_with_query_normalisation_compile_for_sm90(gated):
+    from efla.ops.cuda import kernels as kn
+
+    q_types = {"q": "*bf16", "q_out": "*bf16", "q_rstd": "*fp32", "dq": "*bf16"}
+    plain = dict(A_log=None, dt_bias=None, GATE_ACT=False, HAS_DT_BIAS=False, BETA_SCALE=0.0, QNORM=True)
+    fwd = _compile_sm90(kn.coef_fwd_kernel, {**COEF_TYPES, **q_types},
+                        dict(K=128, V=128, BK=128, BV=128, BR=32, GATED=gated, G_MIN=kn.G_FLOOR, FLAG=True, Q_EPS=1e-6,
+                             **plain))
+    bwd = _compile_sm90(kn.coef_bwd_kernel.fn, {**COEF_BWD_TYPES, **q_types},
+                        dict(K=128, V=128, BR=64, BC=8, GATED=gated, G_MIN=kn.G_FLOOR, HAS_DK_MORE=gated,
+                             **({} if gated else dict(v=None, g=None, dgl=None, dvin=None, dg=None, dv=None,
+                                                      dk_more=None)), dgate=None, **plain))
     assert len(fwd.asm["cubin"]) > 0 and len(bwd.asm["cubin"]) > 0
 
 

@@ -89,11 +89,13 @@ def _gate_launch_args(gates) -> tuple[tuple, dict]:
     return params, consts
 
 
-def coef_fwd(k, beta, g=None, v=None, launch=None, overflow=None, gates=None):
+def coef_fwd(k, beta, g=None, v=None, launch=None, overflow=None, gates=None, q=None):
     """EFLA: alpha [B,T,H] f32. Gated: (c f32, gl f32, v' like v). ``launch``: ``(BR, num_warps)``
     instead of the default rows per program and warps (benchmarks compare them). ``overflow``: an
     int32 tensor of one element, set to 1 when a key's ``||k||^2`` overflows float32. ``gates``
-    (gated only): ``g`` and ``beta`` are raw, activated in the kernel."""
+    (gated only): ``g`` and ``beta`` are raw, activated in the kernel. ``q``: also L2-normalise the
+    queries in the same pass (fla's ``l2norm_fwd``); the result is then ``(coefficients, q_normed,
+    q_rstd)``."""
     B, T, H, K = k.shape
     R = B * T * H
     V = v.shape[-1] if v is not None else K
@@ -106,18 +108,24 @@ def coef_fwd(k, beta, g=None, v=None, launch=None, overflow=None, gates=None):
     gl = torch.empty(B, T, H, device=k.device, dtype=torch.float32) if gated else None  # gate cumsum in float32
     vout = torch.empty_like(v) if gated else None
     gate_params, gate_consts = _gate_launch_args(gates)
+    q_out = torch.empty_like(q) if q is not None else None
+    q_rstd = torch.empty(B, T, H, device=k.device, dtype=torch.float32) if q is not None else None
     kn.coef_fwd_kernel[(triton.cdiv(R, BR),)](
-        k, v, beta, g, *gate_params, erase, gl, vout, overflow, R, H,
+        k, v, beta, g, *gate_params, erase, gl, vout, overflow, q, q_out, q_rstd, R, H,
         K=K, V=V, BK=BK, BV=BV, BR=BR, GATED=gated, G_MIN=kn.G_FLOOR, FLAG=overflow is not None, num_warps=nw,
-        **gate_consts,
+        QNORM=q is not None, **gate_consts,
     )
-    return (erase, gl, vout) if gated else erase
+    coefficients = (erase, gl, vout) if gated else erase
+    return coefficients if q is None else (coefficients, q_out, q_rstd)
 
 
-def coef_bwd(k, beta, derase, dk, g=None, v=None, dgl=None, dvin=None, launch=None, dk_more=None, gates=None):
+def coef_bwd(k, beta, derase, dk, g=None, v=None, dgl=None, dvin=None, launch=None, dk_more=None, gates=None,
+             q=None, q_rstd=None, dq=None):
     """Fold coefficient grads (and ``dk_more``, a second part of k's grad) into dk (in place); return
     dbeta (, dg, dv) in the inputs' dtypes; with raw ``gates`` (gated only) the grads are those of the
-    raw inputs, followed by those of ``A_log`` and ``dt_bias`` (``None`` where absent).
+    raw inputs, followed by those of ``A_log`` and ``dt_bias`` (``None`` where absent). With the
+    forward's normalised ``q`` and ``q_rstd``, ``dq`` (the normalised queries' grad) is chained back
+    through the normalisation in place (fla's ``l2norm_bwd``).
     ``launch``: ``(BR, num_warps)`` or ``(BR, num_warps, BC)`` (rows per program, warps, columns per
     block; whole rows by default) instead of the autotuned setting (benchmarks compare them)."""
     B, T, H, K = k.shape
@@ -129,8 +137,12 @@ def coef_bwd(k, beta, derase, dk, g=None, v=None, dgl=None, dvin=None, launch=No
     dv = torch.empty_like(v) if gated else None
     gate_params, gate_consts = _gate_launch_args(gates)
     dgate = torch.empty(2, R, device=k.device, dtype=torch.float32) if gate_consts.get("GATE_ACT") else None
-    args = (k, v, beta, g, *gate_params, derase, dgl, dvin, dk, dk_more, dbeta, dg, dv, dgate, R, H)
-    consts = dict(K=K, V=V, GATED=gated, G_MIN=kn.G_FLOOR, HAS_DK_MORE=dk_more is not None, **gate_consts)
+    qnorm = dq is not None
+    # the autotuner restores dq between its trials: an empty stand-in where there is none
+    dq_arg = dq if qnorm else k.new_empty(0)
+    args = (k, v, beta, g, *gate_params, derase, dgl, dvin, dk, dk_more, dbeta, dg, dv, dgate, q, q_rstd, dq_arg, R, H)
+    consts = dict(K=K, V=V, GATED=gated, G_MIN=kn.G_FLOOR, HAS_DK_MORE=dk_more is not None, QNORM=qnorm,
+                  **gate_consts)
     if launch is None:
         kn.coef_bwd_kernel[lambda meta: (triton.cdiv(R, meta["BR"]),)](*args, **consts)
     else:
@@ -196,6 +208,16 @@ def l2norm_grads(q, q_rstd, dq, k, k_rstd, dk):
     return dq, dk
 
 
+def _fold_q_norm(exact: bool, q_l2norm: bool, k_l2norm: bool) -> bool:
+    """Whether the coefficient pass normalises the queries too (EFLA's layers: unit queries, raw keys),
+    forward and backward, in place of fla's separate ``l2norm`` kernels."""
+    return exact and q_l2norm and not k_l2norm
+
+
+def _q_norm_grad_args(fold_q: bool, q, q_rstd, dq) -> dict:
+    return dict(q=q, q_rstd=q_rstd, dq=dq) if fold_q else {}
+
+
 # ------------------------------------------------------------------ keys whose ||k||^2 overflows
 _flags = threading.local()  # per thread: (device, stream) -> int32 [1], 0 until a pass finds an overflowing key
 
@@ -239,10 +261,14 @@ def delta_fwd(q, k, v, beta, h0, scale, output_final_state, cu_seqlens, exact, q
     """EFLA (``exact``) or DeltaNet chunk forward. Returns ``(o, ht, A, alpha, q, q_rstd, k, k_rstd)``:
     ``alpha`` is ``beta`` for DeltaNet, ``q``/``k`` the normalised inputs (the inputs where not
     normalised), ``None`` for what is absent."""
-    q, q_rstd, k, k_rstd = l2norm_inputs(q, k, q_l2norm, k_l2norm)
+    fold_q = _fold_q_norm(exact, q_l2norm, k_l2norm)
+    q, q_rstd, k, k_rstd = l2norm_inputs(q, k, q_l2norm and not fold_q, k_l2norm)
     if exact:
         overflow = overflow_flag(k)
-        alpha = coef_fwd(k, beta, overflow=overflow)
+        if fold_q:
+            alpha, q, q_rstd = coef_fwd(k, beta, overflow=overflow, q=q)
+        else:
+            alpha = coef_fwd(k, beta, overflow=overflow)
         refuse_overflowing_keys(overflow, k)
     else:
         alpha = beta
@@ -262,7 +288,10 @@ def delta_bwd(q, q_rstd, k, k_rstd, v, beta, alpha, A, h0, cu_seqlens, do, dht, 
     )
     if exact:
         dk = dk.contiguous()
-        dbeta = coef_bwd(k, beta, dalpha.contiguous(), dk)
+        fold_q = _fold_q_norm(exact, q_rstd is not None, k_rstd is not None)
+        dq = dq.contiguous() if fold_q else dq
+        dbeta = coef_bwd(k, beta, dalpha.contiguous(), dk, **_q_norm_grad_args(fold_q, q, q_rstd, dq))
+        q_rstd = None if fold_q else q_rstd
     else:
         dbeta = dalpha
     dq, dk = l2norm_grads(q, q_rstd, dq, k, k_rstd, dk)
@@ -274,10 +303,14 @@ def gated_fwd(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact
     ``(o, ht, A, gcum, c, vp, q, q_rstd, k, k_rstd)``: ``gcum`` the chunk-local gate cumsum, ``c``
     the erase (``beta`` for Gated DeltaNet), ``vp`` the rescaled value (``v`` for Gated DeltaNet).
     ``gates``: raw ``g`` and ``beta`` (Gated EFLA only), activated in the coefficient pass."""
-    q, q_rstd, k, k_rstd = l2norm_inputs(q, k, q_l2norm, k_l2norm)
+    fold_q = _fold_q_norm(exact, q_l2norm, k_l2norm)
+    q, q_rstd, k, k_rstd = l2norm_inputs(q, k, q_l2norm and not fold_q, k_l2norm)
     if exact:
         overflow = overflow_flag(k)
-        c, gl, vp = coef_fwd(k, beta, g=g, v=v, overflow=overflow, gates=gates)
+        if fold_q:
+            (c, gl, vp), q, q_rstd = coef_fwd(k, beta, g=g, v=v, overflow=overflow, gates=gates, q=q)
+        else:
+            c, gl, vp = coef_fwd(k, beta, g=g, v=v, overflow=overflow, gates=gates)
         refuse_overflowing_keys(overflow, k)
     else:
         c, gl, vp = beta, g.float(), v
@@ -312,9 +345,13 @@ def gated_bwd(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens, 
     dgc.add_(dg2)
     dgl = F["chunk_local_cumsum"](dgc, chunk_size=CHUNK, reverse=True, cu_seqlens=cu, chunk_indices=ci)
     d_gate_params = ()
-    if exact:  # the coefficient pass reads and writes dk anyway: dk2 joins it there
+    if exact:  # the coefficient pass reads and writes dk anyway: dk2 joins it there, and dq's normalisation
+        fold_q = _fold_q_norm(exact, q_rstd is not None, k_rstd is not None)
+        dq = dq.contiguous() if fold_q else dq
         dbeta, dg, dv_out, *d_gate_params = coef_bwd(k, beta, dc.contiguous(), dk, g=g, v=v, dgl=dgl.contiguous(),
-                                                     dvin=dvp.contiguous(), dk_more=dk2.contiguous(), gates=gates)
+                                                     dvin=dvp.contiguous(), dk_more=dk2.contiguous(), gates=gates,
+                                                     **_q_norm_grad_args(fold_q, q, q_rstd, dq))
+        q_rstd = None if fold_q else q_rstd
     else:
         dk.add_(dk2)
         dbeta, dg, dv_out = dc.to(beta.dtype), dgl.to(g.dtype), dvp

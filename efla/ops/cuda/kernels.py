@@ -161,16 +161,24 @@ def coef_fwd_kernel(
     A_log, dt_bias,  # [H]: with GATE_ACT, g is the decay's raw input (see _raw_gate_inputs)
     erase, gl, vout,  # outputs: erase [R] f32; gated: gl [R] f32 = expm1(g), vout [R, V]
     overflow,  # FLAG: int32 [1], set to 1 where a key's ||k||^2 overflows float32 (else untouched)
+    q, q_out, q_rstd,  # QNORM: q [R, K] in, q / ||q|| [R, K] and 1 / ||q|| [R] f32 out (fla's l2norm, eps Q_EPS)
     R, H,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
     GATED: tl.constexpr, G_MIN: tl.constexpr, FLAG: tl.constexpr,
     GATE_ACT: tl.constexpr = False, HAS_DT_BIAS: tl.constexpr = False, BETA_SCALE: tl.constexpr = 0.0,
+    QNORM: tl.constexpr = False, Q_EPS: tl.constexpr = 1e-6,
 ):
     i_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     m_r = i_r < R
     o_k = tl.arange(0, BK)
-    b_k = tl.load(k + i_r[:, None] * K + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
+    m_k = m_r[:, None] & (o_k < K)[None, :]
+    b_k = tl.load(k + i_r[:, None] * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
     lam = tl.sum(b_k * b_k, 1)
+    if QNORM:
+        b_q = tl.load(q + i_r[:, None] * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
+        r_q = 1.0 / tl.sqrt(tl.sum(b_q * b_q, 1) + Q_EPS)
+        tl.store(q_out + i_r[:, None] * K + o_k[None, :], (b_q * r_q[:, None]).to(q_out.dtype.element_ty), mask=m_k)
+        tl.store(q_rstd + i_r, r_q, mask=m_r)
     if FLAG:
         n_over = tl.sum((m_r & (lam > FLOAT32_MAX)).to(tl.int32), 0)
         tl.atomic_max(overflow, 1, mask=n_over > 0)
@@ -213,7 +221,8 @@ COEF_BWD_CONFIGS = [
 ]
 
 
-@triton.autotune(configs=_tunable(COEF_BWD_CONFIGS), key=["K", "V", "GATED", "GATE_ACT", "BETA_SCALE"], restore_value=["dk"],
+@triton.autotune(configs=_tunable(COEF_BWD_CONFIGS), key=["K", "V", "GATED", "GATE_ACT", "BETA_SCALE", "QNORM"],
+                 restore_value=["dk", "dq"],
                  **_autotune_kwargs())
 @triton.jit(do_not_specialize=["R"])
 def coef_bwd_kernel(
@@ -224,19 +233,26 @@ def coef_bwd_kernel(
     dk_more,  # [R, K]: a second part of that grad, added in the same pass (HAS_DK_MORE)
     dbeta, dg, dv,  # outputs: dbeta [R], dg [R] (gated), dv [R, V] (gated; may alias dvin)
     dgate,  # GATE_ACT: [2, R] f32, each row's part of the grads of A_log (first R) and dt_bias (last R)
+    q, q_rstd, dq,  # QNORM: the forward's q / ||q|| [R, K] and 1 / ||q|| [R]; dq [R, K], chained back in place
     R, H,
     K: tl.constexpr, V: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
     GATED: tl.constexpr, G_MIN: tl.constexpr, HAS_DK_MORE: tl.constexpr,
     GATE_ACT: tl.constexpr = False, HAS_DT_BIAS: tl.constexpr = False, BETA_SCALE: tl.constexpr = 0.0,
+    QNORM: tl.constexpr = False,
 ):
     i_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     m_r = i_r < R
     lam = tl.zeros([BR], dtype=tl.float64)
+    dq_dot_q = tl.zeros([BR], dtype=tl.float32)
     for c in range(0, K, BC):
         o_c = c + tl.arange(0, BC)
         m_c = m_r[:, None] & (o_c < K)[None, :]
         b_k = tl.load(k + i_r[:, None] * K + o_c[None, :], mask=m_c, other=0.0).to(tl.float32).to(tl.float64)
         lam += tl.sum(b_k * b_k, 1)
+        if QNORM:
+            b_q = tl.load(q + i_r[:, None] * K + o_c[None, :], mask=m_c, other=0.0).to(tl.float32)
+            b_dq = tl.load(dq + i_r[:, None] * K + o_c[None, :], mask=m_c, other=0.0).to(tl.float32)
+            dq_dot_q += tl.sum(b_dq * b_q, 1)
     # bf16 <-> float64 conversions go through float32 here: Triton's CPU interpreter, which the tests
     # run this kernel on, turns bf16 results of float64 values into zeros and NaNs
     b_de = tl.load(derase + i_r, mask=m_r, other=0.0).to(tl.float32).to(tl.float64)
@@ -267,13 +283,13 @@ def coef_bwd_kernel(
             b_dr += tl.sum(b_dvi.to(tl.float64) * b_v.to(tl.float64), 1)
             tl.store(dv + i_r[:, None] * V + o_c[None, :], (b_dvi * r32[:, None]).to(dv.dtype.element_ty), mask=m_c)
         ex1 = tl.exp(-x1)
-        dq = _q_step64(x1, delta, q1, dq1, em_neg1, q_eta, dq_eta, em_pos_eta)
+        q_step = _q_step64(x1, delta, q1, dq1, em_neg1, q_eta, dq_eta, em_pos_eta)
         dr_scale = b_dr * r
-        d_beta = b_de * a_c * ex1 + dr_scale * a_c * lam * dq
-        d_lam = b_de * rho * rho * q1 * p1 + dr_scale * rho * dq
+        d_beta = b_de * a_c * ex1 + dr_scale * a_c * lam * q_step
+        d_lam = b_de * rho * rho * q1 * p1 + dr_scale * rho * q_step
         dgl_in = tl.load(dgl + i_r, mask=m_r, other=0.0).to(tl.float32).to(tl.float64)
         d_g = (b_de * s_g * rho * ex1
-               + dr_scale * (s_g * x1 * dq - a * q_eta - s_g)
+               + dr_scale * (s_g * x1 * q_step - a * q_eta - s_g)
                + dgl_in * a)
         if GATE_ACT:  # g = -A softplus(x), A = exp(A_log): dg/dx = -A sigmoid(x), dg/dA_log = g
             d_x = d_g * (-b_A * tl.sigmoid(b_x)).to(tl.float64)
@@ -288,10 +304,12 @@ def coef_bwd_kernel(
         # alpha = (1 - e^-x) / lam, x = beta lam: d alpha / d beta = e^-x, d alpha / d lam = beta^2 phi'(x)
         x = b_beta * lam
         d_beta = b_de * tl.exp(-x)
-        phi, q, _, _, _ = _phi_q_dq64(x)
-        d_lam = b_de * b_beta * b_beta * q * phi
+        phi, q_x, _, _, _ = _phi_q_dq64(x)
+        d_lam = b_de * b_beta * b_beta * q_x * phi
     tl.store(dbeta + i_r, d_beta.to(tl.float32).to(dbeta.dtype.element_ty), mask=m_r)
     two_d_lam = (2.0 * d_lam).to(tl.float32)
+    if QNORM:
+        r_q = tl.load(q_rstd + i_r, mask=m_r, other=0.0).to(tl.float32)
     for c in range(0, K, BC):
         o_c = c + tl.arange(0, BC)
         m_c = m_r[:, None] & (o_c < K)[None, :]
@@ -301,6 +319,12 @@ def coef_bwd_kernel(
         if HAS_DK_MORE:
             b_dk += tl.load(dk_more + i_r[:, None] * K + o_c[None, :], mask=m_c, other=0.0).to(tl.float32)
         tl.store(p_dk, b_dk.to(p_dk.dtype.element_ty), mask=m_c)
+        if QNORM:  # fla's l2norm backward: (dq - (dq . q_n) q_n) / ||q||
+            b_q = tl.load(q + i_r[:, None] * K + o_c[None, :], mask=m_c, other=0.0).to(tl.float32)
+            p_dq = dq + i_r[:, None] * K + o_c[None, :]
+            b_dq = tl.load(p_dq, mask=m_c, other=0.0).to(tl.float32)
+            b_dq = (b_dq - dq_dot_q[:, None] * b_q) * r_q[:, None]
+            tl.store(p_dq, b_dq.to(p_dq.dtype.element_ty), mask=m_c)
 
 
 # --------------------------------------------------------------------------------------------
