@@ -70,6 +70,8 @@ def efla_stages(ch, F, q, k, v, beta, do, scale):
     return {
         "q l2norm fwd": lambda: F["l2norm_fwd"](q),
         "coefficient fwd": lambda: ch.coef_fwd(k, beta, overflow=ch.overflow_flag(k)),
+        "coefficient fwd with q l2norm (what the op runs)": lambda: ch.coef_fwd(k, beta, overflow=ch.overflow_flag(k),
+                                                                                q=q),
         "(DeltaNet: k l2norm fwd)": lambda: F["l2norm_fwd"](k),
         "fla chunk_delta_rule_fwd": lambda: F["chunk_delta_rule_fwd"](q=qn, k=k, v=v, beta=alpha, scale=scale,
                                                                      initial_state=None, output_final_state=False),
@@ -77,6 +79,9 @@ def efla_stages(ch, F, q, k, v, beta, do, scale):
                                                                      initial_state=None, do=do, dht=None),
         "coefficient bwd": lambda: ch.coef_bwd(k, beta, dalpha, dk),
         "q l2norm bwd": lambda: F["l2norm_bwd"](qn, q_rstd, dq),
+        # dk and dq are updated in place call after call: their values drift, the work does not
+        "coefficient bwd with q l2norm bwd (what the op runs)": lambda: ch.coef_bwd(k, beta, dalpha, dk, q=qn,
+                                                                                    q_rstd=q_rstd, dq=dq),
         "(DeltaNet: k l2norm bwd)": lambda: F["l2norm_bwd"](kn, k_rstd, dk),
     }
 
@@ -108,6 +113,8 @@ def gated_stages(ch, F, q, k, v, g, beta, do, scale):
     return {
         "q l2norm fwd": lambda: F["l2norm_fwd"](q),
         "coefficient fwd (gated)": lambda: ch.coef_fwd(k, beta, g=g, v=v, overflow=ch.overflow_flag(k)),
+        "coefficient fwd (gated) with q l2norm (what the op runs)": lambda: ch.coef_fwd(
+            k, beta, g=g, v=v, overflow=ch.overflow_flag(k), q=q),
         "fla chunk_gated_delta_rule_fwd": lambda: F["chunk_gated_delta_rule_fwd"](
             q=qn, k=k, v=vp, g=ch.coef_fwd(k, beta, g=g, v=v)[1], beta=c, scale=scale, initial_state=None,
             output_final_state=False, chunk_size=ch.CHUNK),
@@ -127,6 +134,8 @@ def gated_stages(ch, F, q, k, v, g, beta, do, scale):
         "bwd: coefficient bwd (gated)": lambda: ch.coef_bwd(k, beta, dc, dk, g=g, v=v, dgl=dgl, dvin=dvp,
                                                             dk_more=dk2.contiguous()),
         "bwd: q l2norm bwd": lambda: F["l2norm_bwd"](qn, q_rstd, dq),
+        "bwd: coefficient bwd (gated) with q l2norm bwd (what the op runs)": lambda: ch.coef_bwd(
+            k, beta, dc, dk, g=g, v=v, dgl=dgl, dvin=dvp, dk_more=dk2.contiguous(), q=qn, q_rstd=q_rstd, dq=dq),
     }
 
 

@@ -35,7 +35,7 @@ DQKWG_SIGNATURE = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "h": 
                    "cu_seqlens": "*i64", "chunk_indices": "*i32", "scale": "fp32", "T": "i32", "TOT": "i32"}
 SIGNATURE = {"k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*fp32", "derase": "*bf16", "dgl": "*fp32",
              "dvin": "*bf16", "dk": "*bf16", "dk_more": "*bf16", "dbeta": "*bf16", "dg": "*fp32", "dv": "*bf16", "R": "i32",
-             "H": "i32"}
+             "H": "i32", "q": "*bf16", "q_rstd": "*fp32", "dq": "*bf16"}
 
 
 def compile_setting(gated: bool, BR: int, BC: int, num_warps: int, K: int = 128, V: int = 128):
@@ -43,8 +43,9 @@ def compile_setting(gated: bool, BR: int, BC: int, num_warps: int, K: int = 128,
     signature = {name: SIGNATURE.get(name, "constexpr") for name in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if signature[name][0] == "*"}
     # the gated backward adds its second dk part in the same pass
+    # with the queries' normalisation, as the layers run it (use_q_l2norm_in_kernel)
     constants = dict(K=K, V=V, BR=BR, BC=BC, GATED=gated, G_MIN=kn.G_FLOOR, HAS_DK_MORE=gated, A_log=None,
-                     dt_bias=None, dgate=None, GATE_ACT=False, HAS_DT_BIAS=False, BETA_SCALE=0.0)
+                     dt_bias=None, dgate=None, GATE_ACT=False, HAS_DT_BIAS=False, BETA_SCALE=0.0, QNORM=True)
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 

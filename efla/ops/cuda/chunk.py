@@ -4,7 +4,8 @@ EFLA is a delta-rule step with ``beta -> alpha``; Gated EFLA is a gated delta-ru
 log ``expm1(g)``, erase ``c`` and value ``v * (w / c)`` (see ``kernels.py``). So the heavy WY/UT
 chunk kernels are fla's; ours compute the coefficients (one pass over k, and over v for the gated
 rescaling) and, backwards, fold the coefficients' gradients into ``dk`` (in place), ``dbeta``,
-``dg`` and ``dv`` in one pass. No q/k L2-norm passes (EFLA keys are raw).
+``dg`` and ``dv`` in one pass. EFLA keys are raw; the queries' L2 normalisation that EFLA's layers ask
+for is done in the same passes (forward and, on ``dq``, backward), not by fla's separate kernels.
 
 The stages (``delta_fwd`` / ``delta_bwd``, ``gated_fwd`` / ``gated_bwd``) run eagerly through the
 autograd Functions below and under ``torch.compile`` through the custom ops of ``custom_ops.py``.
@@ -108,6 +109,10 @@ def coef_fwd(k, beta, g=None, v=None, launch=None, overflow=None, gates=None, q=
     gl = torch.empty(B, T, H, device=k.device, dtype=torch.float32) if gated else None  # gate cumsum in float32
     vout = torch.empty_like(v) if gated else None
     gate_params, gate_consts = _gate_launch_args(gates)
+    if q is not None:  # read and written as rows of K like k
+        if q.shape != k.shape:
+            raise ValueError(f"q: expected shape {tuple(k.shape)} (as k), got {tuple(q.shape)}")
+        q = q.contiguous()
     q_out = torch.empty_like(q) if q is not None else None
     q_rstd = torch.empty(B, T, H, device=k.device, dtype=torch.float32) if q is not None else None
     kn.coef_fwd_kernel[(triton.cdiv(R, BR),)](
