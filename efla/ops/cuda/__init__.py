@@ -34,8 +34,6 @@ import warnings
 
 import torch
 
-from ..gates import activate
-
 __all__ = ["dispatch", "fla_available"]
 
 KINDS = ("efla", "gated_efla", "delta_rule", "gated_delta_rule")
@@ -105,7 +103,8 @@ def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_st
              k_l2norm=False, gates=None):
     """Run ``kind`` (efla | gated_efla | delta_rule | gated_delta_rule) in ``mode`` (chunk |
     recurrent) on the GPU; ``None`` means "not handled here, use the PyTorch path". ``gates``: raw
-    gate inputs (``efla.ops.gates``), taken by the Gated EFLA chunk kernels.
+    gate inputs (``efla.ops.gates``), which the public ops pass only for the Gated EFLA chunk op
+    (every other call gets them activated first).
 
     Every tensor has the same number of heads: with grouped values the public ops have already
     repeated q and k to one head per value head."""
@@ -138,9 +137,6 @@ def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_st
     if k_l2norm or kind in ("delta_rule", "gated_delta_rule"):
         _refuse_overflowing_raw_keys(k)
 
-    if gates is not None and (kind != "gated_efla" or mode != "chunk"):
-        g, beta = activate(g, beta, gates)
-        gates = None
     if mode == "recurrent" and not _needs_grad(q, k, v, beta, g, h0):
         from ..normalize import l2_normalize
         from .recurrent import recurrent_forward
