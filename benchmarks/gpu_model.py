@@ -24,7 +24,8 @@ overflowing-key check, so its ratio to the preset is what the check costs).
 ``--profile`` adds, per shape, one profiled step of every model (``torch.profiler``): its GPU kernel
 time, kernel launches, the share of the median step the GPU is busy (well below 100%: the step is
 bound by the host), the kernels that take most of it and the host operators (self CPU time, calls
-under the profiler), to see where two models differ.
+under the profiler), to see where two models differ. ``--host-profile`` runs one step per model under
+``cProfile``: the Python functions with the most own and cumulative time.
 
 A second stage (``--loss-curve``) trains a preset for a few steps on real tokens twice from the same
 initialisation, once with the fused GPU modules and once with the PyTorch modules
@@ -167,7 +168,7 @@ def train_step(model, opt, ids) -> tuple[float, int, float]:
 
 
 def bench_size(size: str, kinds, shapes, warmup: int, steps: int, out_dir: str, on_shape=lambda rows: None,
-               profile: int = 0) -> list[dict]:
+               profile: int = 0, host_profile: int = 0) -> list[dict]:
     """Rows of every model at every shape; ``on_shape(rows)`` after each shape (keeps partial runs)."""
     models = {}
     for kind in kinds:
@@ -219,6 +220,13 @@ def bench_size(size: str, kinds, shapes, warmup: int, steps: int, out_dir: str, 
                     rows.append(dict(size=size, model=kind, T=T, B=B, profile=step_profile,
                                      step_s_median=medians.get(kind)))
             emit_profiles(out_dir, size, T, B, [r for r in rows if r["T"] == T and "profile" in r], profile)
+        if host_profile:
+            for kind, (model, opt) in models.items():
+                if kind not in failed:
+                    with key_checks(kind):
+                        functions = python_profile_step(model, opt, ids)
+                    rows.append(dict(size=size, model=kind, T=T, B=B, python_profile=functions))
+                    emit_python_profile(out_dir, size, T, B, kind, functions, host_profile)
         on_shape(rows)
     del models
     torch.cuda.empty_cache()
@@ -245,6 +253,41 @@ def profile_step(model, opt, ids) -> dict:
             host[e.key] = [e.self_cpu_time_total / 1e3, e.count]
     return dict(total_ms=sum(ms for ms, _ in kernels.values()), kernels=kernels,
                 host_ms=sum(ms for ms, _ in host.values()), host=host, copies=copy_callers(prof.events()))
+
+
+KEPT_FUNCTIONS = 150  # per ordering (own, cumulative time): the JSON keeps these, not every function
+
+
+def python_profile_step(model, opt, ids) -> list[list]:
+    """One training step under ``cProfile``: ``[function, calls, own ms, cumulative ms]`` per Python
+    function. The step is bound by the host, so these times are where its wall time goes (kernel
+    launches are asynchronous: a launcher's time is its host cost)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    # backward on this thread (the CUDA device's autograd thread is invisible to cProfile)
+    with torch.autograd.set_multithreading_enabled(False):
+        profiler.enable()
+        train_step(model, opt, ids)
+        profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    rows = []
+    for (path, line, name), (_, calls, own, cumulative, _) in stats.items():
+        where = f"{os.path.basename(os.path.dirname(path))}/{os.path.basename(path)}:{line}" if line else path
+        rows.append([f"{name} ({where})", calls, 1e3 * own, 1e3 * cumulative])
+    kept = {id(r) for key in (2, 3) for r in sorted(rows, key=lambda r: -r[key])[:KEPT_FUNCTIONS]}
+    return [r for r in rows if id(r) in kept]
+
+
+def emit_python_profile(out_dir, size, T, B, kind, functions, top: int):
+    emit(out_dir, f"Python profile of one step, {size}, {T} x {B}, {kind} (cProfile): the {top} functions with "
+                  f"most own time, then the {top} with most cumulative time")
+    emit(out_dir, "")
+    for key, label in ((2, "own"), (3, "cumulative")):
+        for name, calls, own, cumulative in sorted(functions, key=lambda f: -f[key])[:top]:
+            emit(out_dir, f"- {label}: {own:8.2f} ms own, {cumulative:8.2f} ms cumulative, x{calls:<5d} {name[:120]}")
+    emit(out_dir, "")
 
 
 def copy_callers(events, depth: int = 3) -> dict:
@@ -392,6 +435,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--profile", type=int, default=0, help="profile one step per model; list this many kernels")
+    ap.add_argument("--host-profile", type=int, default=0,
+                    help="run one step per model under cProfile; list this many Python functions")
     ap.add_argument("--loss-curve", default=None, help="token ids (.npy) for the fused-vs-PyTorch loss curves")
     ap.add_argument("--loss-curve-variants", default="efla,gated-efla")
     ap.add_argument("--loss-curve-steps", type=int, default=50)
@@ -414,7 +459,7 @@ def main() -> int:
 
         try:
             bench_size(size, kinds, parse_shapes(args.shapes), args.warmup, args.steps, args.out, on_shape=save,
-                       profile=args.profile)
+                       profile=args.profile, host_profile=args.host_profile)
         except Exception:
             traceback.print_exc()
     if args.loss_curve:

@@ -82,7 +82,8 @@ for phase in $PHASES; do
                 ${PROFILE340:-} \
                 --out "$RESULTS/model340" ;;
     host340) run_phase host340 240 python3 benchmarks/gpu_model.py --sizes 340m --shapes 512x1 \
-               --models "${MODELS_HOST:-fla,efla,gated-efla}" --warmup 3 --steps 16 --profile 25 --out "$RESULTS/host340" ;;
+               --models "${MODELS_HOST:-fla,efla,gated-efla}" --warmup 3 --steps 16 --profile 25 ${HOSTARGS:-} \
+               --out "$RESULTS/host340" ;;
     compile340) run_phase compile340 330 python3 benchmarks/gpu_model.py --sizes 340m --shapes 2048x8 \
                   --models efla,efla+compile --warmup 3 --steps 8 --out "$RESULTS/compile340" ;;
     ops96) run_phase ops96 260 python3 benchmarks/gpu_ops.py --skip-correctness --skip-decode --skip-model \
