@@ -51,8 +51,8 @@ def _refuse_unknown_kwargs(kwargs: dict) -> None:
 
 def _keys_checked_once():
     """The GPU chunk calls of all layers checked for overflowing keys once, after the last layer (one
-    device sync per forward instead of one per layer); compiled code keeps the per-call check, as
-    a traced context manager would break its graph."""
+    device sync per forward); compiled code checks each call as a single op call does, as a traced
+    context manager would break its graph."""
     return contextlib.nullcontext() if torch.compiler.is_compiling() else deferred_key_checks()
 
 

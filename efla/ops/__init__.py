@@ -31,13 +31,14 @@ from .api import run as _run
 from .coefficients import efla_coefficient, gated_efla_coefficients
 from .gates import raw_gates
 from .normalize import l2_normalize
-from .validate import deferred_key_checks
+from .validate import check_keys, deferred_key_checks
 from ..variants import Variant
 
 __all__ = [
     "efla_coefficient",
     "gated_efla_coefficients",
     "l2_normalize",
+    "check_keys",
     "deferred_key_checks",
     "chunk_efla",
     "recurrent_efla",
@@ -78,9 +79,11 @@ _DOC = """{title}
             GPU with ``EFLA_CHECK_VALUES=1``) NaN/Inf, ``beta < 0``, ``g > 0``, a key whose
             ``||k||^2`` overflows the compute dtype, or finite inputs whose result overflows it
             (value checks are skipped inside ``torch.compile``d code). On a GPU, keys whose
-            ``||k||^2`` overflows float32 are refused whatever ``EFLA_CHECK_VALUES`` says (one
-            device sync per call; inside ``deferred_key_checks()`` the exact rules' chunk ops
-            leave it to the block's end), except by the exact rules' scan without autograd, which
+            ``||k||^2`` overflows float32 are refused whatever ``EFLA_CHECK_VALUES`` says (the
+            exact rules' chunk ops without stalling the host: at a later chunk call, or at
+            ``check_keys()``; at the call itself with ``EFLA_CHECK_KEYS=sync``, one device sync;
+            inside ``deferred_key_checks()`` at the block's end; the other paths at the call, one
+            device sync), except by the exact rules' scan without autograd, which
             computes them exactly; the check is skipped where a sync is not allowed (CUDA-graph
             capture and replay; compiled code, apart from the exact rules' chunk ops).
 

@@ -8,8 +8,12 @@ inside code that ``torch.compile`` traces (see ``values_checked``). On a GPU, ke
 ``||k||^2`` overflows float32 are refused whatever ``EFLA_CHECK_VALUES`` says: by the exact rules'
 chunk kernels (``key_energy_error``) and, before the Euler rules' kernels, an in-kernel key
 normalisation or the PyTorch path, by ``check_key_energy`` (both off with ``EFLA_CHECK_KEYS=0``).
-Inside ``deferred_key_checks()`` the chunk kernels' refusals wait for the block's end: one device
-sync there instead of one per call (the models run their layers so).
+The chunk kernels' flags are read without stalling the host by default: a flag is copied to the host
+behind the call's kernels and a set one raises at the next chunk call of the thread that finds the
+copy arrived, or at ``check_keys()``, which waits for it. ``EFLA_CHECK_KEYS=sync`` (and
+``immediate_key_checks()``) read each call's flag at once: one device sync per call. Inside
+``deferred_key_checks()`` they are read at the block's end: one device sync there (the models run
+their layers so).
 """
 
 from __future__ import annotations
@@ -63,10 +67,21 @@ def values_checked(x: torch.Tensor) -> bool:
     return os.environ.get("EFLA_CHECK_VALUES", "0") not in ("", "0", "false", "False")
 
 
+def key_check_mode() -> str:
+    """How the GPU paths refuse keys whose ``||k||^2`` overflows float32 (``EFLA_CHECK_KEYS``):
+    ``"later"`` (default) the chunk kernels' flags are read once their copy reaches the host (no
+    stall); ``"sync"`` each call reads its flag at once (a device sync per call); ``"off"`` (``0``)
+    nothing is checked, such keys give NaN."""
+    value = os.environ.get("EFLA_CHECK_KEYS", "1").strip().lower()
+    if value in ("", "0", "false", "off"):
+        return "off"
+    return "sync" if value == "sync" else "later"
+
+
 def key_checks_enabled() -> bool:
-    """Whether the GPU paths refuse keys whose ``||k||^2`` overflows float32 (default on; each check
-    costs a device sync per call). ``EFLA_CHECK_KEYS=0`` turns them off: such keys then give NaN."""
-    return os.environ.get("EFLA_CHECK_KEYS", "1") not in ("", "0", "false", "False")
+    """Whether the GPU paths refuse keys whose ``||k||^2`` overflows float32 (``EFLA_CHECK_KEYS=0``
+    turns it off)."""
+    return key_check_mode() != "off"
 
 
 _deferred = threading.local()  # per thread: id -> (flag, stream) of each chunk call inside deferred_key_checks()
@@ -100,12 +115,18 @@ def deferred_key_checks():
 def immediate_key_checks():
     """Every chunk call inside reads its own flag, also within ``deferred_key_checks()``: where the
     error must come from the call itself (a context-parallel rank, whose peers learn of it there)."""
-    saved = getattr(_deferred, "flags", None)
-    _deferred.flags = None
+    saved = getattr(_deferred, "flags", None), getattr(_deferred, "immediate", False)
+    _deferred.flags, _deferred.immediate = None, True
     try:
         yield
     finally:
-        _deferred.flags = saved
+        _deferred.flags, _deferred.immediate = saved
+
+
+def read_each_call() -> bool:
+    """Whether a chunk call outside ``deferred_key_checks()`` reads its own flag at once
+    (``EFLA_CHECK_KEYS=sync`` or inside ``immediate_key_checks()``) rather than later."""
+    return getattr(_deferred, "immediate", False) or key_check_mode() == "sync"
 
 
 def _deferred_key_error() -> ValueError:
@@ -123,7 +144,7 @@ def _read_and_reset(flags: dict, quiet: bool = False) -> bool:
             with _in_stream(stream):
                 if flag.item():
                     overflowed = True
-                    flag.zero_()
+                    reset_flag(flag)
         return overflowed
     except Exception:
         if quiet:
@@ -144,6 +165,78 @@ def defer_key_check(flag: torch.Tensor) -> bool:
     stream = torch.cuda.current_stream(flag.device) if flag.is_cuda else None
     flags[id(flag)] = (flag, stream)
     return True
+
+
+@dataclass
+class _LaterCheck:
+    """A flag read without stalling: ``host`` holds its value as of the latest copy, which
+    ``event`` follows in the flag's ``stream`` (``None``: a CPU flag, copied at once)."""
+
+    flag: torch.Tensor
+    host: torch.Tensor
+    stream: object
+    event: object
+
+
+_later = threading.local()  # per thread: id(flag) -> _LaterCheck of each flag handed to check_flag_later
+
+
+def _later_checks() -> dict:
+    checks = getattr(_later, "checks", None)
+    if checks is None:
+        checks = _later.checks = {}
+    return checks
+
+
+def check_flag_later(flag: torch.Tensor) -> None:
+    """Copy a chunk call's flag to the host behind its kernels, for ``raise_earlier_overflows`` to
+    read once the copy has arrived. The flags only ever go from 0 to 1, so the latest copy of a
+    flag stands for every call before it."""
+    checks = _later_checks()
+    check = checks.get(id(flag))
+    if check is None or check.flag is not flag:
+        cuda = flag.is_cuda
+        check = checks[id(flag)] = _LaterCheck(
+            flag, torch.zeros(1, dtype=flag.dtype, pin_memory=cuda),
+            torch.cuda.current_stream(flag.device) if cuda else None, torch.cuda.Event() if cuda else None)
+    check.host.copy_(check.flag, non_blocking=check.event is not None)
+    if check.event is not None:
+        check.event.record(check.stream)
+
+
+def raise_earlier_overflows(wait: bool = False) -> None:
+    """Raise the ``ValueError`` for a key that overflowed in an earlier chunk call of this thread
+    whose flag has reached the host (``wait``: wait for every flag's copy first), and reset that
+    flag for later calls."""
+    for check in _later_checks().values():
+        if check.event is not None and not (wait or check.event.query()):
+            continue
+        if check.event is not None and wait:
+            check.event.synchronize()
+        if check.host.item():
+            with _in_stream(check.stream):
+                reset_flag(check.flag)
+            raise ValueError("k: a key's squared norm ||k||^2 overflowed float32 "
+                             f"(max {torch.finfo(torch.float32).max:.4g}) in an earlier chunk call on this thread, "
+                             "whose output is NaN; scale the keys down (EFLA_CHECK_KEYS=sync raises from that call "
+                             "itself, at one device sync per call)")
+
+
+def check_keys() -> None:
+    """Wait for the overflowing-key checks of this thread's earlier chunk calls on the GPU and raise
+    their ``ValueError`` if a key overflowed (without it, the error comes at a later chunk call)."""
+    raise_earlier_overflows(wait=True)
+
+
+def reset_flag(flag: torch.Tensor) -> None:
+    """Zero a flag that was found set, and its host copy, for the calls after it (in the current
+    stream: the flag's own, where the caller read it)."""
+    flag.zero_()
+    check = _later_checks().get(id(flag))
+    if check is not None and check.flag is flag:
+        if check.event is not None:
+            check.event.synchronize()
+        check.host.zero_()
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -257,7 +257,9 @@ _SCRIPT = textwrap.dedent(
         ro, rS = getattr(ops, "recurrent_" + rule)(*a, scale=0.3, initial_state=h0.double(),
                                                    output_final_state=True, cu_seqlens=cu)
         assert rel(o, ro) < 1e-4 and rel(S, rS) < 1e-4, ("overflowing keys", rule, rel(o, ro))
-    # ... and the chunk form's coefficient pass flags them, then refuses them with the CPU's error
+    # ... and the chunk form's coefficient pass flags them, then refuses them with the CPU's error:
+    # at the call with EFLA_CHECK_KEYS=sync,
+    os.environ["EFLA_CHECK_KEYS"] = "sync"
     for gated in (False, True):
         extra = dict(g=g, v=v) if gated else {{}}
         flag = C.overflow_flag(k)
@@ -287,6 +289,19 @@ _SCRIPT = textwrap.dedent(
     except ValueError as e:
         assert reached and "overflows float32" in str(e), e
     assert flag.item() == 0
+    # by default at the next call that finds the flag's copy on the host (here at once: a CPU flag)
+    os.environ["EFLA_CHECK_KEYS"] = "1"
+    C.coef_fwd(huge, beta, overflow=flag)
+    C.refuse_overflowing_keys(flag, huge)
+    C.coef_fwd(k, beta, overflow=flag)
+    try:
+        C.refuse_overflowing_keys(flag, k)
+        raise AssertionError("the later call did not refuse the earlier overflowing keys")
+    except ValueError as e:
+        assert "in an earlier chunk call" in str(e), e
+    assert flag.item() == 0
+    C.refuse_overflowing_keys(flag, k)
+    ops.check_keys()
     os.environ["EFLA_CHECK_KEYS"] = "0"  # checks off: no flag, no sync, nothing refused
     assert C.overflow_flag(k) is None
     C.refuse_overflowing_keys(None, huge)
@@ -394,11 +409,33 @@ def test_gpu_refuses_overflowing_keys_by_default(rule, mode, monkeypatch):
     if mode == "recurrent" and "efla" in rule:
         pytest.skip("the exact rules' scan computes these keys exactly")
     monkeypatch.delenv("EFLA_CHECK_VALUES", raising=False)
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype, checks in ((torch.bfloat16, "sync"), (torch.bfloat16, "1"), (torch.float32, "1")):
+        monkeypatch.setenv("EFLA_CHECK_KEYS", checks)
         q, k, v, beta, g, _ = (x.cuda().to(dtype) for x in _inputs(1, 70, 2, 16, 16, 1, rule))
         k[0, 33, 1] *= 1e20
         with pytest.raises(ValueError, match=r"^k: a key's squared norm"):
             _call(getattr(ops, f"{mode}_{rule}"), rule, q, k, v, beta, g, None, None)
+            ops.check_keys()  # the exact rules' chunk kernels refuse them without stalling by default
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", ["efla", "gated_efla"])
+def test_gpu_chunk_refuses_overflowing_keys_at_a_later_call_by_default(rule, monkeypatch):
+    # no device sync in the call: the flag reaches the host behind its kernels; the next call that
+    # finds it there raises, names the earlier call, and later clean calls pass
+    monkeypatch.delenv("EFLA_CHECK_VALUES", raising=False)
+    monkeypatch.delenv("EFLA_CHECK_KEYS", raising=False)
+    q, k, v, beta, g, _ = (x.cuda().to(torch.bfloat16) for x in _inputs(1, 70, 2, 16, 16, 1, rule))
+    op = getattr(ops, f"chunk_{rule}")
+    huge = k.clone()
+    huge[0, 33, 1] *= 1e20
+    _call(op, rule, q, huge, v, beta, g, None, None)
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="in an earlier chunk call on this thread"):
+        _call(op, rule, q, k, v, beta, g, None, None)
+    _call(op, rule, q, k, v, beta, g, None, None)
+    ops.check_keys()
 
 
 @needs_cuda

@@ -1,10 +1,12 @@
-"""``deferred_key_checks()``: the chunk kernels' overflowing-key flags read once, at the block's end."""
+"""The chunk kernels' overflowing-key flags: read once at the end of ``deferred_key_checks()``, or
+later, when their copy has reached the host (the default outside such a block)."""
 
 import pytest
 import torch
 
-from efla.ops import deferred_key_checks
-from efla.ops.validate import defer_key_check, immediate_key_checks
+from efla.ops import check_keys, deferred_key_checks
+from efla.ops.validate import (check_flag_later, defer_key_check, immediate_key_checks, raise_earlier_overflows,
+                               read_each_call)
 
 
 def raised_flag():
@@ -81,3 +83,55 @@ def test_flags_are_per_thread():
         worker.start()
         worker.join()
     assert seen == [False]
+
+
+def test_a_flag_checked_later_raises_at_the_next_read_and_is_reset():
+    flag, clean = raised_flag(), torch.zeros(1, dtype=torch.int32)
+    check_flag_later(clean)
+    raise_earlier_overflows()
+    check_flag_later(flag)
+    with pytest.raises(ValueError, match="overflowed float32 .* in an earlier chunk call on this thread"):
+        raise_earlier_overflows()
+    assert flag.item() == 0
+    raise_earlier_overflows()  # reset: later reads pass
+    check_flag_later(flag)
+    check_keys()
+
+
+def test_check_keys_raises_for_a_flag_checked_later():
+    flag = raised_flag()
+    check_flag_later(flag)
+    with pytest.raises(ValueError, match="in an earlier chunk call"):
+        check_keys()
+    check_keys()
+
+
+def test_the_latest_copy_of_a_flag_stands_for_the_calls_before_it():
+    flag = torch.zeros(1, dtype=torch.int32)
+    check_flag_later(flag)
+    flag.fill_(1)  # a later call's kernel sets it
+    raise_earlier_overflows()  # the copy on the host is still the clean one
+    check_flag_later(flag)
+    with pytest.raises(ValueError):
+        raise_earlier_overflows()
+
+
+def test_a_block_read_resets_the_later_copy_too():
+    # a flag set in a call outside a block and read at the end of a block (same per-stream flag)
+    # raises once, not again at the next later read
+    flag = raised_flag()
+    check_flag_later(flag)
+    with pytest.raises(ValueError, match="overflows float32"):
+        with deferred_key_checks():
+            defer_key_check(flag)
+    raise_earlier_overflows()
+
+
+def test_each_call_reads_its_own_flag_with_sync_or_immediate_checks(monkeypatch):
+    monkeypatch.delenv("EFLA_CHECK_KEYS", raising=False)
+    assert not read_each_call()
+    with immediate_key_checks():
+        assert read_each_call()
+    assert not read_each_call()
+    monkeypatch.setenv("EFLA_CHECK_KEYS", "sync")
+    assert read_each_call()

@@ -25,7 +25,8 @@ import triton
 
 from . import kernels as kn
 from ..gates import RawGates
-from ..validate import defer_key_check, key_checks_enabled, key_energy_error
+from ..validate import (check_flag_later, defer_key_check, key_checks_enabled, key_energy_error, raise_earlier_overflows,
+                        read_each_call, reset_flag)
 
 CHUNK = 64
 COEF_DTYPE = {torch.bfloat16: torch.bfloat16}
@@ -245,14 +246,20 @@ def overflow_flag(k):
 
 
 def refuse_overflowing_keys(overflow, k):
-    """Raise the CPU path's ``ValueError`` when the coefficient pass found a key whose ``||k||^2``
-    overflows float32 (fla's kernels would form ``k k^T`` = Inf and return NaN), and zero the flag
-    for the next call. Reading the flag costs one device sync per forward call, unless an enclosing
-    ``deferred_key_checks()`` reads it once at its end."""
-    if overflow is None or defer_key_check(overflow) or not overflow.item():
+    """Refuse a key whose ``||k||^2`` overflows float32 (fla's kernels would form ``k k^T`` = Inf and
+    return NaN) with the CPU path's ``ValueError``, as ``efla.ops.validate`` describes: by default
+    without stalling the host (this call's flag goes to the host behind its kernels, and a set flag
+    raises at a later call of this thread, or at ``check_keys()``), at this call's end with
+    ``EFLA_CHECK_KEYS=sync`` (one device sync), or at the end of an enclosing ``deferred_key_checks()``."""
+    if overflow is None or defer_key_check(overflow):
         return
-    overflow.zero_()
-    raise key_energy_error(k)
+    if read_each_call():
+        if overflow.item():
+            reset_flag(overflow)
+            raise key_energy_error(k)
+        return
+    raise_earlier_overflows()
+    check_flag_later(overflow)
 
 
 # ------------------------------------------------------------------ forward and backward stages
