@@ -37,6 +37,9 @@ def add_parser(subparsers) -> None:
                    help="override the step budget: epochs = max_steps // steps per epoch (1..epochs)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16 = autocast (MAD used bf16)")
     p.add_argument("--device", default=default_device())
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="replay each training step from a CUDA graph (CUDA devices; small models run several "
+                        "times faster)")
     p.add_argument("--time-limit", type=float, default=None, help="seconds per run; a run cut short is marked")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--report-only", action="store_true", help="train nothing; aggregate the runs stored in --out")
@@ -68,6 +71,8 @@ def _check_arguments(args) -> None:
     check.at_least(args.threads, 1, "--threads")
     check.device(args.device)
     check.output_dir(args.out)
+    if args.cuda_graph and not str(args.device).startswith("cuda"):
+        raise UsageError(f"CUDA graphs need a CUDA device, got {args.device!r} (--cuda-graph)")
 
 
 def _check_settings(opts) -> None:
@@ -97,7 +102,8 @@ def cmd_mad(args) -> int:
     opts = MADOptions(preset=preset, tasks=_resolve_tasks(args.tasks), rules=list(dict.fromkeys(args.rules)),
                       num_heads=args.num_heads, lrs=args.lrs, wds=args.wds, epochs=args.epochs,
                       max_steps=args.max_steps, precision=args.precision, device=args.device,
-                      time_limit=args.time_limit, train=not args.report_only, settings=args.settings)
+                      time_limit=args.time_limit, train=not args.report_only, settings=args.settings,
+                      cuda_graph=args.cuda_graph)
     _check_settings(opts)
     console.rule(f"[bold]MAD[/bold] ({preset} preset) -> {args.out}")
 

@@ -326,6 +326,32 @@ def test_learns_memorization():
     assert res["history"][-1]["train_loss"] < res["history"][0]["train_loss"] / 2
 
 
+def test_cuda_graph_steps_need_a_cuda_device():
+    cfg = E.RunConfig(setting=D.MADSetting("memorization", 16, 16, 256, 64), epochs=1, batch_size=32, width=32,
+                      num_heads=2)
+    with pytest.raises(ValueError, match="cuda_graph: needs a CUDA device"):
+        E.train_run(cfg, cuda_graph=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rule", ["exact", "euler"])
+def test_cuda_graph_steps_train_like_eager_steps(rule):
+    # the same run eagerly and replayed from a CUDA graph (warm-up steps, capture, replays, an uneven
+    # last batch stepping eagerly, the schedule's lr reaching the graph): the same losses and accuracies
+    s = D.MADSetting("fuzzy-in-context-recall", 16, 32, 200, 64, k_motif_size=3, v_motif_size=3)
+    cfg = E.RunConfig(setting=s, rule=rule, lr=3e-3, weight_decay=0.1, epochs=5, batch_size=32, width=32,
+                      num_heads=2, early_stop=None)
+    eager = E.train_run(cfg, device="cuda")
+    graphed = E.train_run(cfg, device="cuda", cuda_graph=True)
+    assert graphed["cuda_graph"] and graphed["steps"] == eager["steps"] == 5 * 7
+    for a, b in zip(eager["history"], graphed["history"]):
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-6)
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4), (a, b)
+        assert a["test_ppl"] == pytest.approx(b["test_ppl"], rel=1e-3), (a, b)
+    assert eager["history"][-1]["train_loss"] < eager["history"][0]["train_loss"]
+
+
 def test_early_stop_and_best_checkpoint(monkeypatch):
     s = D.MADSetting("memorization", 16, 16, 256, 64)
     cfg = E.RunConfig(setting=s, rule="euler", lr=3e-3, epochs=40, batch_size=32, width=32, num_heads=2)

@@ -258,10 +258,15 @@ def _save_state(path: str, cfg: RunConfig, model, opt, sched, gen, progress: dic
     harness.atomic_save_torch(path, state)
 
 
-def _fresh_training(cfg: RunConfig, dev: torch.device):
-    """Model, optimizer, schedule and data-order generator of a run's first epoch."""
+def _fresh_training(cfg: RunConfig, dev: torch.device, graphed: bool = False):
+    """Model, optimizer, schedule and data-order generator of a run's first epoch. ``graphed``: an
+    optimizer whose steps a CUDA graph can hold (its lr a device tensor the schedule fills in)."""
     model = build_model(cfg.setting, cfg.rule, cfg.width, cfg.num_heads, cfg.blocks, seed=cfg.seed).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if graphed:
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(cfg.lr, device=dev), weight_decay=cfg.weight_decay,
+                                capturable=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.epochs, eta_min=1e-6)
     return model, opt, sched, torch.Generator().manual_seed(cfg.seed)
 
@@ -290,8 +295,69 @@ def _resume_state(path: str | None, cfg: RunConfig, model, opt, sched, gen) -> d
         return None
 
 
+def _eager_step(model, opt, xb, yb, vocab_size: int, bf16: bool) -> torch.Tensor:
+    """One optimizer step on one batch; returns the batch's loss (on the device)."""
+    with torch.autocast(device_type=xb.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model(xb)
+    loss = F.cross_entropy(logits.float().reshape(-1, vocab_size), yb.reshape(-1), ignore_index=IGNORE)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+class GraphedSteps:
+    """Optimizer steps replayed from one CUDA graph (forward, loss, backward, AdamW), for batches of
+    the shape it was captured with; other shapes step eagerly. The first ``WARMUP`` steps run eagerly
+    on a side stream (real steps: kernels compile and autotune, autograd and the optimizer set up
+    their state); the next batch is captured and then replayed, and so is every later one. A step of
+    MAD's small models is mostly kernel launches, which the replay does in one."""
+
+    WARMUP = 3
+
+    def __init__(self, model, opt, vocab_size: int, bf16: bool):
+        self.model, self.opt, self.vocab_size, self.bf16 = model, opt, vocab_size, bf16
+        self.eager_steps = 0
+        self.graph = self.x = self.y = self.loss = None
+
+    def __call__(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        if self.graph is None and self.eager_steps < self.WARMUP:
+            return self._warmup_step(xb, yb)
+        if self.graph is None:
+            self._capture(xb, yb)
+        if xb.shape != self.x.shape or yb.shape != self.y.shape:
+            return _eager_step(self.model, self.opt, xb, yb, self.vocab_size, self.bf16)
+        self.x.copy_(xb)
+        self.y.copy_(yb)
+        self.graph.replay()
+        return self.loss
+
+    def _warmup_step(self, xb, yb):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            loss = _eager_step(self.model, self.opt, xb, yb, self.vocab_size, self.bf16)
+        torch.cuda.current_stream().wait_stream(side)
+        self.eager_steps += 1
+        return loss
+
+    def _capture(self, xb, yb):
+        """Record the step with static inputs; recording runs nothing, the replay after it does."""
+        self.x, self.y = xb.clone(), yb.clone()
+        self.opt.zero_grad(set_to_none=True)  # the captured backward writes the grads in the graph's memory
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=self.bf16):
+                logits = self.model(self.x)
+            self.loss = F.cross_entropy(logits.float().reshape(-1, self.vocab_size), self.y.reshape(-1),
+                                        ignore_index=IGNORE)
+            self.loss.backward()
+            self.opt.step()
+
+
 def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", time_limit: float | None = None,
-              bar=None, checkpoint: str | None = None, checkpoint_every: float = 60.0) -> dict:
+              bar=None, checkpoint: str | None = None, checkpoint_every: float = 60.0,
+              cuda_graph: bool = False) -> dict:
     """Train one model on one setting with the MAD recipe and return a plain dict.
 
     AdamW (weight decay on every parameter), cosine annealing stepped once per epoch to 1e-6,
@@ -303,21 +369,33 @@ def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", 
     ``checkpoint``: a file that holds the run's state after its last epoch, written at most every
     ``checkpoint_every`` seconds (the caller removes it once the result is stored), so that a run
     killed part-way resumes from there, with the same data order, when called again.
+
+    ``cuda_graph`` (CUDA only): replay the training steps from a CUDA graph (``GraphedSteps``): the
+    same arithmetic, apart from AdamW's capturable form, without a launch per kernel.
     """
     started = time.perf_counter()
     dev = torch.device(device)
+    if cuda_graph and dev.type != "cuda":
+        raise ValueError(f"cuda_graph: needs a CUDA device, got {device!r}")
     if dataset is None:
         dataset = make_dataset(cfg.setting, seed=cfg.seed)
     data = tensors(dataset, dev)
-    model, opt, sched, gen = _fresh_training(cfg, dev)
+    model, opt, sched, gen = _fresh_training(cfg, dev, cuda_graph)
     progress = _resume_state(checkpoint, cfg, model, opt, sched, gen)
     if progress is None:
         if checkpoint and os.path.exists(checkpoint):  # a failed load may have filled them in part
-            model, opt, sched, gen = _fresh_training(cfg, dev)
+            model, opt, sched, gen = _fresh_training(cfg, dev, cuda_graph)
         progress = dict(history=[], best=None, steps=0, seconds=0.0)
     bf16 = cfg.precision == "bf16"
-    n = len(data.train_x)
     V = cfg.setting.vocab_size
+    if cuda_graph:
+        for group in opt.param_groups:  # a resumed state brings its lr as it was saved
+            group["lr"] = torch.tensor(float(group["lr"]), device=dev)
+        step = GraphedSteps(model, opt, V, bf16)
+    else:
+        def step(xb, yb):
+            return _eager_step(model, opt, xb, yb, V, bf16)
+    n = len(data.train_x)
     history, best, steps = progress["history"], progress["best"], progress["steps"]
     t0 = started - progress["seconds"]  # seconds count this call's set-up and the earlier calls' training
     last_save = time.perf_counter()
@@ -331,14 +409,7 @@ def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", 
         n_batches = 0
         for i in range(0, n, cfg.batch_size):
             idx = perm[i:i + cfg.batch_size]
-            xb, yb = data.train_x[idx], data.train_y[idx]
-            with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=bf16):
-                logits = model(xb)
-            loss = F.cross_entropy(logits.float().reshape(-1, V), yb.reshape(-1), ignore_index=IGNORE)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            loss_sum += loss.detach()
+            loss_sum += step(data.train_x[idx], data.train_y[idx])
             n_batches += 1
             steps += 1
             if bar is not None:
@@ -347,7 +418,7 @@ def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", 
                 truncated = True
                 break
         train_loss = float(loss_sum) / max(n_batches, 1)
-        lr_used = opt.param_groups[0]["lr"]
+        lr_used = float(opt.param_groups[0]["lr"])
         sched.step()
         ev = evaluate(model, data.test_x, data.test_y, cfg.batch_size, autocast=bf16)
         rec = {"epoch": epoch + 1, "train_loss": train_loss, "lr": lr_used, "test_acc": ev["acc"],
@@ -378,6 +449,6 @@ def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", 
         "best_epoch": best["epoch"], "max_test_acc": max(h["test_acc"] for h in history),
         "final_train_loss": history[-1]["train_loss"], "epochs_run": len(history), "steps": steps,
         "stopped_early": stopped_early, "truncated": truncated, "diverged": diverged, "time_limit": time_limit,
-        "seconds": time.perf_counter() - t0, "device": str(dev), "leakage": data.leakage,
+        "seconds": time.perf_counter() - t0, "device": str(dev), "cuda_graph": cuda_graph, "leakage": data.leakage,
         "num_params": sum(p.numel() for p in model.parameters()), "history": history,
     }

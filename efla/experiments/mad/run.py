@@ -78,6 +78,7 @@ class MADOptions:
     seed: int = 12345
     device: str = "cpu"
     time_limit: float | None = None  # seconds per run
+    cuda_graph: bool = False  # replay training steps from a CUDA graph (CUDA devices)
     train: bool = True  # False: only aggregate the stored runs
     settings: list | None = None  # only these setting ids (e.g. "M-v1024-l32-n256"); None: all of the preset's
 
@@ -185,7 +186,7 @@ def run_mad(opts: MADOptions, out_dir: str, progress_factory=None, log=None) -> 
             bar = progress_factory(total=n_steps, desc=desc) if progress_factory else None
             try:
                 res = train_run(cfg, cache[cfg.setting.id], device=opts.device, time_limit=opts.time_limit, bar=bar,
-                                checkpoint=partial_path(out_dir, cfg))
+                                checkpoint=partial_path(out_dir, cfg), cuda_graph=opts.cuda_graph)
             finally:
                 if bar is not None:
                     bar.close()
