@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 call for MAD's baseline lr x wd grid (TASKS, default fuzzy recall, selective copying and
+# One H200 call for MAD's baseline lr x wd grid (TASKS, default selective copying, fuzzy recall and
 # compression; both rules): first the GPU tests of the CUDA-graph steps and one epoch of one run
 # eagerly and graphed (seconds per step of each), then every run not stored yet, JOBS processes at
 # once on the GPU, each step replayed from a CUDA graph, the whole call under DEADLINE seconds.
@@ -11,7 +11,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 DEADLINE=${DEADLINE:-500}
 R=${R:-.devmad/baseline}
-TASKS=${TASKS:-"FR SC C"}
+TASKS=${TASKS:-"SC FR C"}
 JOBS=${JOBS:-8}
 PROBE=${PROBE:-1}
 mkdir -p "$R/logs"
@@ -38,9 +38,11 @@ python3 - "$R" $TASKS > "$R/logs/todo.txt" <<'PY'
 import sys
 from efla.commands.mad import _resolve_tasks
 from efla.experiments.mad.run import MADOptions, load_run, plan
-for c in plan(MADOptions(preset="baseline", tasks=_resolve_tasks(sys.argv[2:]))):
-    if load_run(sys.argv[1], c) is None:
-        print(c.setting.task, c.rule, repr(c.lr), repr(c.weight_decay))
+tasks = _resolve_tasks(sys.argv[2:])
+todo = [c for c in plan(MADOptions(preset="baseline", tasks=tasks)) if load_run(sys.argv[1], c) is None]
+# in the order of TASKS, the largest lr first: the runs most likely to stop early come first
+for c in sorted(todo, key=lambda c: (tasks.index(c.setting.task), -c.lr)):
+    print(c.setting.task, c.rule, repr(c.lr), repr(c.weight_decay))
 PY
 echo "$(wc -l < "$R/logs/todo.txt") runs to go, $JOBS at a time, until $((END - $(date +%s)))s from now"
 run_one() {  # run_one TASK RULE LR WD, stopped at END (its state kept in partial/)
