@@ -120,8 +120,10 @@ def cmd_train(args) -> int:
         cfg.preset = None
     try:
         res = train(cfg)
-    finally:
+    except BaseException:
         main_ddp_cleanup()
+        raise
+    main_ddp_cleanup(finished=True)
     if "final_loss" in res:
         vl = res["val_loss"]
         console.print(f"{res['steps']} steps, {res['tokens']:,} tokens; final loss {res['final_loss']:.4f}"

@@ -91,7 +91,11 @@ def peak_memory_per_gpu(device: torch.device, dist) -> list[float] | None:
     return [float(x) for x in every]
 
 
-def main_ddp_cleanup() -> None:
-    """Destroy the process group if this process created one (call at exit under torchrun)."""
+def main_ddp_cleanup(finished: bool = False) -> None:
+    """Destroy the process group if this process created one (call at exit under torchrun).
+    ``finished``: every rank completed its work, so wait for the others first: a rank that tears its
+    connections down while a peer still uses them can abort that peer at exit (seen with gloo)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if finished:
+            torch.distributed.barrier()
         torch.distributed.destroy_process_group()
