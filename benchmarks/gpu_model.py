@@ -210,16 +210,19 @@ def bench_size(size: str, kinds, shapes, warmup: int, steps: int, out_dir: str, 
             rows.append(dict(size=size, model=kind, T=T, B=B, params=params[kind], steps=len(times[kind]),
                              step_s_median=med, step_s_all=times[kind], tokens_per_s=B * T / med,
                              peak_gib=(state_bytes(model, opt) + peaks[kind]) / GIB, last_loss=losses[kind]))
-        emit_shape(out_dir, size, T, B, [r for r in rows if r["T"] == T and r["size"] == size])
+        emit_shape(out_dir, size, T, B, [r for r in rows if r["T"] == T and r["B"] == B and r["size"] == size
+                                         and ("tokens_per_s" in r or "error" in r)])
         if profile:
-            medians = {r["model"]: r.get("step_s_median") for r in rows if r["T"] == T and r["size"] == size}
+            medians = {r["model"]: r.get("step_s_median") for r in rows
+                       if r["T"] == T and r["B"] == B and r["size"] == size and "tokens_per_s" in r}
             for kind, (model, opt) in models.items():
                 if kind not in failed:
                     with key_checks(kind):
                         step_profile = profile_step(model, opt, ids)
                     rows.append(dict(size=size, model=kind, T=T, B=B, profile=step_profile,
                                      step_s_median=medians.get(kind)))
-            emit_profiles(out_dir, size, T, B, [r for r in rows if r["T"] == T and "profile" in r], profile)
+            emit_profiles(out_dir, size, T, B, [r for r in rows if r["T"] == T and r["B"] == B and "profile" in r],
+                          profile)
         if host_profile:
             for kind, (model, opt) in models.items():
                 if kind not in failed:

@@ -20,6 +20,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache} TRITON_CACHE_AUTO
 END=$(($(date +%s) + DEADLINE - SECONDS - 30))
 if [ "$PROBE" = 1 ]; then
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs tests/experiments/test_mad.py -k cuda_graph 2>&1 | tail -3
+  rm -rf /tmp/mad-probe /tmp/mad-probe--cuda-graph  # a warm machine's earlier probe would be reused
   for graph in "" "--cuda-graph"; do  # also fills the kernel cache for the pool
     timeout 150 python3 -m efla mad --preset baseline --tasks FR --rules exact --lrs 1e-3 --wds 0 --epochs 2 \
       --device cuda --threads 1 $graph --out "/tmp/mad-probe$graph" > "$R/logs/probe$graph.log" 2>&1
@@ -28,9 +29,12 @@ import glob, json, sys
 for f in glob.glob(sys.argv[1] + "/runs/*.json"):
     r = json.load(open(f))
     h = r["history"]
-    per_step = (h[1]["seconds"] - h[0]["seconds"]) / (r["steps"] / len(h))
-    print(f"probe {sys.argv[2]}: {r['steps']} steps in {r['seconds']:.1f} s; second epoch {1e3 * per_step:.1f} ms/step; "
-          f"losses {[round(x['train_loss'], 5) for x in h]}")
+    if len(h) < 2:
+        print(f"probe {sys.argv[2]}: stopped after {len(h)} epoch(s)")
+        continue
+    per_step = (h[-1]["seconds"] - h[-2]["seconds"]) / (r["steps"] / len(h))
+    print(f"probe {sys.argv[2]}: {r['steps']} steps in {r['seconds']:.1f} s; last epoch {1e3 * per_step:.1f} ms/step "
+          f"(its evaluation included); losses {[round(x['train_loss'], 5) for x in h]}")
 PY
   done
 fi

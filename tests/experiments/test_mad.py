@@ -333,6 +333,43 @@ def test_cuda_graph_steps_need_a_cuda_device():
         E.train_run(cfg, cuda_graph=True)
 
 
+def test_a_resumed_optimizer_steps_in_the_form_of_the_run():
+    # a state saved by a graphed run (capturable AdamW, tensor lr) resumed eagerly, and back: the
+    # schedule and the updates go on as in a run that never changed form
+    def fresh():
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(4))
+        opt = torch.optim.AdamW([w], lr=3e-3, weight_decay=0.1)
+        return w, opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5, eta_min=1e-6)
+
+    def train(w, opt, sched, epochs):
+        for _ in range(epochs):
+            opt.zero_grad()
+            (w ** 2).sum().backward()
+            opt.step()
+            sched.step()
+
+    w_ref, opt_ref, sched_ref = fresh()
+    train(w_ref, opt_ref, sched_ref, 4)
+    w, opt, sched = fresh()
+    train(w, opt, sched, 2)
+    E._set_step_form(opt, sched, True, torch.device("cpu"))  # as a graphed run holds it (and saves it)
+    group = opt.param_groups[0]
+    assert group["capturable"] and isinstance(group["lr"], torch.Tensor)
+    w2, opt2, sched2 = fresh()
+    opt2.load_state_dict(opt.state_dict())
+    sched2.load_state_dict(sched.state_dict())
+    with torch.no_grad():
+        w2.copy_(w)
+    E._set_step_form(opt2, sched2, False, torch.device("cpu"))
+    group = opt2.param_groups[0]
+    assert not group["capturable"] and isinstance(group["lr"], float)
+    assert all(isinstance(x, float) for x in sched2.base_lrs + sched2.get_last_lr())
+    train(w2, opt2, sched2, 2)
+    assert torch.allclose(w2, w_ref, rtol=1e-6, atol=1e-7) and opt2.param_groups[0]["lr"] == pytest.approx(
+        opt_ref.param_groups[0]["lr"], rel=1e-6)  # a tensor lr is float32
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("rule", ["exact", "euler"])

@@ -260,13 +260,9 @@ def _save_state(path: str, cfg: RunConfig, model, opt, sched, gen, progress: dic
 
 def _fresh_training(cfg: RunConfig, dev: torch.device, graphed: bool = False):
     """Model, optimizer, schedule and data-order generator of a run's first epoch. ``graphed``: an
-    optimizer whose steps a CUDA graph can hold (its lr a device tensor the schedule fills in)."""
+    optimizer whose steps a CUDA graph can hold (``_set_step_form`` completes it)."""
     model = build_model(cfg.setting, cfg.rule, cfg.width, cfg.num_heads, cfg.blocks, seed=cfg.seed).to(dev)
-    if graphed:
-        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(cfg.lr, device=dev), weight_decay=cfg.weight_decay,
-                                capturable=True)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, capturable=graphed)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.epochs, eta_min=1e-6)
     return model, opt, sched, torch.Generator().manual_seed(cfg.seed)
 
@@ -307,30 +303,36 @@ def _eager_step(model, opt, xb, yb, vocab_size: int, bf16: bool) -> torch.Tensor
 
 
 class GraphedSteps:
-    """Optimizer steps replayed from one CUDA graph (forward, loss, backward, AdamW), for batches of
-    the shape it was captured with; other shapes step eagerly. The first ``WARMUP`` steps run eagerly
-    on a side stream (real steps: kernels compile and autotune, autograd and the optimizer set up
-    their state); the next batch is captured and then replayed, and so is every later one. A step of
-    MAD's small models is mostly kernel launches, which the replay does in one."""
+    """Optimizer steps replayed from one CUDA graph (forward, loss, backward, AdamW) for full batches
+    (``batch_size`` rows); a shorter last batch steps eagerly. The first ``WARMUP`` full batches step
+    eagerly on a side stream (real steps: kernels compile and autotune, autograd and the optimizer
+    set up their state); the next one is captured and then replayed, and so is every later one. A
+    step of MAD's small models is mostly kernel launches, which the replay does in one. The
+    optimizer's lr must be a device tensor that the schedule fills in place (see ``_set_step_form``)."""
 
     WARMUP = 3
 
-    def __init__(self, model, opt, vocab_size: int, bf16: bool):
+    def __init__(self, model, opt, vocab_size: int, bf16: bool, batch_size: int, device: torch.device):
         self.model, self.opt, self.vocab_size, self.bf16 = model, opt, vocab_size, bf16
+        self.batch_size, self.device = batch_size, device
+        self.lr = opt.param_groups[0]["lr"]
         self.eager_steps = 0
         self.graph = self.x = self.y = self.loss = None
 
     def __call__(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        if self.graph is None and self.eager_steps < self.WARMUP:
-            return self._warmup_step(xb, yb)
-        if self.graph is None:
-            self._capture(xb, yb)
-        if xb.shape != self.x.shape or yb.shape != self.y.shape:
-            return _eager_step(self.model, self.opt, xb, yb, self.vocab_size, self.bf16)
-        self.x.copy_(xb)
-        self.y.copy_(yb)
-        self.graph.replay()
-        return self.loss
+        if self.opt.param_groups[0]["lr"] is not self.lr:  # the graph would go on with the lr it holds
+            raise RuntimeError("the lr schedule replaced the optimizer's lr tensor instead of filling it in")
+        with torch.cuda.device(self.device):  # streams and the capture on the run's device
+            if len(xb) != self.batch_size:
+                return _eager_step(self.model, self.opt, xb, yb, self.vocab_size, self.bf16)
+            if self.graph is None and self.eager_steps < self.WARMUP:
+                return self._warmup_step(xb, yb)
+            if self.graph is None:
+                self._capture(xb, yb)
+            self.x.copy_(xb)
+            self.y.copy_(yb)
+            self.graph.replay()
+            return self.loss
 
     def _warmup_step(self, xb, yb):
         side = torch.cuda.Stream()
@@ -353,6 +355,25 @@ class GraphedSteps:
                                         ignore_index=IGNORE)
             self.loss.backward()
             self.opt.step()
+
+
+def _set_step_form(opt, sched, graphed: bool, dev: torch.device) -> None:
+    """Put the optimizer in the form this run steps in, whatever form a resumed state was saved in:
+    graphed, AdamW's capturable form with the lr a device tensor and its step counts on the device;
+    eager, the plain form with a float lr and step counts on the CPU. The schedule keeps float lrs
+    (it then fills a tensor lr in place)."""
+    for group in opt.param_groups:
+        group["capturable"] = graphed
+        lr = float(group["lr"])
+        group["lr"] = torch.tensor(lr, device=dev) if graphed else lr
+        if "initial_lr" in group:
+            group["initial_lr"] = float(group["initial_lr"])
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            if "step" in state:
+                state["step"] = state["step"].to(p.device if graphed else "cpu")
+    sched.base_lrs = [float(x) for x in sched.base_lrs]
+    sched._last_lr = [float(x) for x in sched.get_last_lr()]
 
 
 def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", time_limit: float | None = None,
@@ -388,10 +409,9 @@ def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", 
         progress = dict(history=[], best=None, steps=0, seconds=0.0)
     bf16 = cfg.precision == "bf16"
     V = cfg.setting.vocab_size
+    _set_step_form(opt, sched, cuda_graph, dev)
     if cuda_graph:
-        for group in opt.param_groups:  # a resumed state brings its lr as it was saved
-            group["lr"] = torch.tensor(float(group["lr"]), device=dev)
-        step = GraphedSteps(model, opt, V, bf16)
+        step = GraphedSteps(model, opt, V, bf16, cfg.batch_size, dev)
     else:
         def step(xb, yb):
             return _eager_step(model, opt, xb, yb, V, bf16)
