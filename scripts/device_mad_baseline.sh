@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # One H200 call for MAD's baseline lr x wd grid (TASKS, default selective copying, fuzzy recall and
 # compression; both rules): first the GPU tests of the CUDA-graph steps and one epoch of one run
-# eagerly and graphed (seconds per step of each), then every run not stored yet, JOBS processes at
-# once on the GPU, each step replayed from a CUDA graph, the whole call under DEADLINE seconds.
+# eagerly and graphed (seconds per step of each), then every run not stored yet: one process per
+# task (JOBS at once), each training TOGETHER runs of its task side by side in their own CUDA
+# streams, each step replayed from a CUDA graph, the whole call under DEADLINE seconds.
 # Finished runs are stored in R and never repeated; a run cut short keeps its state in R/partial/
-# on the machine only (the archive leaves partial states out).
-#   here:   mkdir -p .devmad/baseline   (git-ignored; the stored runs, carried)
+# on the machine only (the archive leaves partial states out), for the next call while it is warm.
+#   here:   mkdir -p .devmad/baseline   (git-ignored; the stored runs, carried; unpack each archive into it)
 #   device: PACK=$OUT/mad_baseline.tgz bash scripts/device_mad_baseline.sh   (carry .whl .devmad)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 DEADLINE=${DEADLINE:-500}
-R=${R:-.devmad/baseline}
+SEED=${SEED:-.devmad/baseline}  # the stored runs, carried here
+R=${R:-/tmp/mad-baseline}  # outside the checkout: partial states stay for the next call to a warm machine
 TASKS=${TASKS:-"SC FR C"}
-JOBS=${JOBS:-8}
+JOBS=${JOBS:-3}
+TOGETHER=${TOGETHER:-12}
 PROBE=${PROBE:-1}
 mkdir -p "$R/logs"
+[ -d "$SEED" ] && cp -rn "$SEED"/. "$R"/  # stored runs the machine lacks; its own are kept
 source scripts/device_env.sh
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache} TRITON_CACHE_AUTOTUNING=1
 END=$(($(date +%s) + DEADLINE - SECONDS - 30))
@@ -38,25 +42,16 @@ for f in glob.glob(sys.argv[1] + "/runs/*.json"):
 PY
   done
 fi
-python3 - "$R" $TASKS > "$R/logs/todo.txt" <<'PY'
-import sys
-from efla.commands.mad import _resolve_tasks
-from efla.experiments.mad.run import MADOptions, load_run, plan
-tasks = _resolve_tasks(sys.argv[2:])
-todo = [c for c in plan(MADOptions(preset="baseline", tasks=tasks)) if load_run(sys.argv[1], c) is None]
-# in the order of TASKS, the largest lr first: the runs most likely to stop early come first
-for c in sorted(todo, key=lambda c: (tasks.index(c.setting.task), -c.lr)):
-    print(c.setting.task, c.rule, repr(c.lr), repr(c.weight_decay))
-PY
-echo "$(wc -l < "$R/logs/todo.txt") runs to go, $JOBS at a time, until $((END - $(date +%s)))s from now"
-run_one() {  # run_one TASK RULE LR WD, stopped at END (its state kept in partial/)
+printf '%s\n' $TASKS > "$R/logs/todo.txt"
+echo "tasks $TASKS: $JOBS processes at once, $TOGETHER runs side by side in each, until $((END - $(date +%s)))s from now"
+run_one() {  # run_one TASK: its runs not stored yet, stopped at END (their states kept in partial/)
   local limit=$((END - $(date +%s)))
   [ "$limit" -ge 30 ] || return 0
-  timeout "$limit" python3 -m efla mad --preset baseline --tasks "$1" --rules "$2" --lrs "$3" --wds "$4" \
-    --device cuda --threads 1 --cuda-graph --out "$R" > "$R/logs/$1-$2-$3-$4.log" 2>&1
+  timeout "$limit" python3 -m efla mad --preset baseline --tasks "$1" --device cuda --threads 1 --cuda-graph \
+    --together "$TOGETHER" --out "$R" > "$R/logs/$1.log" 2>&1
 }
 export -f run_one
-export R END
+export R END TOGETHER
 xargs -P "$JOBS" -L 1 bash -c 'run_one "$@"' _ < "$R/logs/todo.txt"
 python3 -m efla mad --preset baseline --report-only --out "$R" > "$R/logs/report.log" 2>&1
 echo "report exit $?; $(ls "$R/runs" | wc -l) runs stored; done in ${SECONDS}s"

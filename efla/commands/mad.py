@@ -37,6 +37,9 @@ def add_parser(subparsers) -> None:
                    help="override the step budget: epochs = max_steps // steps per epoch (1..epochs)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16 = autocast (MAD used bf16)")
     p.add_argument("--device", default=default_device())
+    p.add_argument("--together", type=int, default=1, metavar="N",
+                   help="train up to N runs of one setting side by side in this process (each in its own CUDA "
+                        "stream on a GPU, where small models leave most of it idle); default 1")
     p.add_argument("--cuda-graph", action="store_true",
                    help="replay each training step from a CUDA graph (CUDA devices; small models run several "
                         "times faster)")
@@ -69,6 +72,7 @@ def _check_arguments(args) -> None:
     check.at_least(args.max_steps, 1, "--max-steps")
     check.positive(args.time_limit, "--time-limit")
     check.at_least(args.threads, 1, "--threads")
+    check.at_least(args.together, 1, "--together")
     check.device(args.device)
     check.output_dir(args.out)
     if args.cuda_graph and not str(args.device).startswith("cuda"):
@@ -103,7 +107,7 @@ def cmd_mad(args) -> int:
                       num_heads=args.num_heads, lrs=args.lrs, wds=args.wds, epochs=args.epochs,
                       max_steps=args.max_steps, precision=args.precision, device=args.device,
                       time_limit=args.time_limit, train=not args.report_only, settings=args.settings,
-                      cuda_graph=args.cuda_graph)
+                      cuda_graph=args.cuda_graph, together=args.together)
     _check_settings(opts)
     console.rule(f"[bold]MAD[/bold] ({preset} preset) -> {args.out}")
 

@@ -387,6 +387,16 @@ def test_cuda_graph_steps_train_like_eager_steps(rule):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4), (a, b)
         assert a["test_ppl"] == pytest.approx(b["test_ppl"], rel=1e-3), (a, b)
     assert eager["history"][-1]["train_loss"] < eager["history"][0]["train_loss"]
+    # side by side in their own streams (graphed with graphed, and with an eager run): as alone
+    other = dataclasses.replace(cfg, lr=1e-3)
+    runs = [E.MADRun(cfg, device="cuda", cuda_graph=True), E.MADRun(other, device="cuda", cuda_graph=True),
+            E.MADRun(other, device="cuda")]
+    E.train_side_by_side(runs)
+    other_alone = E.train_run(other, device="cuda")
+    for run, alone in zip(runs, (graphed, other_alone, other_alone)):
+        for a, b in zip(alone["history"], run.result()["history"]):
+            assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4), (a, b)
+            assert a["test_ppl"] == pytest.approx(b["test_ppl"], rel=1e-3), (a, b)
 
 
 def test_early_stop_and_best_checkpoint(monkeypatch):
@@ -454,6 +464,43 @@ def _fresh(cfg):
 # ----------------------------------------------------------------------------- end to end
 
 
+def _without_times(res: dict) -> dict:
+    out = {k: v for k, v in res.items() if k != "seconds"}
+    out["history"] = [{k: v for k, v in h.items() if k != "seconds"} for h in res["history"]]
+    return out
+
+
+def test_runs_side_by_side_equal_runs_alone():
+    # interleaved step by step (a short last batch, an early stop, a time limit among them), each run
+    # gives exactly its result alone
+    s = D.MADSetting("memorization", 16, 16, 200, 64)
+    base = dict(setting=s, lr=3e-3, epochs=6, batch_size=32, width=32, num_heads=2)
+    cfgs = [E.RunConfig(rule="exact", early_stop=None, **base), E.RunConfig(rule="euler", **{**base, "epochs": 40}),
+            E.RunConfig(rule="exact", weight_decay=0.1, early_stop=None, **base)]
+    data = D.make_dataset(s, seed=12345)
+    alone = [E.train_run(c, data) for c in cfgs]
+    runs = [E.MADRun(c, data) for c in cfgs]
+    E.train_side_by_side(runs)
+    together = [r.result() for r in runs]
+    assert alone[1]["stopped_early"] and alone[1]["epochs_run"] < 40
+    for a, b in zip(alone, together):
+        assert _without_times(a) == _without_times(b)
+    cut = E.MADRun(cfgs[0], data, time_limit=0.0)
+    E.train_side_by_side([cut, E.MADRun(cfgs[2], data)])
+    assert cut.result()["truncated"] and cut.result()["steps"] == 1
+
+
+def test_run_mad_side_by_side_stores_the_same_runs(tmp_path):
+    opts = dict(preset="tiny", tasks=["memorization", "compression"], rules=["exact", "euler"], num_heads=2)
+    one = R.run_mad(R.MADOptions(**opts), str(tmp_path / "one"))
+    four = R.run_mad(R.MADOptions(**opts, together=4), str(tmp_path / "four"))
+    assert len(four["runs"]) == 4 and not four["missing"]
+    for a, b in zip(one["runs"], four["runs"]):
+        assert _without_times(a) == _without_times(b)
+    assert R._side_by_side_groups(R.plan(R.MADOptions(**opts)), 4) == [R.plan(R.MADOptions(**opts))[:2],
+                                                                       R.plan(R.MADOptions(**opts))[2:]]
+
+
 def test_tiny_preset_all_tasks_two_rules(tmp_path):
     opts = R.MADOptions(preset="tiny", rules=["exact", "euler"], num_heads=2)
     res = R.run_mad(opts, str(tmp_path))
@@ -494,13 +541,13 @@ def test_resume_skips_finished_runs(tmp_path, monkeypatch):
     first = R.run_mad(opts, str(tmp_path))
     assert len(first["runs"]) == 1
     trained = []
-    real = R.train_run
+    real = R.MADRun
 
     def spy(cfg, *a, **kw):
         trained.append(cfg.rule)
         return real(cfg, *a, **kw)
 
-    monkeypatch.setattr(R, "train_run", spy)
+    monkeypatch.setattr(R, "MADRun", spy)
     again = R.run_mad(opts, str(tmp_path))
     assert trained == [] and again["runs"][0]["test_acc"] == first["runs"][0]["test_acc"]
     more = R.run_mad(R.MADOptions(preset="tiny", tasks=["memorization"], rules=["exact", "euler"], num_heads=2),

@@ -23,6 +23,7 @@ the epoch value is the batch-size-weighted mean over batches. Perplexity likewis
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -394,81 +395,133 @@ def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", 
     ``cuda_graph`` (CUDA only): replay the training steps from a CUDA graph (``GraphedSteps``): the
     same arithmetic, apart from AdamW's capturable form, without a launch per kernel.
     """
-    started = time.perf_counter()
-    dev = torch.device(device)
-    if cuda_graph and dev.type != "cuda":
-        raise ValueError(f"cuda_graph: needs a CUDA device, got {device!r}")
-    if dataset is None:
-        dataset = make_dataset(cfg.setting, seed=cfg.seed)
-    data = tensors(dataset, dev)
-    model, opt, sched, gen = _fresh_training(cfg, dev, cuda_graph)
-    progress = _resume_state(checkpoint, cfg, model, opt, sched, gen)
-    if progress is None:
-        if checkpoint and os.path.exists(checkpoint):  # a failed load may have filled them in part
-            model, opt, sched, gen = _fresh_training(cfg, dev, cuda_graph)
-        progress = dict(history=[], best=None, steps=0, seconds=0.0)
-    bf16 = cfg.precision == "bf16"
-    V = cfg.setting.vocab_size
-    _set_step_form(opt, sched, cuda_graph, dev)
-    if cuda_graph:
-        step = GraphedSteps(model, opt, V, bf16, cfg.batch_size, dev)
-    else:
-        def step(xb, yb):
-            return _eager_step(model, opt, xb, yb, V, bf16)
-    n = len(data.train_x)
-    history, best, steps = progress["history"], progress["best"], progress["steps"]
-    t0 = started - progress["seconds"]  # seconds count this call's set-up and the earlier calls' training
-    last_save = time.perf_counter()
-    if bar is not None and steps:
-        bar.update(steps)
-    stopped_early = truncated = diverged = False
-    for epoch in range(len(history), cfg.epochs):
-        model.train()
-        perm = torch.randperm(n, generator=gen).to(dev)
-        loss_sum = torch.zeros((), device=dev)
-        n_batches = 0
-        for i in range(0, n, cfg.batch_size):
-            idx = perm[i:i + cfg.batch_size]
-            loss_sum += step(data.train_x[idx], data.train_y[idx])
-            n_batches += 1
-            steps += 1
-            if bar is not None:
-                bar.update(1)
-            if time_limit is not None and time.perf_counter() - t0 > time_limit:
-                truncated = True
-                break
-        train_loss = float(loss_sum) / max(n_batches, 1)
-        lr_used = float(opt.param_groups[0]["lr"])
-        sched.step()
-        ev = evaluate(model, data.test_x, data.test_y, cfg.batch_size, autocast=bf16)
-        rec = {"epoch": epoch + 1, "train_loss": train_loss, "lr": lr_used, "test_acc": ev["acc"],
-               "test_ppl": ev["ppl"], "test_token_acc": ev["token_acc"], "seconds": time.perf_counter() - t0}
-        history.append(rec)
-        if math.isfinite(ev["ppl"]) and (best is None or ev["ppl"] < best["test_ppl"]):
-            best = rec
-        if bar is not None:
-            bar.set_postfix(epoch=epoch + 1, loss=f"{train_loss:.3f}", acc=f"{ev['acc']:.3f}",
-                            best=f"{(best or rec)['test_acc']:.3f}")
-        if not math.isfinite(train_loss):
-            diverged = True
-            break
-        if cfg.early_stop is not None and ev["acc"] > cfg.early_stop:
-            stopped_early = True
-            break
-        if truncated:
-            break
-        if checkpoint and time.perf_counter() - last_save >= checkpoint_every:
-            _save_state(checkpoint, cfg, model, opt, sched, gen, dict(history=history, best=best, steps=steps,
-                                                                       seconds=time.perf_counter() - t0))
-            last_save = time.perf_counter()
-    best = best or history[-1]
-    return {
-        "key": cfg.key, "config": cfg.to_dict(), "task": cfg.setting.task, "setting": cfg.setting.id,
-        "rule": cfg.rule, "lr": cfg.lr, "weight_decay": cfg.weight_decay,
-        "test_acc": best["test_acc"], "test_ppl": best["test_ppl"], "test_token_acc": best["test_token_acc"],
-        "best_epoch": best["epoch"], "max_test_acc": max(h["test_acc"] for h in history),
-        "final_train_loss": history[-1]["train_loss"], "epochs_run": len(history), "steps": steps,
-        "stopped_early": stopped_early, "truncated": truncated, "diverged": diverged, "time_limit": time_limit,
-        "seconds": time.perf_counter() - t0, "device": str(dev), "cuda_graph": cuda_graph, "leakage": data.leakage,
-        "num_params": sum(p.numel() for p in model.parameters()), "history": history,
-    }
+    run = MADRun(cfg, dataset, device, time_limit, bar, checkpoint, checkpoint_every, cuda_graph)
+    train_side_by_side([run])
+    return run.result()
+
+
+def train_side_by_side(runs: list) -> None:
+    """Train ``MADRun``s to their end, side by side: each epoch, step ``i`` of every run, then every
+    run's evaluation. On a GPU each run works in its own CUDA stream, so the small kernels (or graph
+    replays) of several runs can share the GPU; each run's arithmetic is what it would be alone."""
+    while True:
+        active = [r for r in runs if not r.done]
+        if not active:
+            return
+        for r in active:
+            with r.in_stream():
+                r.start_epoch()
+        for i in range(max(r.batches_per_epoch for r in active)):
+            for r in active:
+                if i < r.batches_per_epoch and not r.truncated:
+                    with r.in_stream():
+                        r.step(i)
+        for r in active:
+            with r.in_stream():
+                r.end_epoch()
+
+
+class MADRun:
+    """One training run of ``train_run``, advanced a step at a time (``start_epoch``, ``step``,
+    ``end_epoch`` until ``done``; then ``result``), so that ``train_side_by_side`` can interleave several."""
+
+    def __init__(self, cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", time_limit: float | None = None,
+                 bar=None, checkpoint: str | None = None, checkpoint_every: float = 60.0, cuda_graph: bool = False):
+        started = time.perf_counter()
+        dev = torch.device(device)
+        if cuda_graph and dev.type != "cuda":
+            raise ValueError(f"cuda_graph: needs a CUDA device, got {device!r}")
+        if dataset is None:
+            dataset = make_dataset(cfg.setting, seed=cfg.seed)
+        self.cfg, self.dev, self.time_limit, self.bar, self.cuda_graph = cfg, dev, time_limit, bar, cuda_graph
+        self.checkpoint, self.checkpoint_every = checkpoint, checkpoint_every
+        self.data = tensors(dataset, dev)
+        self.model, self.opt, self.sched, self.gen = self._setup(checkpoint)
+        self.bf16 = cfg.precision == "bf16"
+        V = cfg.setting.vocab_size
+        self.train_step = (GraphedSteps(self.model, self.opt, V, self.bf16, cfg.batch_size, dev) if cuda_graph
+                           else lambda xb, yb: _eager_step(self.model, self.opt, xb, yb, V, self.bf16))
+        self.n = len(self.data.train_x)
+        self.batches_per_epoch = math.ceil(self.n / cfg.batch_size)
+        self.t0 = started - self.progress["seconds"]  # seconds count set-up and the earlier calls' training
+        self.last_save = time.perf_counter()
+        if bar is not None and self.steps:
+            bar.update(self.steps)
+        self.stopped_early = self.truncated = self.diverged = False
+        self.done = len(self.history) >= cfg.epochs
+        # its own stream on a GPU, after the data it reads (made in the current stream)
+        self.stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(dev))
+
+    def _setup(self, checkpoint):
+        cfg, dev = self.cfg, self.dev
+        model, opt, sched, gen = _fresh_training(cfg, dev, self.cuda_graph)
+        progress = _resume_state(checkpoint, cfg, model, opt, sched, gen)
+        if progress is None:
+            if checkpoint and os.path.exists(checkpoint):  # a failed load may have filled them in part
+                model, opt, sched, gen = _fresh_training(cfg, dev, self.cuda_graph)
+            progress = dict(history=[], best=None, steps=0, seconds=0.0)
+        _set_step_form(opt, sched, self.cuda_graph, dev)
+        self.progress = progress
+        self.history, self.best, self.steps = progress["history"], progress["best"], progress["steps"]
+        return model, opt, sched, gen
+
+    def in_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def start_epoch(self) -> None:
+        self.model.train()
+        self.perm = torch.randperm(self.n, generator=self.gen).to(self.dev)
+        self.loss_sum = torch.zeros((), device=self.dev)
+        self.n_batches = 0
+
+    def step(self, i: int) -> None:
+        """The epoch's ``i``-th batch (in order; none after a truncation)."""
+        idx = self.perm[i * self.cfg.batch_size:(i + 1) * self.cfg.batch_size]
+        self.loss_sum += self.train_step(self.data.train_x[idx], self.data.train_y[idx])
+        self.n_batches += 1
+        self.steps += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        if self.time_limit is not None and time.perf_counter() - self.t0 > self.time_limit:
+            self.truncated = True
+
+    def end_epoch(self) -> None:
+        """The schedule's step, the evaluation, the record and the stop rules; ``done`` when it ends."""
+        cfg = self.cfg
+        train_loss = float(self.loss_sum) / max(self.n_batches, 1)
+        lr_used = float(self.opt.param_groups[0]["lr"])
+        self.sched.step()
+        ev = evaluate(self.model, self.data.test_x, self.data.test_y, cfg.batch_size, autocast=self.bf16)
+        rec = {"epoch": len(self.history) + 1, "train_loss": train_loss, "lr": lr_used, "test_acc": ev["acc"],
+               "test_ppl": ev["ppl"], "test_token_acc": ev["token_acc"], "seconds": time.perf_counter() - self.t0}
+        self.history.append(rec)
+        if math.isfinite(ev["ppl"]) and (self.best is None or ev["ppl"] < self.best["test_ppl"]):
+            self.best = rec
+        if self.bar is not None:
+            self.bar.set_postfix(epoch=rec["epoch"], loss=f"{train_loss:.3f}", acc=f"{ev['acc']:.3f}",
+                                 best=f"{(self.best or rec)['test_acc']:.3f}")
+        self.diverged = not math.isfinite(train_loss)
+        self.stopped_early = not self.diverged and cfg.early_stop is not None and ev["acc"] > cfg.early_stop
+        self.done = self.diverged or self.stopped_early or self.truncated or len(self.history) >= cfg.epochs
+        if not self.done and self.checkpoint and time.perf_counter() - self.last_save >= self.checkpoint_every:
+            _save_state(self.checkpoint, cfg, self.model, self.opt, self.sched, self.gen,
+                        dict(history=self.history, best=self.best, steps=self.steps,
+                             seconds=time.perf_counter() - self.t0))
+            self.last_save = time.perf_counter()
+
+    def result(self) -> dict:
+        cfg, history = self.cfg, self.history
+        best = self.best or history[-1]
+        return {
+            "key": cfg.key, "config": cfg.to_dict(), "task": cfg.setting.task, "setting": cfg.setting.id,
+            "rule": cfg.rule, "lr": cfg.lr, "weight_decay": cfg.weight_decay,
+            "test_acc": best["test_acc"], "test_ppl": best["test_ppl"], "test_token_acc": best["test_token_acc"],
+            "best_epoch": best["epoch"], "max_test_acc": max(h["test_acc"] for h in history),
+            "final_train_loss": history[-1]["train_loss"], "epochs_run": len(history), "steps": self.steps,
+            "stopped_early": self.stopped_early, "truncated": self.truncated, "diverged": self.diverged,
+            "time_limit": self.time_limit, "seconds": time.perf_counter() - self.t0, "device": str(self.dev),
+            "cuda_graph": self.cuda_graph, "leakage": self.data.leakage,
+            "num_params": sum(p.numel() for p in self.model.parameters()), "history": history,
+        }

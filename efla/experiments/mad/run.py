@@ -18,7 +18,7 @@ from efla.data.mad_tasks import TASKS, MADSetting, baseline_setting, benchmark_s
 from efla.variants import label
 
 from .. import harness
-from .model import RULES, RunConfig, train_run
+from .model import RULES, MADRun, RunConfig, train_side_by_side
 
 GRID_LRS = (1e-4, 5e-4, 1e-3)
 GRID_WDS = (0.0, 0.1)
@@ -79,6 +79,7 @@ class MADOptions:
     device: str = "cpu"
     time_limit: float | None = None  # seconds per run
     cuda_graph: bool = False  # replay training steps from a CUDA graph (CUDA devices)
+    together: int = 1  # runs of one setting trained side by side in this process (own CUDA streams on a GPU)
     train: bool = True  # False: only aggregate the stored runs
     settings: list | None = None  # only these setting ids (e.g. "M-v1024-l32-n256"); None: all of the preset's
 
@@ -168,38 +169,58 @@ def run_mad(opts: MADOptions, out_dir: str, progress_factory=None, log=None) -> 
     """Run (or resume) every run of ``opts``; returns ``{"runs": [...], "missing": [...], ...}``."""
     os.makedirs(os.path.join(out_dir, "runs"), exist_ok=True)
     cfgs = plan(opts)
-    results, missing = [], []
-    cache: dict = {}
     report_only = not opts.train
     todo = [c for c in cfgs if load_run(out_dir, c, opts.time_limit, report_only) is None]
     if log:
         log(f"{len(cfgs)} runs planned, {len(cfgs) - len(todo)} already stored in {out_dir}/runs, "
             f"{len(todo) if opts.train else 0} to train")
-    for i, cfg in enumerate(cfgs):
+    if opts.train:
+        for group in _side_by_side_groups(todo, opts.together):
+            _train_group(group, cfgs, opts, out_dir, progress_factory, log)
+    results, missing = [], []
+    for cfg in cfgs:
         res = load_run(out_dir, cfg, opts.time_limit, report_only)
-        if res is None and opts.train:
-            if cfg.setting.id not in cache:
-                cache.clear()
-                cache[cfg.setting.id] = make_dataset(cfg.setting, seed=cfg.seed)
-            n_steps = cfg.epochs * math.ceil(cfg.setting.num_train_examples / cfg.batch_size)
-            desc = f"[{i + 1}/{len(cfgs)}] {cfg.setting.id} {label(cfg.rule)} lr={cfg.lr:g} wd={cfg.weight_decay:g}"
-            bar = progress_factory(total=n_steps, desc=desc) if progress_factory else None
-            try:
-                res = train_run(cfg, cache[cfg.setting.id], device=opts.device, time_limit=opts.time_limit, bar=bar,
-                                checkpoint=partial_path(out_dir, cfg), cuda_graph=opts.cuda_graph)
-            finally:
-                if bar is not None:
-                    bar.close()
-            harness.atomic_write(run_path(out_dir, cfg), json.dumps(res))
-            with contextlib.suppress(FileNotFoundError):  # stored: its partial state is done with
-                os.remove(partial_path(out_dir, cfg))
-            if log:
-                log(f"{desc}: test acc {res['test_acc']:.4f} (best-ppl epoch {res['best_epoch']}/{res['epochs_run']}"
-                    f"{', early stop' if res['stopped_early'] else ''}{', TRUNCATED' if res['truncated'] else ''}) "
-                    f"in {res['seconds']:.0f} s")
         if res is None:
             missing.append(cfg.key)
         else:
             results.append(res)
     return {"options": opts.__dict__, "preset": PRESETS[opts.preset].__dict__, "runs": results, "missing": missing,
             "versions": versions()}
+
+
+def _side_by_side_groups(todo: list[RunConfig], size: int) -> list[list[RunConfig]]:
+    """Consecutive runs of one setting (they share the dataset and the steps per epoch), at most ``size`` a group."""
+    groups: list[list[RunConfig]] = []
+    for cfg in todo:
+        if groups and len(groups[-1]) < size and groups[-1][0].setting == cfg.setting:
+            groups[-1].append(cfg)
+        else:
+            groups.append([cfg])
+    return groups
+
+
+def _train_group(group: list[RunConfig], cfgs: list[RunConfig], opts: MADOptions, out_dir: str, progress_factory,
+                 log) -> None:
+    """Train the runs of one group side by side and store each result (its partial state then goes)."""
+    dataset = make_dataset(group[0].setting, seed=group[0].seed)
+    descs = [f"[{cfgs.index(c) + 1}/{len(cfgs)}] {c.setting.id} {label(c.rule)} lr={c.lr:g} wd={c.weight_decay:g}"
+             for c in group]
+    n_steps = sum(c.epochs * math.ceil(c.setting.num_train_examples / c.batch_size) for c in group)
+    desc = descs[0] if len(group) == 1 else f"{len(group)} runs of {group[0].setting.id} side by side"
+    bar = progress_factory(total=n_steps, desc=desc) if progress_factory else None
+    try:
+        runs = [MADRun(c, dataset, device=opts.device, time_limit=opts.time_limit, bar=bar,
+                       checkpoint=partial_path(out_dir, c), cuda_graph=opts.cuda_graph) for c in group]
+        train_side_by_side(runs)
+    finally:
+        if bar is not None:
+            bar.close()
+    for cfg, run, run_desc in zip(group, runs, descs):
+        res = run.result()
+        harness.atomic_write(run_path(out_dir, cfg), json.dumps(res))
+        with contextlib.suppress(FileNotFoundError):  # stored: its partial state is done with
+            os.remove(partial_path(out_dir, cfg))
+        if log:
+            log(f"{run_desc}: test acc {res['test_acc']:.4f} (best-ppl epoch {res['best_epoch']}/{res['epochs_run']}"
+                f"{', early stop' if res['stopped_early'] else ''}{', TRUNCATED' if res['truncated'] else ''}) "
+                f"in {res['seconds']:.0f} s")
