@@ -56,4 +56,4 @@ xargs -P "$JOBS" -L 1 bash -c 'run_one "$@"' _ < "$R/logs/todo.txt"
 python3 -m efla mad --preset baseline --report-only --out "$R" > "$R/logs/report.log" 2>&1
 echo "report exit $?; $(ls "$R/runs" | wc -l) runs stored; done in ${SECONDS}s"
 for f in "$R"/partial/*.pt; do [ -e "$f" ] && echo "partial: $(basename "$f")"; done
-[ -n "${PACK:-}" ] && tar -czf "$PACK" --exclude=partial -C "$(dirname "$R")" "$(basename "$R")" && echo "packed into $PACK"
+[ -n "${PACK:-}" ] && tar -czf "$PACK" --exclude=./partial -C "$R" . && echo "packed into $PACK (unpack into $SEED)"

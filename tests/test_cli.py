@@ -71,6 +71,7 @@ def _fake_model_dir(path: pathlib.Path) -> pathlib.Path:
     (["mad", "--num-heads", "0"], "(--num-heads)"),
     (["mad", "--device", "cpu", "--cuda-graph"], "CUDA graphs need a CUDA device, got 'cpu' (--cuda-graph)"),
     (["mad", "--together", "0"], "expected a value >= 1, got 0 (--together)"),
+    (["mad", "--together", "2", "--time-limit", "60"], "needs runs trained one at a time (--together)"),
     (["demo", "--epochs", "0"], "expected a value >= 1, got 0 (--epochs)"),
     (["train", "--out", "x", "--data", "no-such-corpus"], "no-such-corpus: no such file or directory"),
 ])

@@ -73,6 +73,8 @@ def _check_arguments(args) -> None:
     check.positive(args.time_limit, "--time-limit")
     check.at_least(args.threads, 1, "--threads")
     check.at_least(args.together, 1, "--together")
+    if args.together > 1 and args.time_limit is not None:
+        raise UsageError("--time-limit counts per run, so it needs runs trained one at a time (--together)")
     check.device(args.device)
     check.output_dir(args.out)
     if args.cuda_graph and not str(args.device).startswith("cuda"):

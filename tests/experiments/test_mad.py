@@ -480,9 +480,13 @@ def test_runs_side_by_side_equal_runs_alone():
     data = D.make_dataset(s, seed=12345)
     alone = [E.train_run(c, data) for c in cfgs]
     runs = [E.MADRun(c, data) for c in cfgs]
-    E.train_side_by_side(runs)
+    ended = []
+    E.train_side_by_side(runs, on_done=lambda run: ended.append((run, [r.done for r in runs])))
     together = [r.result() for r in runs]
     assert alone[1]["stopped_early"] and alone[1]["epochs_run"] < 40
+    # each run is handed over as it ends (the early stop while the others go on), timed to its own end
+    assert [r for r, _ in ended] == [runs[1], runs[0], runs[2]] and ended[0][1] == [False, True, False]
+    assert together[1]["seconds"] == together[1]["history"][-1]["seconds"]
     for a, b in zip(alone, together):
         assert _without_times(a) == _without_times(b)
     cut = E.MADRun(cfgs[0], data, time_limit=0.0)

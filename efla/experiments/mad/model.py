@@ -317,6 +317,7 @@ class GraphedSteps:
         self.model, self.opt, self.vocab_size, self.bf16 = model, opt, vocab_size, bf16
         self.batch_size, self.device = batch_size, device
         self.lr = opt.param_groups[0]["lr"]
+        self.side = torch.cuda.Stream(device=device)  # for the warm-up steps
         self.eager_steps = 0
         self.graph = self.x = self.y = self.loss = None
 
@@ -336,11 +337,12 @@ class GraphedSteps:
             return self.loss
 
     def _warmup_step(self, xb, yb):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        current = torch.cuda.current_stream()
+        self.side.wait_stream(current)
+        with torch.cuda.stream(self.side):
             loss = _eager_step(self.model, self.opt, xb, yb, self.vocab_size, self.bf16)
-        torch.cuda.current_stream().wait_stream(side)
+        current.wait_stream(self.side)
+        loss.record_stream(current)  # the caller reads it in this stream: not reused before that
         self.eager_steps += 1
         return loss
 
@@ -400,10 +402,11 @@ def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", 
     return run.result()
 
 
-def train_side_by_side(runs: list) -> None:
+def train_side_by_side(runs: list, on_done=lambda run: None) -> None:
     """Train ``MADRun``s to their end, side by side: each epoch, step ``i`` of every run, then every
-    run's evaluation. On a GPU each run works in its own CUDA stream, so the small kernels (or graph
-    replays) of several runs can share the GPU; each run's arithmetic is what it would be alone."""
+    run's evaluation; ``on_done(run)`` as each ends (to store it before the others end). On a GPU each
+    run works in its own CUDA stream, so the small kernels (or graph replays) of several runs can
+    share the GPU; each run's arithmetic is what it would be alone."""
     while True:
         active = [r for r in runs if not r.done]
         if not active:
@@ -419,6 +422,8 @@ def train_side_by_side(runs: list) -> None:
         for r in active:
             with r.in_stream():
                 r.end_epoch()
+            if r.done:
+                on_done(r)
 
 
 class MADRun:
@@ -449,6 +454,7 @@ class MADRun:
             bar.update(self.steps)
         self.stopped_early = self.truncated = self.diverged = False
         self.done = len(self.history) >= cfg.epochs
+        self.seconds = None  # set when the run ends (a run side by side with others ends before them)
         # its own stream on a GPU, after the data it reads (made in the current stream)
         self.stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
         if self.stream is not None:
@@ -505,7 +511,9 @@ class MADRun:
         self.diverged = not math.isfinite(train_loss)
         self.stopped_early = not self.diverged and cfg.early_stop is not None and ev["acc"] > cfg.early_stop
         self.done = self.diverged or self.stopped_early or self.truncated or len(self.history) >= cfg.epochs
-        if not self.done and self.checkpoint and time.perf_counter() - self.last_save >= self.checkpoint_every:
+        if self.done:
+            self.seconds = rec["seconds"]
+        elif self.checkpoint and time.perf_counter() - self.last_save >= self.checkpoint_every:
             _save_state(self.checkpoint, cfg, self.model, self.opt, self.sched, self.gen,
                         dict(history=self.history, best=self.best, steps=self.steps,
                              seconds=time.perf_counter() - self.t0))
@@ -521,7 +529,8 @@ class MADRun:
             "best_epoch": best["epoch"], "max_test_acc": max(h["test_acc"] for h in history),
             "final_train_loss": history[-1]["train_loss"], "epochs_run": len(history), "steps": self.steps,
             "stopped_early": self.stopped_early, "truncated": self.truncated, "diverged": self.diverged,
-            "time_limit": self.time_limit, "seconds": time.perf_counter() - self.t0, "device": str(self.dev),
+            "time_limit": self.time_limit,
+            "seconds": self.seconds if self.seconds is not None else time.perf_counter() - self.t0, "device": str(self.dev),
             "cuda_graph": self.cuda_graph, "leakage": self.data.leakage,
             "num_params": sum(p.numel() for p in self.model.parameters()), "history": history,
         }

@@ -174,9 +174,16 @@ def run_mad(opts: MADOptions, out_dir: str, progress_factory=None, log=None) -> 
     if log:
         log(f"{len(cfgs)} runs planned, {len(cfgs) - len(todo)} already stored in {out_dir}/runs, "
             f"{len(todo) if opts.train else 0} to train")
+    if opts.train and opts.together > 1 and opts.time_limit is not None:
+        raise ValueError("time_limit: a limit per run needs runs trained one at a time (together = 1); side by side "
+                         "each run's clock would count the whole group's time")
     if opts.train:
+        datasets: dict = {}
         for group in _side_by_side_groups(todo, opts.together):
-            _train_group(group, cfgs, opts, out_dir, progress_factory, log)
+            if group[0].setting.id not in datasets:
+                datasets.clear()
+                datasets[group[0].setting.id] = make_dataset(group[0].setting, seed=group[0].seed)
+            _train_group(group, datasets[group[0].setting.id], cfgs, opts, out_dir, progress_factory, log)
     results, missing = [], []
     for cfg in cfgs:
         res = load_run(out_dir, cfg, opts.time_limit, report_only)
@@ -199,28 +206,33 @@ def _side_by_side_groups(todo: list[RunConfig], size: int) -> list[list[RunConfi
     return groups
 
 
-def _train_group(group: list[RunConfig], cfgs: list[RunConfig], opts: MADOptions, out_dir: str, progress_factory,
-                 log) -> None:
-    """Train the runs of one group side by side and store each result (its partial state then goes)."""
-    dataset = make_dataset(group[0].setting, seed=group[0].seed)
-    descs = [f"[{cfgs.index(c) + 1}/{len(cfgs)}] {c.setting.id} {label(c.rule)} lr={c.lr:g} wd={c.weight_decay:g}"
-             for c in group]
+def _train_group(group: list[RunConfig], dataset: dict, cfgs: list[RunConfig], opts: MADOptions, out_dir: str,
+                 progress_factory, log) -> None:
+    """Train the runs of one group side by side and store each result as its run ends (its partial
+    state then goes)."""
+    descs = {c.key: f"[{cfgs.index(c) + 1}/{len(cfgs)}] {c.setting.id} {label(c.rule)} lr={c.lr:g} "
+                    f"wd={c.weight_decay:g}" for c in group}
     n_steps = sum(c.epochs * math.ceil(c.setting.num_train_examples / c.batch_size) for c in group)
-    desc = descs[0] if len(group) == 1 else f"{len(group)} runs of {group[0].setting.id} side by side"
+    desc = descs[group[0].key] if len(group) == 1 else f"{len(group)} runs of {group[0].setting.id} side by side"
     bar = progress_factory(total=n_steps, desc=desc) if progress_factory else None
-    try:
-        runs = [MADRun(c, dataset, device=opts.device, time_limit=opts.time_limit, bar=bar,
-                       checkpoint=partial_path(out_dir, c), cuda_graph=opts.cuda_graph) for c in group]
-        train_side_by_side(runs)
-    finally:
-        if bar is not None:
-            bar.close()
-    for cfg, run, run_desc in zip(group, runs, descs):
-        res = run.result()
+
+    def store(run) -> None:
+        res, cfg = run.result(), run.cfg
         harness.atomic_write(run_path(out_dir, cfg), json.dumps(res))
         with contextlib.suppress(FileNotFoundError):  # stored: its partial state is done with
             os.remove(partial_path(out_dir, cfg))
         if log:
-            log(f"{run_desc}: test acc {res['test_acc']:.4f} (best-ppl epoch {res['best_epoch']}/{res['epochs_run']}"
-                f"{', early stop' if res['stopped_early'] else ''}{', TRUNCATED' if res['truncated'] else ''}) "
-                f"in {res['seconds']:.0f} s")
+            log(f"{descs[cfg.key]}: test acc {res['test_acc']:.4f} (best-ppl epoch {res['best_epoch']}/"
+                f"{res['epochs_run']}{', early stop' if res['stopped_early'] else ''}"
+                f"{', TRUNCATED' if res['truncated'] else ''}) in {res['seconds']:.0f} s")
+
+    try:
+        runs = [MADRun(c, dataset, device=opts.device, time_limit=opts.time_limit, bar=bar,
+                       checkpoint=partial_path(out_dir, c), cuda_graph=opts.cuda_graph) for c in group]
+        for run in runs:  # a run resumed complete ends here
+            if run.done:
+                store(run)
+        train_side_by_side(runs, on_done=store)
+    finally:
+        if bar is not None:
+            bar.close()
