@@ -152,15 +152,21 @@ def build_model(setting: MADSetting, rule: str, width: int = 128, num_heads: int
 # ----------------------------------------------------------------------------- metrics
 
 
+def _class_counts(classes: torch.Tensor, weights: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """``weights`` summed per class (float64), without reading anything back to the host."""
+    return torch.zeros(num_classes, dtype=torch.float64, device=classes.device).scatter_add_(0, classes, weights)
+
+
 def macro_accuracy(logits: torch.Tensor, targets: torch.Tensor, num_classes: int) -> torch.Tensor:
     """torchmetrics' ``MulticlassAccuracy(average="macro", ignore_index=-100)`` of one batch:
-    per-class recall averaged over the classes with ``tp + fp + fn > 0``."""
-    mask = targets != IGNORE
-    t = targets[mask]
-    p = logits.argmax(-1)[mask]
-    tp = torch.bincount(t[p == t], minlength=num_classes).double()
-    support = torch.bincount(t, minlength=num_classes).double()
-    predicted = torch.bincount(p, minlength=num_classes).double()
+    per-class recall averaged over the classes with ``tp + fp + fn > 0``. No device sync: scored
+    positions are weighted 1, ignored ones 0 (counted in class 0 with no weight)."""
+    scored = (targets != IGNORE).reshape(-1).double()
+    t = targets.reshape(-1).clamp_min(0)
+    p = logits.argmax(-1).reshape(-1)
+    tp = _class_counts(t, scored * (p == t).double(), num_classes)
+    support = _class_counts(t, scored, num_classes)
+    predicted = _class_counts(p, scored, num_classes)
     fp, fn = predicted - tp, support - tp
     recall = torch.where(support > 0, tp / support.clamp_min(1), torch.zeros_like(tp))
     w = ((tp + fp + fn) > 0).double()
@@ -171,10 +177,9 @@ def macro_accuracy(logits: torch.Tensor, targets: torch.Tensor, num_classes: int
 def evaluate(model: MADModel, x: torch.Tensor, y: torch.Tensor, batch_size: int = 128,
              autocast: bool = False) -> dict:
     """Batch-size-weighted means of the per-batch macro accuracy and perplexity, plus the plain
-    fraction of correct scored tokens."""
+    fraction of correct scored tokens (summed on the device, read back once)."""
     model.eval()
-    acc_sum = ppl_sum = 0.0
-    correct = total = 0
+    sums = torch.zeros(4, dtype=torch.float64, device=x.device)  # acc * b, ppl * b, correct, scored
     n = 0
     for i in range(0, len(x), batch_size):
         xb, yb = x[i:i + batch_size], y[i:i + batch_size]
@@ -183,13 +188,13 @@ def evaluate(model: MADModel, x: torch.Tensor, y: torch.Tensor, batch_size: int 
         logits = logits.float()
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.reshape(-1), ignore_index=IGNORE)
         b = len(xb)
-        acc_sum += float(macro_accuracy(logits, yb, model.vocab_size)) * b
-        ppl_sum += math.exp(min(float(nll), 700.0)) * b
-        mask = yb != IGNORE
-        correct += int((logits.argmax(-1)[mask] == yb[mask]).sum())
-        total += int(mask.sum())
+        scored = yb != IGNORE
+        sums += torch.stack([macro_accuracy(logits, yb, model.vocab_size) * b,
+                             torch.exp(nll.double().clamp(max=700.0)) * b,
+                             ((logits.argmax(-1) == yb) & scored).sum().double(), scored.sum().double()])
         n += b
     model.train()
+    acc_sum, ppl_sum, correct, total = sums.tolist()
     return {"acc": acc_sum / n, "ppl": ppl_sum / n, "token_acc": correct / max(total, 1)}
 
 
