@@ -209,10 +209,11 @@ def raise_earlier_overflows(wait: bool = False) -> None:
     whose flag has reached the host (``wait``: wait for every flag's copy first), and reset that
     flag for later calls."""
     for check in _later_checks().values():
-        if check.event is not None and not (wait or check.event.query()):
-            continue
-        if check.event is not None and wait:
-            check.event.synchronize()
+        if check.event is not None:
+            if wait:
+                check.event.synchronize()
+            elif not check.event.query():
+                continue
         if check.host.item():
             with _in_stream(check.stream):
                 reset_flag(check.flag)

@@ -264,11 +264,11 @@ def _save_state(path: str, cfg: RunConfig, model, opt, sched, gen, progress: dic
     harness.atomic_save_torch(path, state)
 
 
-def _fresh_training(cfg: RunConfig, dev: torch.device, graphed: bool = False):
-    """Model, optimizer, schedule and data-order generator of a run's first epoch. ``graphed``: an
-    optimizer whose steps a CUDA graph can hold (``_set_step_form`` completes it)."""
+def _fresh_training(cfg: RunConfig, dev: torch.device):
+    """Model, optimizer, schedule and data-order generator of a run's first epoch (the optimizer in
+    its plain form; ``_set_step_form`` puts it in the form the run steps in)."""
     model = build_model(cfg.setting, cfg.rule, cfg.width, cfg.num_heads, cfg.blocks, seed=cfg.seed).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, capturable=graphed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.epochs, eta_min=1e-6)
     return model, opt, sched, torch.Generator().manual_seed(cfg.seed)
 
@@ -467,11 +467,11 @@ class MADRun:
 
     def _setup(self, checkpoint):
         cfg, dev = self.cfg, self.dev
-        model, opt, sched, gen = _fresh_training(cfg, dev, self.cuda_graph)
+        model, opt, sched, gen = _fresh_training(cfg, dev)
         progress = _resume_state(checkpoint, cfg, model, opt, sched, gen)
         if progress is None:
             if checkpoint and os.path.exists(checkpoint):  # a failed load may have filled them in part
-                model, opt, sched, gen = _fresh_training(cfg, dev, self.cuda_graph)
+                model, opt, sched, gen = _fresh_training(cfg, dev)
             progress = dict(history=[], best=None, steps=0, seconds=0.0)
         _set_step_form(opt, sched, self.cuda_graph, dev)
         self.progress = progress
