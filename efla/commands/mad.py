@@ -38,8 +38,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16 = autocast (MAD used bf16)")
     p.add_argument("--device", default=default_device())
     p.add_argument("--together", type=int, default=1, metavar="N",
-                   help="train up to N runs of one setting side by side in this process (each in its own CUDA "
-                        "stream on a GPU, where small models leave most of it idle); default 1")
+                   help="train up to N runs side by side in this process (each in its own CUDA stream on a GPU, "
+                        "where small models leave most of it idle; at most 32 there); default 1")
     p.add_argument("--cuda-graph", action="store_true",
                    help="replay each training step from a CUDA graph (CUDA devices; small models run several "
                         "times faster)")
@@ -64,6 +64,8 @@ def _resolve_tasks(names):
 
 
 def _check_arguments(args) -> None:
+    from efla.experiments.mad.model import STREAMS_PER_DEVICE
+
     _resolve_tasks(args.tasks)
     check.at_least(args.num_heads, 1, "--num-heads")
     check.positive(args.lrs, "--lrs")
@@ -75,6 +77,9 @@ def _check_arguments(args) -> None:
     check.at_least(args.together, 1, "--together")
     if args.together > 1 and args.time_limit is not None:
         raise UsageError("--time-limit counts per run, so it needs runs trained one at a time (--together)")
+    if str(args.device).startswith("cuda") and args.together > STREAMS_PER_DEVICE:
+        raise UsageError(f"at most {STREAMS_PER_DEVICE} runs side by side on a GPU, one CUDA stream each, got "
+                         f"{args.together} (--together)")
     check.device(args.device)
     check.output_dir(args.out)
     if args.cuda_graph and not str(args.device).startswith("cuda"):

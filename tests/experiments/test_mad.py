@@ -387,16 +387,28 @@ def test_cuda_graph_steps_train_like_eager_steps(rule):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4), (a, b)
         assert a["test_ppl"] == pytest.approx(b["test_ppl"], rel=1e-3), (a, b)
     assert eager["history"][-1]["train_loss"] < eager["history"][0]["train_loss"]
-    # side by side in their own streams (graphed with graphed, and with an eager run): as alone
-    other = dataclasses.replace(cfg, lr=1e-3)
-    runs = [E.MADRun(cfg, device="cuda", cuda_graph=True), E.MADRun(other, device="cuda", cuda_graph=True),
-            E.MADRun(other, device="cuda")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rule", ["exact", "euler"])
+def test_runs_side_by_side_on_a_gpu_train_as_alone(rule):
+    # graphed runs of two settings (one the fuzzy-recall baseline, whose graphs once shared a cuBLAS
+    # workspace and raced on it) and an eager run, each in its own stream: each as it trains alone
+    tiny = E.RunConfig(setting=D.MADSetting("fuzzy-in-context-recall", 16, 32, 200, 64, k_motif_size=3,
+                                            v_motif_size=3), rule=rule, lr=3e-3, weight_decay=0.1, epochs=5,
+                       batch_size=32, width=32, num_heads=2, early_stop=None)
+    full = E.RunConfig(setting=D.baseline_setting("fuzzy-in-context-recall"), rule=rule, lr=1e-3, epochs=1)
+    cases = [(tiny, True), (dataclasses.replace(tiny, lr=1e-3), True), (tiny, False), (full, True),
+             (dataclasses.replace(full, lr=5e-4), True)]
+    runs = [E.MADRun(cfg, device="cuda", cuda_graph=graphed) for cfg, graphed in cases]
     E.train_side_by_side(runs)
-    other_alone = E.train_run(other, device="cuda")
-    for run, alone in zip(runs, (graphed, other_alone, other_alone)):
+    for run, (cfg, graphed) in zip(runs, cases):
+        alone = E.train_run(cfg, device="cuda", cuda_graph=graphed)
+        assert len(alone["history"]) == len(run.result()["history"]) == cfg.epochs
         for a, b in zip(alone["history"], run.result()["history"]):
-            assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4), (a, b)
-            assert a["test_ppl"] == pytest.approx(b["test_ppl"], rel=1e-3), (a, b)
+            assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4), (cfg.key, a, b)
+            assert a["test_ppl"] == pytest.approx(b["test_ppl"], rel=1e-3), (cfg.key, a, b)
 
 
 def test_early_stop_and_best_checkpoint(monkeypatch):
@@ -494,15 +506,31 @@ def test_runs_side_by_side_equal_runs_alone():
     assert cut.result()["truncated"] and cut.result()["steps"] == 1
 
 
-def test_run_mad_side_by_side_stores_the_same_runs(tmp_path):
+def test_run_mad_side_by_side_stores_the_same_runs(tmp_path, monkeypatch):
+    # three at a time: the first group mixes two settings; each dataset is made once
     opts = dict(preset="tiny", tasks=["memorization", "compression"], rules=["exact", "euler"], num_heads=2)
     one = R.run_mad(R.MADOptions(**opts), str(tmp_path / "one"))
-    four = R.run_mad(R.MADOptions(**opts, together=4), str(tmp_path / "four"))
-    assert len(four["runs"]) == 4 and not four["missing"]
-    for a, b in zip(one["runs"], four["runs"]):
+    made = []
+    real = R.make_dataset
+    monkeypatch.setattr(R, "make_dataset", lambda setting, seed: made.append(setting.id) or real(setting, seed=seed))
+    three = R.run_mad(R.MADOptions(**opts, together=3), str(tmp_path / "three"))
+    assert len(three["runs"]) == 4 and not three["missing"]
+    for a, b in zip(one["runs"], three["runs"]):
         assert _without_times(a) == _without_times(b)
-    assert R._side_by_side_groups(R.plan(R.MADOptions(**opts)), 4) == [R.plan(R.MADOptions(**opts))[:2],
-                                                                       R.plan(R.MADOptions(**opts))[2:]]
+    planned = R.plan(R.MADOptions(**opts))
+    assert R._side_by_side_groups(planned, 3) == [planned[:3], planned[3:]]
+    assert planned[1].setting != planned[2].setting and sorted(made) == sorted({c.setting.id for c in planned})
+
+
+def test_runs_side_by_side_need_streams_of_their_own():
+    class Run:  # what train_side_by_side reads before training
+        def __init__(self, stream):
+            self.stream, self.done = stream, True
+
+    shared = object()
+    with pytest.raises(ValueError, match="share CUDA streams; PyTorch lends at most 32"):
+        E.train_side_by_side([Run(shared), Run(object()), Run(shared)])
+    E.train_side_by_side([Run(object()), Run(object()), Run(None), Run(None)])  # CPU runs have none
 
 
 def test_tiny_preset_all_tasks_two_rules(tmp_path):

@@ -1,6 +1,6 @@
 """MAD synthetic benchmark (Poli et al. 2024, "Mechanistic Design and Scaling of Hybrid
 Architectures"): the backbone, the metric and one training run. Orchestration (presets, grid,
-resume, files) lives in ``mad_run.py``.
+resume, files) lives in ``run.py``.
 
 Backbone (MAD-lab's ``benchmark.py`` default, width 128): token embedding ``N(0, 0.02)``, no
 positional embedding, ``2 x [mixer, SwiGLU]`` pre-norm residual layers ``x = x + f(RMSNorm(x))``,
@@ -41,6 +41,7 @@ from efla.variants import EXPERIMENT_KEYS, Variant
 
 RULES = EXPERIMENT_KEYS
 EARLY_STOP = 0.999
+STREAMS_PER_DEVICE = 32  # the pool torch.cuda.Stream() cycles through
 
 
 def swiglu_width(width: int) -> int:
@@ -311,10 +312,15 @@ def _eager_step(model, opt, xb, yb, vocab_size: int, bf16: bool) -> torch.Tensor
 class GraphedSteps:
     """Optimizer steps replayed from one CUDA graph (forward, loss, backward, AdamW) for full batches
     (``batch_size`` rows); a shorter last batch steps eagerly. The first ``WARMUP`` full batches step
-    eagerly on a side stream (real steps: kernels compile and autotune, autograd and the optimizer
-    set up their state); the next one is captured and then replayed, and so is every later one. A
-    step of MAD's small models is mostly kernel launches, which the replay does in one. The
-    optimizer's lr must be a device tensor that the schedule fills in place (see ``_set_step_form``)."""
+    eagerly (real steps: autograd and the optimizer set up their state); the next one is captured
+    and then replayed, and so is every later one. A step of MAD's small models is mostly kernel
+    launches, which the replay does in one. The optimizer's lr must be a device tensor that the
+    schedule fills in place (see ``_set_step_form``).
+
+    Everything runs in the caller's current stream, which must be the run's own: cuBLAS keeps a
+    workspace per stream and a graph keeps the address of the one of the stream it was captured in,
+    so graphs captured in one stream (PyTorch's default capture stream is one for all) share it and,
+    replayed side by side, race on it."""
 
     WARMUP = 3
 
@@ -322,18 +328,19 @@ class GraphedSteps:
         self.model, self.opt, self.vocab_size, self.bf16 = model, opt, vocab_size, bf16
         self.batch_size, self.device = batch_size, device
         self.lr = opt.param_groups[0]["lr"]
-        self.side = torch.cuda.Stream(device=device)  # for the warm-up steps
         self.eager_steps = 0
-        self.graph = self.x = self.y = self.loss = None
+        self.graph = self.stream = self.x = self.y = self.loss = None
 
     def __call__(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         if self.opt.param_groups[0]["lr"] is not self.lr:  # the graph would go on with the lr it holds
             raise RuntimeError("the lr schedule replaced the optimizer's lr tensor instead of filling it in")
-        with torch.cuda.device(self.device):  # streams and the capture on the run's device
+        with torch.cuda.device(self.device):
+            self._check_stream(torch.cuda.current_stream())
             if len(xb) != self.batch_size:
                 return _eager_step(self.model, self.opt, xb, yb, self.vocab_size, self.bf16)
             if self.graph is None and self.eager_steps < self.WARMUP:
-                return self._warmup_step(xb, yb)
+                self.eager_steps += 1
+                return _eager_step(self.model, self.opt, xb, yb, self.vocab_size, self.bf16)
             if self.graph is None:
                 self._capture(xb, yb)
             self.x.copy_(xb)
@@ -341,22 +348,20 @@ class GraphedSteps:
             self.graph.replay()
             return self.loss
 
-    def _warmup_step(self, xb, yb):
-        current = torch.cuda.current_stream()
-        self.side.wait_stream(current)
-        with torch.cuda.stream(self.side):
-            loss = _eager_step(self.model, self.opt, xb, yb, self.vocab_size, self.bf16)
-        current.wait_stream(self.side)
-        loss.record_stream(current)  # the caller reads it in this stream: not reused before that
-        self.eager_steps += 1
-        return loss
+    def _check_stream(self, current: torch.cuda.Stream) -> None:
+        if current == torch.cuda.default_stream():
+            raise RuntimeError("graphed steps run in a stream of the run's own, not the default stream (which "
+                               "cannot capture)")
+        if self.stream is not None and current != self.stream:
+            raise RuntimeError("graphed steps run in the stream their graph was captured in")
 
     def _capture(self, xb, yb):
         """Record the step with static inputs; recording runs nothing, the replay after it does."""
+        self.stream = torch.cuda.current_stream()
         self.x, self.y = xb.clone(), yb.clone()
         self.opt.zero_grad(set_to_none=True)  # the captured backward writes the grads in the graph's memory
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, stream=self.stream):
             with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=self.bf16):
                 logits = self.model(self.x)
             self.loss = F.cross_entropy(logits.float().reshape(-1, self.vocab_size), self.y.reshape(-1),
@@ -411,7 +416,11 @@ def train_side_by_side(runs: list, on_done=lambda run: None) -> None:
     """Train ``MADRun``s to their end, side by side: each epoch, step ``i`` of every run, then every
     run's evaluation; ``on_done(run)`` as each ends (to store it before the others end). On a GPU each
     run works in its own CUDA stream, so the small kernels (or graph replays) of several runs can
-    share the GPU; each run's arithmetic is what it would be alone."""
+    share the GPU; each run's arithmetic is what it would be alone. Runs may have different settings."""
+    streams = [r.stream for r in runs if r.stream is not None]
+    if len(set(streams)) < len(streams):  # their work would serialize, their graphs share a cuBLAS workspace
+        raise ValueError(f"runs: {len(runs)} runs side by side share CUDA streams; PyTorch lends at most "
+                         f"{STREAMS_PER_DEVICE} a device, so train at most that many together")
     while True:
         active = [r for r in runs if not r.done]
         if not active:

@@ -79,7 +79,7 @@ class MADOptions:
     device: str = "cpu"
     time_limit: float | None = None  # seconds per run
     cuda_graph: bool = False  # replay training steps from a CUDA graph (CUDA devices)
-    together: int = 1  # runs of one setting trained side by side in this process (own CUDA streams on a GPU)
+    together: int = 1  # runs trained side by side in this process (own CUDA streams on a GPU)
     train: bool = True  # False: only aggregate the stored runs
     settings: list | None = None  # only these setting ids (e.g. "M-v1024-l32-n256"); None: all of the preset's
 
@@ -180,10 +180,8 @@ def run_mad(opts: MADOptions, out_dir: str, progress_factory=None, log=None) -> 
     if opts.train:
         datasets: dict = {}
         for group in _side_by_side_groups(todo, opts.together):
-            if group[0].setting.id not in datasets:
-                datasets.clear()
-                datasets[group[0].setting.id] = make_dataset(group[0].setting, seed=group[0].seed)
-            _train_group(group, datasets[group[0].setting.id], cfgs, opts, out_dir, progress_factory, log)
+            datasets = _datasets_for(group, datasets)
+            _train_group(group, datasets, cfgs, opts, out_dir, progress_factory, log)
     results, missing = [], []
     for cfg in cfgs:
         res = load_run(out_dir, cfg, opts.time_limit, report_only)
@@ -196,24 +194,28 @@ def run_mad(opts: MADOptions, out_dir: str, progress_factory=None, log=None) -> 
 
 
 def _side_by_side_groups(todo: list[RunConfig], size: int) -> list[list[RunConfig]]:
-    """Consecutive runs of one setting (they share the dataset and the steps per epoch), at most ``size`` a group."""
-    groups: list[list[RunConfig]] = []
-    for cfg in todo:
-        if groups and len(groups[-1]) < size and groups[-1][0].setting == cfg.setting:
-            groups[-1].append(cfg)
-        else:
-            groups.append([cfg])
-    return groups
+    """The runs in plan order, ``size`` at a time (the last group may be smaller)."""
+    return [todo[i:i + size] for i in range(0, len(todo), size)]
 
 
-def _train_group(group: list[RunConfig], dataset: dict, cfgs: list[RunConfig], opts: MADOptions, out_dir: str,
+def _datasets_for(group: list[RunConfig], made: dict) -> dict:
+    """The datasets of the group's settings by id, taken from ``made`` where there (the plan keeps a
+    setting's runs together, so each dataset is made once)."""
+    out: dict = {}
+    for c in group:
+        if c.setting.id not in out:
+            out[c.setting.id] = made[c.setting.id] if c.setting.id in made else make_dataset(c.setting, seed=c.seed)
+    return out
+
+
+def _train_group(group: list[RunConfig], datasets: dict, cfgs: list[RunConfig], opts: MADOptions, out_dir: str,
                  progress_factory, log) -> None:
     """Train the runs of one group side by side and store each result as its run ends (its partial
     state then goes)."""
     descs = {c.key: f"[{cfgs.index(c) + 1}/{len(cfgs)}] {c.setting.id} {label(c.rule)} lr={c.lr:g} "
                     f"wd={c.weight_decay:g}" for c in group}
     n_steps = sum(c.epochs * math.ceil(c.setting.num_train_examples / c.batch_size) for c in group)
-    desc = descs[group[0].key] if len(group) == 1 else f"{len(group)} runs of {group[0].setting.id} side by side"
+    desc = descs[group[0].key] if len(group) == 1 else f"{len(group)} runs side by side"
     bar = progress_factory(total=n_steps, desc=desc) if progress_factory else None
 
     def store(run) -> None:
@@ -227,7 +229,7 @@ def _train_group(group: list[RunConfig], dataset: dict, cfgs: list[RunConfig], o
                 f"{', TRUNCATED' if res['truncated'] else ''}) in {res['seconds']:.0f} s")
 
     try:
-        runs = [MADRun(c, dataset, device=opts.device, time_limit=opts.time_limit, bar=bar,
+        runs = [MADRun(c, datasets[c.setting.id], device=opts.device, time_limit=opts.time_limit, bar=bar,
                        checkpoint=partial_path(out_dir, c), cuda_graph=opts.cuda_graph) for c in group]
         for run in runs:  # a run resumed complete ends here
             if run.done:
