@@ -12,6 +12,7 @@
 #   device: PACK=$OUT/mad_baseline.tgz bash scripts/device_mad_baseline.sh   (carry .whl .devmad/baseline)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+export CUDA_DEVICE_MAX_CONNECTIONS=32  # a hardware queue per stream (default 8: streams beyond share and wait)
 DEADLINE=${DEADLINE:-500}
 SEED=${SEED:-.devmad/baseline}  # the stored runs, carried here
 R=${R:-/tmp/mad-baseline}  # outside the checkout: partial states stay for the next call to a warm machine
