@@ -6,8 +6,8 @@
 # the process at the deadline or when its log stands still for STALL seconds, with SIGABRT, so that
 # Python's fault handler writes every thread's stack into the log.
 # Finished runs are stored in R and never repeated; a run cut short keeps its state in R/partial/
-# on the machine only (partial states, 5 MB each, stay out of the archive), for the next call while
-# the machine is warm.
+# for the next call while the machine is warm, and comes back in parts beside the archive (5 MB a
+# state; the carry back is limited to 64 MiB with the rest).
 #   here:   mkdir -p .devmad/baseline   (git-ignored; the stored runs, carried; unpack each archive into it)
 #   device: PACK=$OUT/mad_baseline.tgz bash scripts/device_mad_baseline.sh   (carry .whl .devmad/baseline)
 set -uo pipefail
@@ -50,3 +50,25 @@ python3 -m efla mad --preset baseline --report-only --out "$R" > "$R/logs/report
 echo "report exit $?; $(ls "$R/runs" | wc -l) runs stored; done in ${SECONDS}s"
 for f in "$R"/partial/*.pt; do [ -e "$f" ] && echo "partial: $(basename "$f")"; done
 [ -n "${PACK:-}" ] && tar -czf "$PACK" --exclude=./partial -C "$R" . && echo "packed into $PACK (unpack into $SEED)"
+# the partial states too, in parts of at most 15 MiB (a call returns 8 files of up to 16 MiB)
+[ -n "${PACK:-}" ] && python3 - "$R/partial" "$(dirname "$PACK")" <<'PY'
+import os, sys, tarfile
+src, dst = sys.argv[1], sys.argv[2]
+names = sorted(f for f in os.listdir(src) if f.endswith(".pt")) if os.path.isdir(src) else []
+parts, size = [[]], 0
+for name in names:
+    n = os.path.getsize(os.path.join(src, name))
+    if parts[-1] and size + n > 15 * 2**20:
+        parts.append([])
+        size = 0
+    parts[-1].append(name)
+    size += n
+for i, part in enumerate(p for p in parts[:7] if p):
+    with tarfile.open(os.path.join(dst, f"partial-{i + 1}.tar"), "w") as tar:
+        for name in part:
+            tar.add(os.path.join(src, name), arcname=name)
+    print(f"partial-{i + 1}.tar: {len(part)} states (unpack into .devmad/baseline/partial)")
+left = sum(len(p) for p in parts[7:])
+if left:
+    print(f"{left} partial states left out (over 7 parts)")
+PY
