@@ -3,8 +3,8 @@
 # compression; both rules): first the GPU tests of MAD's graphed and side-by-side training, then
 # every run not stored yet in one process, TOGETHER runs side by side (each in its own CUDA stream,
 # each step replayed from a CUDA graph), the whole call under DEADLINE seconds. A watchdog stops
-# the process at the deadline or when its log stands still for STALL seconds, with SIGABRT, so that
-# Python's fault handler writes every thread's stack into the log.
+# the process at the deadline or when its log stands still for STALL seconds (the GPU tests at the
+# deadline) with SIGABRT, so that Python's fault handler writes every thread's stack into the log.
 # Finished runs are stored in R and never repeated; a run cut short keeps its state in R/partial/
 # for the next call while the machine is warm, and comes back in parts beside the archive (5 MB a
 # state; the carry back is limited to 64 MiB with the rest).
@@ -19,26 +19,36 @@ R=${R:-/tmp/mad-baseline}  # outside the checkout: partial states stay for the n
 TASKS=${TASKS:-"SC FR C"}
 TOGETHER=${TOGETHER:-32}
 TESTS=${TESTS:-1}
-STALL=${STALL:-120}
+STALL=${STALL:-180}
 mkdir -p "$R/logs"
-[ -d "$SEED" ] && cp -r --update=none "$SEED"/. "$R"/  # stored runs the machine lacks; its own are kept
+[ -d "$SEED" ] && (cd "$SEED" && find . -type f) | while read -r f; do  # the files the machine lacks; its own stay
+  [ -e "$R/$f" ] || { mkdir -p "$(dirname "$R/$f")" && cp "$SEED/$f" "$R/$f"; }
+done
 source scripts/device_env.sh
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache} TRITON_CACHE_AUTOTUNING=1
 END=$(($(date +%s) + DEADLINE - SECONDS - 30))
-if [ "$TESTS" = 1 ]; then
-  timeout 300 python3 -m pytest -q -x -m gpu -p no:cacheprovider -rfs tests/experiments/test_mad.py 2>&1 | tail -n 25
-fi
-log="$R/logs/mad-$(date +%H%M%S).log"
-echo "tasks $TASKS: $TOGETHER runs side by side, until $((END - $(date +%s)))s from now; log $log"
 ulimit -c 0
+left() { echo $((END - $(date +%s))); }
+stop() {  # stop PID: SIGABRT (the fault handler prints the stacks), SIGKILL if it lives on
+  kill -ABRT "$1" 2>/dev/null
+  for _ in 1 2 3 4; do sleep 5; kill -0 "$1" 2>/dev/null || return 0; done
+  kill -KILL "$1" 2>/dev/null
+}
+if [ "$TESTS" = 1 ] && [ "$(left)" -gt 180 ]; then
+  timeout -s ABRT -k 20 $(($(left) - 120)) python3 -X faulthandler -m pytest -q -x -m gpu -p no:cacheprovider -rfs \
+    tests/experiments/test_mad.py 2>&1 | tail -n 40
+fi
+[ "$(left)" -ge 60 ] || { echo "under a minute left: no training"; exit 0; }
+log="$R/logs/mad-$(date +%H%M%S).log"
+echo "tasks $TASKS: $TOGETHER runs side by side, until $(left)s from now; log $log"
 python3 -X faulthandler -m efla mad --preset baseline --tasks $TASKS --device cuda --threads 1 --cuda-graph \
   --together "$TOGETHER" --out "$R" > "$log" 2>&1 &
 pid=$!
-while kill -0 "$pid" 2>/dev/null; do
-  sleep 5
-  idle=$(($(date +%s) - $(stat -c %Y "$log")))
-  if [ "$(date +%s)" -ge "$END" ] || [ "$idle" -ge "$STALL" ]; then
+while sleep 5 && kill -0 "$pid" 2>/dev/null; do
+  idle=$(($(date +%s) - $(stat -c %Y "$log" 2>/dev/null || date +%s)))
+  if [ "$(left)" -le 0 ] || [ "$idle" -ge "$STALL" ]; then
     echo "stopping the run: $([ "$idle" -ge "$STALL" ] && echo "log still for ${idle}s" || echo deadline)"
-    kill -ABRT "$pid"
+    stop "$pid"
     break
   fi
 done
@@ -49,9 +59,10 @@ tr '\r' '\n' < "$log" | grep '%|' | tail -n 1 | cut -c1-220  # the bar's last st
 python3 -m efla mad --preset baseline --report-only --out "$R" > "$R/logs/report.log" 2>&1
 echo "report exit $?; $(ls "$R/runs" | wc -l) runs stored; done in ${SECONDS}s"
 for f in "$R"/partial/*.pt; do [ -e "$f" ] && echo "partial: $(basename "$f")"; done
-[ -n "${PACK:-}" ] && tar -czf "$PACK" --exclude=./partial -C "$R" . && echo "packed into $PACK (unpack into $SEED)"
+[ -n "${PACK:-}" ] || exit 0
+tar -czf "$PACK" --exclude=./partial -C "$R" . && echo "packed into $PACK (unpack into $SEED)"
 # the partial states too, in parts of at most 15 MiB (a call returns 8 files of up to 16 MiB)
-[ -n "${PACK:-}" ] && python3 - "$R/partial" "$(dirname "$PACK")" <<'PY'
+python3 - "$R/partial" "$(dirname "$PACK")" <<'PY'
 import os, sys, tarfile
 src, dst = sys.argv[1], sys.argv[2]
 names = sorted(f for f in os.listdir(src) if f.endswith(".pt")) if os.path.isdir(src) else []

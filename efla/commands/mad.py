@@ -77,7 +77,7 @@ def _check_arguments(args) -> None:
     check.at_least(args.together, 1, "--together")
     if args.together > 1 and args.time_limit is not None:
         raise UsageError("--time-limit counts per run, so it needs runs trained one at a time (--together)")
-    if str(args.device).startswith("cuda") and args.together > STREAMS_PER_DEVICE:
+    if str(args.device).startswith("cuda") and args.together > STREAMS_PER_DEVICE and not args.report_only:
         raise UsageError(f"at most {STREAMS_PER_DEVICE} runs side by side on a GPU, one CUDA stream each, got "
                          f"{args.together} (--together)")
     check.device(args.device)

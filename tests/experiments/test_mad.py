@@ -400,15 +400,30 @@ def test_runs_side_by_side_on_a_gpu_train_as_alone(rule):
                        batch_size=32, width=32, num_heads=2, early_stop=None)
     full = E.RunConfig(setting=D.baseline_setting("fuzzy-in-context-recall"), rule=rule, lr=1e-3, epochs=1)
     cases = [(tiny, True), (dataclasses.replace(tiny, lr=1e-3), True), (tiny, False), (full, True),
-             (dataclasses.replace(full, lr=5e-4), True)]
+             (dataclasses.replace(full, lr=5e-4), True), (full, False)]
     runs = [E.MADRun(cfg, device="cuda", cuda_graph=graphed) for cfg, graphed in cases]
-    E.train_side_by_side(runs)
+    captured_in = {}
+    real_capture = E.GraphedSteps._capture
+
+    def capture(steps, xb, yb):  # each graph captured in its run's stream
+        captured_in[id(steps)] = torch.cuda.current_stream()
+        real_capture(steps, xb, yb)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(E.GraphedSteps, "_capture", capture)
+        E.train_side_by_side(runs)
+    graphed_runs = [r for r, (_, graphed) in zip(runs, cases) if graphed]
+    assert [captured_in[id(r.train_step)] for r in graphed_runs] == [r.stream for r in graphed_runs]
+    assert len({r.stream for r in runs}) == len(runs)
     for run, (cfg, graphed) in zip(runs, cases):
         alone = E.train_run(cfg, device="cuda", cuda_graph=graphed)
         assert len(alone["history"]) == len(run.result()["history"]) == cfg.epochs
         for a, b in zip(alone["history"], run.result()["history"]):
             assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4), (cfg.key, a, b)
             assert a["test_ppl"] == pytest.approx(b["test_ppl"], rel=1e-3), (cfg.key, a, b)
+    for a, b in zip(runs[3].result()["history"], runs[5].result()["history"]):  # the full epoch graphed and eager
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4) and a["test_ppl"] == pytest.approx(
+            b["test_ppl"], rel=1e-3)
 
 
 def test_early_stop_and_best_checkpoint(monkeypatch):
@@ -518,8 +533,10 @@ def test_run_mad_side_by_side_stores_the_same_runs(tmp_path, monkeypatch):
     for a, b in zip(one["runs"], three["runs"]):
         assert _without_times(a) == _without_times(b)
     planned = R.plan(R.MADOptions(**opts))
-    assert R._side_by_side_groups(planned, 3) == [planned[:3], planned[3:]]
     assert planned[1].setting != planned[2].setting and sorted(made) == sorted({c.setting.id for c in planned})
+    with pytest.raises(ValueError, match="at most 32 runs side by side on a GPU"):  # before any training
+        R.run_mad(R.MADOptions(**opts, device="cuda", together=33), str(tmp_path / "many"))
+    assert not os.listdir(tmp_path / "many" / "runs")
 
 
 def test_runs_side_by_side_need_streams_of_their_own():

@@ -24,6 +24,7 @@ the epoch value is the batch-size-weighted mean over batches. Perplexity likewis
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -348,6 +349,13 @@ class GraphedSteps:
             self.graph.replay()
             return self.loss
 
+    def release(self) -> None:
+        """Destroy the graph once its replays are done. Destroying a graph may drop the cuBLAS workspace of
+        its stream, so it must go before a later run gets that stream from PyTorch's pool."""
+        if self.graph is not None:
+            self.stream.synchronize()
+            self.graph = self.x = self.y = self.loss = None
+
     def _check_stream(self, current: torch.cuda.Stream) -> None:
         if current == torch.cuda.default_stream():
             raise RuntimeError("graphed steps run in a stream of the run's own, not the default stream (which "
@@ -459,7 +467,7 @@ class MADRun:
         self.bf16 = cfg.precision == "bf16"
         V = cfg.setting.vocab_size
         self.train_step = (GraphedSteps(self.model, self.opt, V, self.bf16, cfg.batch_size, dev) if cuda_graph
-                           else lambda xb, yb: _eager_step(self.model, self.opt, xb, yb, V, self.bf16))
+                           else functools.partial(_eager_step, self.model, self.opt, vocab_size=V, bf16=self.bf16))
         self.n = len(self.data.train_x)
         self.batches_per_epoch = math.ceil(self.n / cfg.batch_size)
         self.t0 = started - self.progress["seconds"]  # seconds count set-up and the earlier calls' training
@@ -527,6 +535,8 @@ class MADRun:
         self.done = self.diverged or self.stopped_early or self.truncated or len(self.history) >= cfg.epochs
         if self.done:
             self.seconds = rec["seconds"]
+            if isinstance(self.train_step, GraphedSteps):
+                self.train_step.release()
         elif self.checkpoint and time.perf_counter() - self.last_save >= self.checkpoint_every:
             _save_state(self.checkpoint, cfg, self.model, self.opt, self.sched, self.gen,
                         dict(history=self.history, best=self.best, steps=self.steps,

@@ -18,7 +18,7 @@ from efla.data.mad_tasks import TASKS, MADSetting, baseline_setting, benchmark_s
 from efla.variants import label
 
 from .. import harness
-from .model import RULES, MADRun, RunConfig, train_side_by_side
+from .model import RULES, STREAMS_PER_DEVICE, MADRun, RunConfig, train_side_by_side
 
 GRID_LRS = (1e-4, 5e-4, 1e-3)
 GRID_WDS = (0.0, 0.1)
@@ -174,6 +174,9 @@ def run_mad(opts: MADOptions, out_dir: str, progress_factory=None, log=None) -> 
     if log:
         log(f"{len(cfgs)} runs planned, {len(cfgs) - len(todo)} already stored in {out_dir}/runs, "
             f"{len(todo) if opts.train else 0} to train")
+    if opts.train and str(opts.device).startswith("cuda") and opts.together > STREAMS_PER_DEVICE:
+        raise ValueError(f"together: at most {STREAMS_PER_DEVICE} runs side by side on a GPU (a CUDA stream each), "
+                         f"got {opts.together}")
     if opts.train and opts.together > 1 and opts.time_limit is not None:
         raise ValueError("time_limit: a limit per run needs runs trained one at a time (together = 1); side by side "
                          "each run's clock would count the whole group's time")
