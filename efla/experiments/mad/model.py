@@ -336,7 +336,7 @@ class GraphedSteps:
         if self.opt.param_groups[0]["lr"] is not self.lr:  # the graph would go on with the lr it holds
             raise RuntimeError("the lr schedule replaced the optimizer's lr tensor instead of filling it in")
         with torch.cuda.device(self.device):
-            self._check_stream(torch.cuda.current_stream())
+            self._keep_to_one_stream(torch.cuda.current_stream())
             if len(xb) != self.batch_size:
                 return _eager_step(self.model, self.opt, xb, yb, self.vocab_size, self.bf16)
             if self.graph is None and self.eager_steps < self.WARMUP:
@@ -356,16 +356,18 @@ class GraphedSteps:
             self.stream.synchronize()
             self.graph = self.x = self.y = self.loss = None
 
-    def _check_stream(self, current: torch.cuda.Stream) -> None:
+    def _keep_to_one_stream(self, current: torch.cuda.Stream) -> None:
+        """Warm-up steps, capture, replays and eager steps all in the first call's stream."""
         if current == torch.cuda.default_stream():
             raise RuntimeError("graphed steps run in a stream of the run's own, not the default stream (which "
                                "cannot capture)")
-        if self.stream is not None and current != self.stream:
-            raise RuntimeError("graphed steps run in the stream their graph was captured in")
+        if self.stream is None:
+            self.stream = current
+        elif current != self.stream:
+            raise RuntimeError("graphed steps run in one stream throughout, the one their first step ran in")
 
     def _capture(self, xb, yb):
         """Record the step with static inputs; recording runs nothing, the replay after it does."""
-        self.stream = torch.cuda.current_stream()
         self.x, self.y = xb.clone(), yb.clone()
         self.opt.zero_grad(set_to_none=True)  # the captured backward writes the grads in the graph's memory
         self.graph = torch.cuda.CUDAGraph()
