@@ -3,8 +3,9 @@
 # compression; both rules): first the GPU tests of MAD's graphed and side-by-side training, then
 # every run not stored yet in one process, TOGETHER runs side by side (each in its own CUDA stream,
 # each step replayed from a CUDA graph), the whole call under DEADLINE seconds. A watchdog stops
-# the process at the deadline or when its log stands still for STALL seconds (the GPU tests at the
-# deadline) with SIGABRT, so that Python's fault handler writes every thread's stack into the log.
+# the process at the deadline or when its log stands still for STALL seconds (the GPU tests two
+# minutes before the deadline) with SIGABRT, so that Python's fault handler writes every thread's
+# stack into the log.
 # Finished runs are stored in R and never repeated; a run cut short keeps its state in R/partial/
 # for the next call while the machine is warm, and comes back in parts beside the archive (5 MB a
 # state; the carry back is limited to 64 MiB with the rest).
@@ -21,8 +22,10 @@ TOGETHER=${TOGETHER:-32}
 TESTS=${TESTS:-1}
 STALL=${STALL:-180}
 mkdir -p "$R/logs"
-[ -d "$SEED" ] && (cd "$SEED" && find . -type f) | while read -r f; do  # the files the machine lacks; its own stay
-  [ -e "$R/$f" ] || { mkdir -p "$(dirname "$R/$f")" && cp "$SEED/$f" "$R/$f"; }
+# the files the machine lacks (its own stay), but no partial state of a run stored since
+[ -d "$SEED" ] && (cd "$SEED" && find . -type f) | while read -r f; do
+  stored="$R/runs/$(basename "$f" .pt).json"
+  [ -e "$R/$f" ] || { [[ $f == ./partial/* ]] && [ -e "$stored" ]; } || { mkdir -p "$(dirname "$R/$f")" && cp "$SEED/$f" "$R/$f"; }
 done
 source scripts/device_env.sh
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache} TRITON_CACHE_AUTOTUNING=1
@@ -34,28 +37,34 @@ stop() {  # stop PID: SIGABRT (the fault handler prints the stacks), SIGKILL if 
   for _ in 1 2 3 4; do sleep 5; kill -0 "$1" 2>/dev/null || return 0; done
   kill -KILL "$1" 2>/dev/null
 }
-if [ "$TESTS" = 1 ] && [ "$(left)" -gt 180 ]; then
-  timeout -s ABRT -k 20 $(($(left) - 120)) python3 -X faulthandler -m pytest -q -x -m gpu -p no:cacheprovider -rfs \
-    tests/experiments/test_mad.py 2>&1 | tail -n 40
+train() {  # the remaining runs in one process, stopped at the deadline or a still log
+  local log pid idle
+  log="$R/logs/mad-$(date +%H%M%S).log"
+  echo "tasks $TASKS: $TOGETHER runs side by side, until $(left)s from now; log $log"
+  python3 -X faulthandler -m efla mad --preset baseline --tasks $TASKS --device cuda --threads 1 --cuda-graph \
+    --together "$TOGETHER" --out "$R" > "$log" 2>&1 &
+  pid=$!
+  while sleep 5 && kill -0 "$pid" 2>/dev/null; do
+    idle=$(($(date +%s) - $(stat -c %Y "$log" 2>/dev/null || date +%s)))
+    if [ "$(left)" -le 0 ] || [ "$idle" -ge "$STALL" ]; then
+      echo "stopping the run: $([ "$idle" -ge "$STALL" ] && echo "log still for ${idle}s" || echo deadline)"
+      stop "$pid"
+      break
+    fi
+  done
+  wait "$pid"
+  echo "mad exit $?"
+  tr '\r' '\n' < "$log" | grep -v '^\s*$' | grep -v '%|' | tail -n 40 | cut -c1-220  # all but the bar (a stopped run: its stacks)
+  tr '\r' '\n' < "$log" | grep '%|' | tail -n 1 | cut -c1-220  # the bar's last state
+}
+TRAIN=1
+if [ "$TESTS" = 1 ]; then  # the runs are kept for good: no training unless the tests pass
+  TRAIN=0
+  [ "$(left)" -gt 180 ] && timeout -s ABRT -k 20 $(($(left) - 120)) python3 -X faulthandler -m pytest -q -x -m gpu \
+    -p no:cacheprovider -rfs tests/experiments/test_mad.py 2>&1 | tail -n 40 && TRAIN=1
+  [ "$TRAIN" = 1 ] || echo "GPU tests failed or did not run: no training"
 fi
-[ "$(left)" -ge 60 ] || { echo "under a minute left: no training"; exit 0; }
-log="$R/logs/mad-$(date +%H%M%S).log"
-echo "tasks $TASKS: $TOGETHER runs side by side, until $(left)s from now; log $log"
-python3 -X faulthandler -m efla mad --preset baseline --tasks $TASKS --device cuda --threads 1 --cuda-graph \
-  --together "$TOGETHER" --out "$R" > "$log" 2>&1 &
-pid=$!
-while sleep 5 && kill -0 "$pid" 2>/dev/null; do
-  idle=$(($(date +%s) - $(stat -c %Y "$log" 2>/dev/null || date +%s)))
-  if [ "$(left)" -le 0 ] || [ "$idle" -ge "$STALL" ]; then
-    echo "stopping the run: $([ "$idle" -ge "$STALL" ] && echo "log still for ${idle}s" || echo deadline)"
-    stop "$pid"
-    break
-  fi
-done
-wait "$pid"
-echo "mad exit $?"
-tr '\r' '\n' < "$log" | grep -v '^\s*$' | grep -v '%|' | tail -n 40 | cut -c1-220  # all but the bar (a stopped run: its stacks)
-tr '\r' '\n' < "$log" | grep '%|' | tail -n 1 | cut -c1-220  # the bar's last state
+if [ "$TRAIN" = 1 ] && [ "$(left)" -ge 60 ]; then train; else echo "no training this call"; fi
 python3 -m efla mad --preset baseline --report-only --out "$R" > "$R/logs/report.log" 2>&1
 echo "report exit $?; $(ls "$R/runs" | wc -l) runs stored; done in ${SECONDS}s"
 for f in "$R"/partial/*.pt; do [ -e "$f" ] && echo "partial: $(basename "$f")"; done

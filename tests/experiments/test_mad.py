@@ -421,9 +421,11 @@ def test_runs_side_by_side_on_a_gpu_train_as_alone(rule):
         for a, b in zip(alone["history"], run.result()["history"]):
             assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4), (cfg.key, a, b)
             assert a["test_ppl"] == pytest.approx(b["test_ppl"], rel=1e-3), (cfg.key, a, b)
-    for a, b in zip(runs[3].result()["history"], runs[5].result()["history"]):  # the full epoch graphed and eager
-        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4) and a["test_ppl"] == pytest.approx(
-            b["test_ppl"], rel=1e-3)
+    assert all(r.train_step.graph is None for r in graphed_runs)  # released as each run ended
+    # the full epoch graphed and eager: 100 steps apart from AdamW's capturable form (a race is far larger)
+    for a, b in zip(runs[3].result()["history"], runs[5].result()["history"]):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3) and a["test_ppl"] == pytest.approx(
+            b["test_ppl"], rel=1e-2)
 
 
 def test_early_stop_and_best_checkpoint(monkeypatch):
@@ -533,6 +535,7 @@ def test_run_mad_side_by_side_stores_the_same_runs(tmp_path, monkeypatch):
     for a, b in zip(one["runs"], three["runs"]):
         assert _without_times(a) == _without_times(b)
     planned = R.plan(R.MADOptions(**opts))
+    assert R._side_by_side_groups(planned, 3) == [planned[:3], planned[3:]]
     assert planned[1].setting != planned[2].setting and sorted(made) == sorted({c.setting.id for c in planned})
     with pytest.raises(ValueError, match="at most 32 runs side by side on a GPU"):  # before any training
         R.run_mad(R.MADOptions(**opts, device="cuda", together=33), str(tmp_path / "many"))
