@@ -374,8 +374,9 @@ def test_a_resumed_optimizer_steps_in_the_form_of_the_run():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("rule", ["exact", "euler"])
 def test_cuda_graph_steps_train_like_eager_steps(rule):
-    # the same run eagerly and replayed from a CUDA graph (warm-up steps, capture, replays, an uneven
-    # last batch stepping eagerly, the schedule's lr reaching the graph): the same losses and accuracies
+    # the same run eagerly and replayed from CUDA graphs (warm-up steps, capture, replays, an uneven
+    # last batch stepping eagerly, the schedule's lr reaching the graph; test batches graphed too): the
+    # same losses and accuracies
     s = D.MADSetting("fuzzy-in-context-recall", 16, 32, 200, 64, k_motif_size=3, v_motif_size=3)
     cfg = E.RunConfig(setting=s, rule=rule, lr=3e-3, weight_decay=0.1, epochs=5, batch_size=32, width=32,
                       num_heads=2, early_stop=None)
@@ -403,17 +404,19 @@ def test_runs_side_by_side_on_a_gpu_train_as_alone(rule):
              (dataclasses.replace(full, lr=5e-4), True), (full, False)]
     runs = [E.MADRun(cfg, device="cuda", cuda_graph=graphed) for cfg, graphed in cases]
     captured_in = {}
-    real_capture = E.GraphedSteps._capture
+    real_capture = E.GraphedBatches._capture
 
-    def capture(steps, xb, yb):  # each graph captured in its run's stream
-        captured_in[id(steps)] = torch.cuda.current_stream()
-        real_capture(steps, xb, yb)
+    def capture(graphed, xb, yb):  # each graph (training step, test batch) captured in its run's stream
+        captured_in[id(graphed)] = torch.cuda.current_stream()
+        real_capture(graphed, xb, yb)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(E.GraphedSteps, "_capture", capture)
+        patch.setattr(E.GraphedBatches, "_capture", capture)
         E.train_side_by_side(runs)
     graphed_runs = [r for r, (_, graphed) in zip(runs, cases) if graphed]
-    assert [captured_in[id(r.train_step)] for r in graphed_runs] == [r.stream for r in graphed_runs]
+    for part in ("train_step", "test_batch"):
+        assert [captured_in[id(getattr(r, part))] for r in graphed_runs] == [r.stream for r in graphed_runs]
+        assert all(getattr(r, part).graph is None for r in graphed_runs)  # released as each run ended
     assert len({r.stream for r in runs}) == len(runs)
     for run, (cfg, graphed) in zip(runs, cases):
         alone = E.train_run(cfg, device="cuda", cuda_graph=graphed)
@@ -421,7 +424,6 @@ def test_runs_side_by_side_on_a_gpu_train_as_alone(rule):
         for a, b in zip(alone["history"], run.result()["history"]):
             assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4), (cfg.key, a, b)
             assert a["test_ppl"] == pytest.approx(b["test_ppl"], rel=1e-3), (cfg.key, a, b)
-    assert all(r.train_step.graph is None for r in graphed_runs)  # released as each run ended
     # the full epoch graphed and eager: 100 steps apart from AdamW's capturable form (a race is far larger)
     for a, b in zip(runs[3].result()["history"], runs[5].result()["history"]):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3) and a["test_ppl"] == pytest.approx(

@@ -175,29 +175,32 @@ def macro_accuracy(logits: torch.Tensor, targets: torch.Tensor, num_classes: int
     return (recall * w).sum() / w.sum().clamp_min(1)
 
 
+def _batch_sums(model: MADModel, xb: torch.Tensor, yb: torch.Tensor, autocast: bool) -> torch.Tensor:
+    """One test batch's ``[macro accuracy * b, perplexity * b, correct tokens, scored tokens]`` (float64)."""
+    with torch.autocast(device_type=xb.device.type, dtype=torch.bfloat16, enabled=autocast):
+        logits = model(xb)
+    logits = logits.float()
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.reshape(-1), ignore_index=IGNORE)
+    b = len(xb)
+    scored = yb != IGNORE
+    return torch.stack([macro_accuracy(logits, yb, model.vocab_size) * b, torch.exp(nll.double().clamp(max=700.0)) * b,
+                        ((logits.argmax(-1) == yb) & scored).sum().double(), scored.sum().double()])
+
+
 @torch.no_grad()
 def evaluate(model: MADModel, x: torch.Tensor, y: torch.Tensor, batch_size: int = 128,
-             autocast: bool = False) -> dict:
+             autocast: bool = False, batch_sums=None) -> dict:
     """Batch-size-weighted means of the per-batch macro accuracy and perplexity, plus the plain
-    fraction of correct scored tokens (summed on the device, read back once)."""
+    fraction of correct scored tokens (summed on the device, read back once). ``batch_sums(xb, yb)``:
+    ``_batch_sums`` of the model, or a stand-in for it (``GraphedBatchSums``)."""
+    batch_sums = batch_sums or functools.partial(_batch_sums, model, autocast=autocast)
     model.eval()
-    sums = torch.zeros(4, dtype=torch.float64, device=x.device)  # acc * b, ppl * b, correct, scored
-    n = 0
+    sums = torch.zeros(4, dtype=torch.float64, device=x.device)
     for i in range(0, len(x), batch_size):
-        xb, yb = x[i:i + batch_size], y[i:i + batch_size]
-        with torch.autocast(device_type=xb.device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = model(xb)
-        logits = logits.float()
-        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.reshape(-1), ignore_index=IGNORE)
-        b = len(xb)
-        scored = yb != IGNORE
-        sums += torch.stack([macro_accuracy(logits, yb, model.vocab_size) * b,
-                             torch.exp(nll.double().clamp(max=700.0)) * b,
-                             ((logits.argmax(-1) == yb) & scored).sum().double(), scored.sum().double()])
-        n += b
+        sums += batch_sums(x[i:i + batch_size], y[i:i + batch_size])
     model.train()
     acc_sum, ppl_sum, correct, total = sums.tolist()
-    return {"acc": acc_sum / n, "ppl": ppl_sum / n, "token_acc": correct / max(total, 1)}
+    return {"acc": acc_sum / len(x), "ppl": ppl_sum / len(x), "token_acc": correct / max(total, 1)}
 
 
 # ----------------------------------------------------------------------------- one run
@@ -310,74 +313,83 @@ def _eager_step(model, opt, xb, yb, vocab_size: int, bf16: bool) -> torch.Tensor
     return loss.detach()
 
 
-class GraphedSteps:
-    """Optimizer steps replayed from one CUDA graph (forward, loss, backward, AdamW) for full batches
-    (``batch_size`` rows); a shorter last batch steps eagerly. The first ``WARMUP`` full batches step
-    eagerly (real steps: autograd and the optimizer set up their state); the next one is captured
-    and then replayed, and so is every later one. A step of MAD's small models is mostly kernel
-    launches, which the replay does in one. The optimizer's lr must be a device tensor that the
-    schedule fills in place (see ``_set_step_form``).
+class GraphedBatches:
+    """``fn(xb, yb)`` replayed from a CUDA graph for batches of ``batch_size`` rows; other batches, and the
+    first ``warmup`` full ones (kernels load, autograd and the optimizer set up their state), call
+    ``fn`` eagerly. The next full batch is captured and replayed, and so is every later one: a step
+    of MAD's small models is mostly kernel launches, which a replay does in one. The result is the
+    graph's own tensor, overwritten by the next replay.
 
-    Everything runs in the caller's current stream, which must be the run's own: cuBLAS keeps a
+    Everything runs in the stream of the first call, which must be the run's own: cuBLAS keeps a
     workspace per stream and a graph keeps the address of the one of the stream it was captured in,
     so graphs captured in one stream (PyTorch's default capture stream is one for all) share it and,
     replayed side by side, race on it."""
 
-    WARMUP = 3
-
-    def __init__(self, model, opt, vocab_size: int, bf16: bool, batch_size: int, device: torch.device):
-        self.model, self.opt, self.vocab_size, self.bf16 = model, opt, vocab_size, bf16
-        self.batch_size, self.device = batch_size, device
-        self.lr = opt.param_groups[0]["lr"]
-        self.eager_steps = 0
-        self.graph = self.stream = self.x = self.y = self.loss = None
+    def __init__(self, fn, batch_size: int, device: torch.device, warmup: int):
+        self.fn, self.batch_size, self.device, self.warmup = fn, batch_size, device, warmup
+        self.eager_calls = 0
+        self.graph = self.stream = self.x = self.y = self.out = None
 
     def __call__(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        if self.opt.param_groups[0]["lr"] is not self.lr:  # the graph would go on with the lr it holds
-            raise RuntimeError("the lr schedule replaced the optimizer's lr tensor instead of filling it in")
         with torch.cuda.device(self.device):
             self._keep_to_one_stream(torch.cuda.current_stream())
             if len(xb) != self.batch_size:
-                return _eager_step(self.model, self.opt, xb, yb, self.vocab_size, self.bf16)
-            if self.graph is None and self.eager_steps < self.WARMUP:
-                self.eager_steps += 1
-                return _eager_step(self.model, self.opt, xb, yb, self.vocab_size, self.bf16)
+                return self.fn(xb, yb)
+            if self.graph is None and self.eager_calls < self.warmup:
+                self.eager_calls += 1
+                return self.fn(xb, yb)
             if self.graph is None:
                 self._capture(xb, yb)
             self.x.copy_(xb)
             self.y.copy_(yb)
             self.graph.replay()
-            return self.loss
+            return self.out
 
     def release(self) -> None:
         """Destroy the graph once its replays are done. Destroying a graph may drop the cuBLAS workspace of
         its stream, so it must go before a later run gets that stream from PyTorch's pool."""
         if self.graph is not None:
             self.stream.synchronize()
-            self.graph = self.x = self.y = self.loss = None
+            self.graph = self.x = self.y = self.out = None
 
     def _keep_to_one_stream(self, current: torch.cuda.Stream) -> None:
-        """Warm-up steps, capture, replays and eager steps all in the first call's stream."""
         if current == torch.cuda.default_stream():
-            raise RuntimeError("graphed steps run in a stream of the run's own, not the default stream (which "
+            raise RuntimeError("graphed batches run in a stream of the run's own, not the default stream (which "
                                "cannot capture)")
         if self.stream is None:
             self.stream = current
         elif current != self.stream:
-            raise RuntimeError("graphed steps run in one stream throughout, the one their first step ran in")
+            raise RuntimeError("graphed batches run in one stream throughout, the one their first call ran in")
 
     def _capture(self, xb, yb):
-        """Record the step with static inputs; recording runs nothing, the replay after it does."""
+        """Record ``fn`` on static inputs; recording runs nothing, the replay after it does."""
         self.x, self.y = xb.clone(), yb.clone()
-        self.opt.zero_grad(set_to_none=True)  # the captured backward writes the grads in the graph's memory
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=self.stream):
-            with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=self.bf16):
-                logits = self.model(self.x)
-            self.loss = F.cross_entropy(logits.float().reshape(-1, self.vocab_size), self.y.reshape(-1),
-                                        ignore_index=IGNORE)
-            self.loss.backward()
-            self.opt.step()
+            self.out = self.fn(self.x, self.y)
+
+
+class GraphedSteps(GraphedBatches):
+    """``_eager_step`` (forward, loss, backward, AdamW) replayed from a CUDA graph after ``WARMUP`` eager
+    steps. The optimizer's lr must be a device tensor that the schedule fills in place (see
+    ``_set_step_form``)."""
+
+    WARMUP = 3
+
+    def __init__(self, model, opt, vocab_size: int, bf16: bool, batch_size: int, device: torch.device):
+        super().__init__(functools.partial(_eager_step, model, opt, vocab_size=vocab_size, bf16=bf16), batch_size,
+                         device, self.WARMUP)
+        self.opt = opt
+        self.lr = opt.param_groups[0]["lr"]
+
+    def __call__(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        if self.opt.param_groups[0]["lr"] is not self.lr:  # the graph would go on with the lr it holds
+            raise RuntimeError("the lr schedule replaced the optimizer's lr tensor instead of filling it in")
+        return super().__call__(xb, yb)
+
+    def _capture(self, xb, yb):
+        self.opt.zero_grad(set_to_none=True)  # before recording: the captured backward makes them in the graph's memory
+        super()._capture(xb, yb)
 
 
 def _set_step_form(opt, sched, graphed: bool, dev: torch.device) -> None:
@@ -414,8 +426,9 @@ def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", 
     ``checkpoint_every`` seconds (the caller removes it once the result is stored), so that a run
     killed part-way resumes from there, with the same data order, when called again.
 
-    ``cuda_graph`` (CUDA only): replay the training steps from a CUDA graph (``GraphedSteps``): the
-    same arithmetic, apart from AdamW's capturable form, without a launch per kernel.
+    ``cuda_graph`` (CUDA only): replay the training steps and the test batches from CUDA graphs
+    (``GraphedSteps``, ``GraphedBatches``): the same arithmetic, apart from AdamW's capturable form,
+    without a launch per kernel.
     """
     run = MADRun(cfg, dataset, device, time_limit, bar, checkpoint, checkpoint_every, cuda_graph)
     train_side_by_side([run])
@@ -470,6 +483,8 @@ class MADRun:
         V = cfg.setting.vocab_size
         self.train_step = (GraphedSteps(self.model, self.opt, V, self.bf16, cfg.batch_size, dev) if cuda_graph
                            else functools.partial(_eager_step, self.model, self.opt, vocab_size=V, bf16=self.bf16))
+        test_batch = functools.partial(_batch_sums, self.model, autocast=self.bf16)
+        self.test_batch = GraphedBatches(test_batch, cfg.batch_size, dev, warmup=1) if cuda_graph else test_batch
         self.n = len(self.data.train_x)
         self.batches_per_epoch = math.ceil(self.n / cfg.batch_size)
         self.t0 = started - self.progress["seconds"]  # seconds count set-up and the earlier calls' training
@@ -523,7 +538,7 @@ class MADRun:
         train_loss = float(self.loss_sum) / max(self.n_batches, 1)
         lr_used = float(self.opt.param_groups[0]["lr"])
         self.sched.step()
-        ev = evaluate(self.model, self.data.test_x, self.data.test_y, cfg.batch_size, autocast=self.bf16)
+        ev = evaluate(self.model, self.data.test_x, self.data.test_y, cfg.batch_size, batch_sums=self.test_batch)
         rec = {"epoch": len(self.history) + 1, "train_loss": train_loss, "lr": lr_used, "test_acc": ev["acc"],
                "test_ppl": ev["ppl"], "test_token_acc": ev["token_acc"], "seconds": time.perf_counter() - self.t0}
         self.history.append(rec)
@@ -537,8 +552,9 @@ class MADRun:
         self.done = self.diverged or self.stopped_early or self.truncated or len(self.history) >= cfg.epochs
         if self.done:
             self.seconds = rec["seconds"]
-            if isinstance(self.train_step, GraphedSteps):
-                self.train_step.release()
+            for graphed in (self.train_step, self.test_batch):
+                if isinstance(graphed, GraphedBatches):
+                    graphed.release()
         elif self.checkpoint and time.perf_counter() - self.last_save >= self.checkpoint_every:
             _save_state(self.checkpoint, cfg, self.model, self.opt, self.sched, self.gen,
                         dict(history=self.history, best=self.best, steps=self.steps,
