@@ -188,19 +188,24 @@ def _batch_sums(model: MADModel, xb: torch.Tensor, yb: torch.Tensor, autocast: b
 
 
 @torch.no_grad()
-def evaluate(model: MADModel, x: torch.Tensor, y: torch.Tensor, batch_size: int = 128,
-             autocast: bool = False, batch_sums=None) -> dict:
-    """Batch-size-weighted means of the per-batch macro accuracy and perplexity, plus the plain
-    fraction of correct scored tokens (summed on the device, read back once). ``batch_sums(xb, yb)``:
-    ``_batch_sums`` of the model, or a stand-in for it (``GraphedBatchSums``)."""
+def test_sums(model: MADModel, x: torch.Tensor, y: torch.Tensor, batch_size: int = 128, autocast: bool = False,
+              batch_sums=None) -> torch.Tensor:
+    """``_batch_sums`` summed over the test set on the device, nothing read back (``scores`` reads them).
+    ``batch_sums(xb, yb)``: ``_batch_sums`` of the model, or a stand-in for it (``GraphedBatches``)."""
     batch_sums = batch_sums or functools.partial(_batch_sums, model, autocast=autocast)
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=x.device)
     for i in range(0, len(x), batch_size):
         sums += batch_sums(x[i:i + batch_size], y[i:i + batch_size])
     model.train()
+    return sums
+
+
+def scores(sums: torch.Tensor, n: int) -> dict:
+    """Batch-size-weighted means of the per-batch macro accuracy and perplexity over ``n`` test
+    sequences, and the plain fraction of correct scored tokens."""
     acc_sum, ppl_sum, correct, total = sums.tolist()
-    return {"acc": acc_sum / len(x), "ppl": ppl_sum / len(x), "token_acc": correct / max(total, 1)}
+    return {"acc": acc_sum / n, "ppl": ppl_sum / n, "token_acc": correct / max(total, 1)}
 
 
 # ----------------------------------------------------------------------------- one run
@@ -437,7 +442,7 @@ def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", 
 
 def train_side_by_side(runs: list, on_done=lambda run: None) -> None:
     """Train ``MADRun``s to their end, side by side: each epoch, step ``i`` of every run, then every
-    run's evaluation; ``on_done(run)`` as each ends (to store it before the others end). On a GPU each
+    run's evaluation queued, then read; ``on_done(run)`` as each ends (to store it before the others end). On a GPU each
     run works in its own CUDA stream, so the small kernels (or graph replays) of several runs can
     share the GPU; each run's arithmetic is what it would be alone. Runs may have different settings."""
     streams = [r.stream for r in runs if r.stream is not None]
@@ -456,6 +461,9 @@ def train_side_by_side(runs: list, on_done=lambda run: None) -> None:
                 if i < r.batches_per_epoch and not r.truncated:
                     with r.in_stream():
                         r.step(i)
+        for r in active:
+            with r.in_stream():
+                r.start_evaluation()
         for r in active:
             with r.in_stream():
                 r.end_epoch()
@@ -532,13 +540,19 @@ class MADRun:
         if self.time_limit is not None and time.perf_counter() - self.t0 > self.time_limit:
             self.truncated = True
 
+    def start_evaluation(self) -> None:
+        """Queue the epoch's evaluation (on a GPU the host goes on to the other runs' meanwhile)."""
+        self.pending_test_sums = test_sums(self.model, self.data.test_x, self.data.test_y, self.cfg.batch_size,
+                                           batch_sums=self.test_batch)
+
     def end_epoch(self) -> None:
-        """The schedule's step, the evaluation, the record and the stop rules; ``done`` when it ends."""
+        """After ``start_evaluation``: the schedule's step, the record and the stop rules; ``done`` when it ends."""
         cfg = self.cfg
         train_loss = float(self.loss_sum) / max(self.n_batches, 1)
         lr_used = float(self.opt.param_groups[0]["lr"])
         self.sched.step()
-        ev = evaluate(self.model, self.data.test_x, self.data.test_y, cfg.batch_size, batch_sums=self.test_batch)
+        ev = scores(self.pending_test_sums, len(self.data.test_x))
+        self.pending_test_sums = None
         rec = {"epoch": len(self.history) + 1, "train_loss": train_loss, "lr": lr_used, "test_acc": ev["acc"],
                "test_ppl": ev["ppl"], "test_token_acc": ev["token_acc"], "seconds": time.perf_counter() - self.t0}
         self.history.append(rec)
