@@ -41,8 +41,8 @@ def add_parser(subparsers) -> None:
                    help="train up to N runs side by side in this process (each in its own CUDA stream on a GPU, "
                         "where small models leave most of it idle; at most 32 there); default 1")
     p.add_argument("--cuda-graph", action="store_true",
-                   help="replay each training step from a CUDA graph (CUDA devices; small models run several "
-                        "times faster)")
+                   help="replay each training step and test batch from a CUDA graph (CUDA devices; small models "
+                        "run several times faster)")
     p.add_argument("--time-limit", type=float, default=None, help="seconds per run; a run cut short is marked")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--report-only", action="store_true", help="train nothing; aggregate the runs stored in --out")

@@ -203,7 +203,8 @@ def test_sums(model: MADModel, x: torch.Tensor, y: torch.Tensor, batch_size: int
 
 def scores(sums: torch.Tensor, n: int) -> dict:
     """Batch-size-weighted means of the per-batch macro accuracy and perplexity over ``n`` test
-    sequences, and the plain fraction of correct scored tokens."""
+    sequences, and the plain fraction of correct scored tokens. On a GPU, call it in the stream
+    ``sums`` was made in (reading waits for that stream only)."""
     acc_sum, ppl_sum, correct, total = sums.tolist()
     return {"acc": acc_sum / n, "ppl": ppl_sum / n, "token_acc": correct / max(total, 1)}
 
@@ -396,6 +397,12 @@ class GraphedSteps(GraphedBatches):
         self.opt.zero_grad(set_to_none=True)  # before recording: the captured backward makes them in the graph's memory
         super()._capture(xb, yb)
 
+    def release(self) -> None:
+        if self.graph is not None:
+            self.stream.synchronize()
+            self.opt.zero_grad(set_to_none=True)  # the grads live in the graph's memory, which they would hold
+        super().release()
+
 
 def _set_step_form(opt, sched, graphed: bool, dev: torch.device) -> None:
     """Put the optimizer in the form this run steps in, whatever form a resumed state was saved in:
@@ -472,8 +479,10 @@ def train_side_by_side(runs: list, on_done=lambda run: None) -> None:
 
 
 class MADRun:
-    """One training run of ``train_run``, advanced a step at a time (``start_epoch``, ``step``,
-    ``end_epoch`` until ``done``; then ``result``), so that ``train_side_by_side`` can interleave several."""
+    """One training run of ``train_run``, advanced a step at a time (``start_epoch``, ``step`` for each
+    batch, ``start_evaluation``, ``end_epoch``, until ``done``; then ``result``), so that
+    ``train_side_by_side`` can interleave several. On a GPU each call runs in the run's stream
+    (``in_stream``)."""
 
     def __init__(self, cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", time_limit: float | None = None,
                  bar=None, checkpoint: str | None = None, checkpoint_every: float = 60.0, cuda_graph: bool = False):
@@ -501,6 +510,7 @@ class MADRun:
             bar.update(self.steps)
         self.stopped_early = self.truncated = self.diverged = False
         self.done = len(self.history) >= cfg.epochs
+        self.pending_test_sums = None  # from start_evaluation, for end_epoch
         self.seconds = None  # set when the run ends (a run side by side with others ends before them)
         # its own stream on a GPU, after the data it reads (made in the current stream)
         self.stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
@@ -548,6 +558,8 @@ class MADRun:
     def end_epoch(self) -> None:
         """After ``start_evaluation``: the schedule's step, the record and the stop rules; ``done`` when it ends."""
         cfg = self.cfg
+        if self.pending_test_sums is None:
+            raise RuntimeError("end_epoch: the epoch's evaluation was not started (start_evaluation)")
         train_loss = float(self.loss_sum) / max(self.n_batches, 1)
         lr_used = float(self.opt.param_groups[0]["lr"])
         self.sched.step()

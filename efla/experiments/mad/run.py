@@ -78,7 +78,7 @@ class MADOptions:
     seed: int = 12345
     device: str = "cpu"
     time_limit: float | None = None  # seconds per run
-    cuda_graph: bool = False  # replay training steps from a CUDA graph (CUDA devices)
+    cuda_graph: bool = False  # replay training steps and test batches from CUDA graphs (CUDA devices)
     together: int = 1  # runs trained side by side in this process (own CUDA streams on a GPU)
     train: bool = True  # False: only aggregate the stored runs
     settings: list | None = None  # only these setting ids (e.g. "M-v1024-l32-n256"); None: all of the preset's
