@@ -402,7 +402,8 @@ def test_runs_side_by_side_on_a_gpu_train_as_alone(rule):
     full = E.RunConfig(setting=D.baseline_setting("fuzzy-in-context-recall"), rule=rule, lr=1e-3, epochs=1)
     cases = [(tiny, True), (dataclasses.replace(tiny, lr=1e-3), True), (tiny, False), (full, True),
              (dataclasses.replace(full, lr=5e-4), True), (full, False)]
-    runs = [E.MADRun(cfg, device="cuda", cuda_graph=graphed) for cfg, graphed in cases]
+    data = {cfg.setting: D.make_dataset(cfg.setting, seed=cfg.seed) for cfg in (tiny, full)}  # made once
+    runs = [E.MADRun(cfg, data[cfg.setting], device="cuda", cuda_graph=graphed) for cfg, graphed in cases]
     captured_in = {}
     real_capture = E.GraphedBatches._capture
 
@@ -419,7 +420,7 @@ def test_runs_side_by_side_on_a_gpu_train_as_alone(rule):
         assert all(getattr(r, part).graph is None for r in graphed_runs)  # released as each run ended
     assert len({r.stream for r in runs}) == len(runs)
     for run, (cfg, graphed) in zip(runs, cases):
-        alone = E.train_run(cfg, device="cuda", cuda_graph=graphed)
+        alone = E.train_run(cfg, data[cfg.setting], device="cuda", cuda_graph=graphed)
         assert len(alone["history"]) == len(run.result()["history"]) == cfg.epochs
         for a, b in zip(alone["history"], run.result()["history"]):
             assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4), (cfg.key, a, b)
