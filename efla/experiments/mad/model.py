@@ -398,10 +398,10 @@ class GraphedSteps(GraphedBatches):
         super()._capture(xb, yb)
 
     def release(self) -> None:
-        if self.graph is not None:
-            self.stream.synchronize()
-            self.opt.zero_grad(set_to_none=True)  # the grads live in the graph's memory, which they would hold
+        graphed = self.graph is not None
         super().release()
+        if graphed:
+            self.opt.zero_grad(set_to_none=True)  # the grads live in the graph's memory, which they would hold
 
 
 def _set_step_form(opt, sched, graphed: bool, dev: torch.device) -> None:
