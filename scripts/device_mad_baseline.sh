@@ -7,9 +7,11 @@
 # minutes before the deadline) with SIGABRT, so that Python's fault handler writes every thread's
 # stack into the log.
 # Finished runs are stored in R and never repeated; a run cut short keeps its state in R/partial/
-# for the next call while the machine is warm, and comes back in parts beside the archive (5 MB a
-# state; the carry back is limited to 64 MiB with the rest).
-#   here:   mkdir -p .devmad/baseline   (git-ignored; the stored runs, carried; unpack each archive into it)
+# for the next call while the machine is warm, and comes back in tar parts beside the archive, the
+# most trained first, as many as a call returns (5 MB a state: about 12). The carry there is limited
+# to 64 MiB with the checkout (about 9 states).
+#   here:   mkdir -p .devmad/baseline   (git-ignored; the stored runs and states, carried; unpack each
+#           archive and part into it, and move its logs/ out, to .devmad/baseline-logs: they need not travel)
 #   device: PACK=$OUT/mad_baseline.tgz bash scripts/device_mad_baseline.sh   (carry .whl .devmad/baseline)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
@@ -70,25 +72,41 @@ echo "report exit $?; $(ls "$R/runs" | wc -l) runs stored; done in ${SECONDS}s"
 for f in "$R"/partial/*.pt; do [ -e "$f" ] && echo "partial: $(basename "$f")"; done
 [ -n "${PACK:-}" ] || exit 0
 tar -czf "$PACK" --exclude=./partial -C "$R" . && echo "packed into $PACK (unpack into $SEED)"
-# the partial states too, in parts of at most 15 MiB (a call returns 8 files of up to 16 MiB)
-python3 - "$R/partial" "$(dirname "$PACK")" <<'PY'
+# the partial states too, beside the archive: a call returns 8 files of up to 16 MiB, 64 MiB in all,
+# so the states with the most training (the costliest to lose) come first, in tar parts of up to 16 MiB
+python3 - "$R/partial" "$PACK" <<'PY'
 import os, sys, tarfile
-src, dst = sys.argv[1], sys.argv[2]
-names = sorted(f for f in os.listdir(src) if f.endswith(".pt")) if os.path.isdir(src) else []
-parts, size = [[]], 0
+import torch
+src, archive = sys.argv[1], sys.argv[2]
+PART = 16 * 2**20 - 2**16  # a returned file's limit, less room for tar's own blocks
+ROOM = 64 * 2**20 - 2**16 - os.path.getsize(archive)  # what the returned files may hold besides the archive
+
+
+def steps(name):
+    try:
+        return int(torch.load(os.path.join(src, name), map_location="cpu", weights_only=True)["progress"]["steps"])
+    except Exception:  # noqa: BLE001  an unreadable state is the first to leave behind
+        return -1
+
+
+names = sorted((f for f in os.listdir(src) if f.endswith(".pt")) if os.path.isdir(src) else [], key=steps, reverse=True)
+parts, size, total, left = [[]], 0, 0, []
 for name in names:
-    n = os.path.getsize(os.path.join(src, name))
-    if parts[-1] and size + n > 15 * 2**20:
+    n = os.path.getsize(os.path.join(src, name)) + 2048  # its tar header and padding
+    fits_part = size + n <= PART
+    if total + n > ROOM or (not fits_part and len(parts) == 7):
+        left.append(name)
+        continue
+    if not fits_part:
         parts.append([])
         size = 0
     parts[-1].append(name)
-    size += n
-for i, part in enumerate(p for p in parts[:7] if p):
-    with tarfile.open(os.path.join(dst, f"partial-{i + 1}.tar"), "w") as tar:
+    size, total = size + n, total + n
+for i, part in enumerate(p for p in parts if p):
+    with tarfile.open(os.path.join(os.path.dirname(archive), f"partial-{i + 1}.tar"), "w") as tar:
         for name in part:
             tar.add(os.path.join(src, name), arcname=name)
     print(f"partial-{i + 1}.tar: {len(part)} states (unpack into .devmad/baseline/partial)")
-left = sum(len(p) for p in parts[7:])
-if left:
-    print(f"{left} partial states left out (over 7 parts)")
+for name in left:
+    print(f"left on the machine (over what a call returns): {name}")
 PY
