@@ -23,7 +23,8 @@ def _entry(rank: int, world: int, workdir: str, fn, args) -> None:
         with open(os.path.join(workdir, f"result-{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have destroyed it, as a command does at its end
+            dist.destroy_process_group()
 
 
 def run_in_processes(fn, world: int, workdir, args=(), deadline_s: float = 240) -> list:

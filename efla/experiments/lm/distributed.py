@@ -3,6 +3,7 @@ per-GPU memory."""
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -96,6 +97,10 @@ def main_ddp_cleanup(finished: bool = False) -> None:
     ``finished``: every rank completed its work, so wait for the others first: a rank that tears its
     connections down while a peer still uses them can abort that peer at exit (seen with gloo)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # A finished train()'s DDP wrapper lives on in a reference cycle that holds the process group and
+        # its pending work; left to the collection at interpreter exit, gloo's teardown can abort the
+        # process (SIGABRT). Free it while the interpreter is whole.
+        gc.collect()
         if finished:
             torch.distributed.barrier()
         torch.distributed.destroy_process_group()
