@@ -6,7 +6,7 @@
 # the process at the deadline or when its log stands still for STALL seconds (the GPU tests two
 # minutes before the deadline) with SIGABRT, so that Python's fault handler writes every thread's
 # stack into the log.
-# Finished runs are stored in R and never repeated; a run cut short keeps its state in R/partial/
+# Finished runs are stored in R and never repeated (the runs recorded in RECORD count as stored); a run cut short keeps its state in R/partial/
 # for the next call while the machine is warm, and comes back in tar parts beside the archive, the
 # most trained first, as many as a call returns (5 MB a state: about 12). The carry there is limited
 # to 64 MiB with the checkout (about 9 states).
@@ -17,13 +17,15 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 export CUDA_DEVICE_MAX_CONNECTIONS=32  # a hardware queue per stream (default 8: streams beyond share and wait)
 DEADLINE=${DEADLINE:-500}
-SEED=${SEED:-.devmad/baseline}  # the stored runs, carried here
+SEED=${SEED:-.devmad/baseline}  # the stored runs and partial states, carried here
+RECORD=${RECORD:-docs/results/mad/baseline-grid/runs}  # the recorded runs, in the checkout: a fresh checkout's seed
 R=${R:-/tmp/mad-baseline}  # outside the checkout: partial states stay for the next call to a warm machine
 TASKS=${TASKS:-"SC FR C"}
 TOGETHER=${TOGETHER:-32}
 TESTS=${TESTS:-1}
 STALL=${STALL:-180}
-mkdir -p "$R/logs"
+mkdir -p "$R/logs" "$R/runs"
+for f in "$RECORD"/*.json; do [ -e "$f" ] && [ ! -e "$R/runs/$(basename "$f")" ] && cp "$f" "$R/runs/"; done
 # the files the machine lacks (its own stay), but no partial state of a run stored since
 [ -d "$SEED" ] && (cd "$SEED" && find . -type f) | while read -r f; do
   stored="$R/runs/$(basename "$f" .pt).json"
