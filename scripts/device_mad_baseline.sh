@@ -20,7 +20,7 @@ DEADLINE=${DEADLINE:-500}
 SEED=${SEED:-.devmad/baseline}  # the stored runs and partial states, carried here
 RECORD=${RECORD:-docs/results/mad/baseline-grid/runs}  # the recorded runs, in the checkout: a fresh checkout's seed
 R=${R:-/tmp/mad-baseline}  # outside the checkout: partial states stay for the next call to a warm machine
-TASKS=${TASKS:-"SC FR C"}
+TASKS=${TASKS:-"SC FR C"}  # groups split by ';' train one after the other (so that a group can finish in time)
 TOGETHER=${TOGETHER:-32}
 TESTS=${TESTS:-1}
 STALL=${STALL:-180}
@@ -41,11 +41,11 @@ stop() {  # stop PID: SIGABRT (the fault handler prints the stacks), SIGKILL if 
   for _ in 1 2 3 4; do sleep 5; kill -0 "$1" 2>/dev/null || return 0; done
   kill -KILL "$1" 2>/dev/null
 }
-train() {  # the remaining runs in one process, stopped at the deadline or a still log
+train() {  # the remaining runs of the tasks in $1, all in one process, stopped at the deadline or a still log
   local log pid idle
   log="$R/logs/mad-$(date +%H%M%S).log"
-  echo "tasks $TASKS: $TOGETHER runs side by side, until $(left)s from now; log $log"
-  python3 -X faulthandler -m efla mad --preset baseline --tasks $TASKS --device cuda --threads 1 --cuda-graph \
+  echo "tasks $1: $TOGETHER runs side by side, until $(left)s from now; log $log"
+  python3 -X faulthandler -m efla mad --preset baseline --tasks $1 --device cuda --threads 1 --cuda-graph \
     --together "$TOGETHER" --out "$R" > "$log" 2>&1 &
   pid=$!
   while sleep 5 && kill -0 "$pid" 2>/dev/null; do
@@ -68,7 +68,10 @@ if [ "$TESTS" = 1 ]; then  # the runs are kept for good: no training unless the 
     -p no:cacheprovider -rfs tests/experiments/test_mad.py 2>&1 | tail -n 40 && TRAIN=1
   [ "$TRAIN" = 1 ] || echo "GPU tests failed or did not run: no training"
 fi
-if [ "$TRAIN" = 1 ] && [ "$(left)" -ge 60 ]; then train; else echo "no training this call"; fi
+IFS=';' read -ra TASK_GROUPS <<< "$TASKS"
+for group in "${TASK_GROUPS[@]}"; do
+  if [ "$TRAIN" = 1 ] && [ "$(left)" -ge 60 ]; then train "$group"; else echo "tasks $group: no training this call"; fi
+done
 python3 -m efla mad --preset baseline --report-only --out "$R" > "$R/logs/report.log" 2>&1
 echo "report exit $?; $(ls "$R/runs" | wc -l) runs stored; done in ${SECONDS}s"
 for f in "$R"/partial/*.pt; do [ -e "$f" ] && echo "partial: $(basename "$f")"; done
