@@ -6,8 +6,9 @@
 # the process at the deadline or when its log stands still for STALL seconds (the GPU tests two
 # minutes before the deadline) with SIGABRT, so that Python's fault handler writes every thread's
 # stack into the log.
-# Finished runs are stored in R and never repeated (the runs recorded in RECORD count as stored); a run cut short keeps its state in R/partial/
-# for the next call while the machine is warm, and comes back in tar parts beside the archive, the
+# Finished runs are stored in R and never repeated (the runs recorded in RECORD count as stored); a
+# run cut short keeps its state in R/partial/ for the next call while the machine is warm, and comes
+# back in tar parts beside the archive, the
 # most trained first, as many as a call returns (5 MB a state: about 12). The carry there is limited
 # to 64 MiB with the checkout (about 9 states).
 #   here:   mkdir -p .devmad/baseline   (git-ignored; the stored runs and states, carried; unpack each

@@ -1,17 +1,21 @@
 """``efla train --context-parallel N``: the option, and training steps split over 2 gloo processes
-giving the losses of one process."""
+giving the losses of one process; the end of training on several processes: nothing that holds the
+process group outlives the cleanup (left to the interpreter's exit, gloo's teardown can abort a
+finished rank)."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import numpy as np
 import pytest
+from torch.nn.parallel import DistributedDataParallel
 
 from efla.cli import build_parser
 from efla.data.text import read_documents
 from efla.data.tokenizer import train_bpe_tokenizer
-from efla.experiments.lm.train import TrainConfig, train
+from efla.experiments.lm.train import TrainConfig, main_ddp_cleanup, train
 
 from .layer_hook import token_mixers_routed
 from .spawn import run_in_processes
@@ -86,3 +90,24 @@ def test_train_split_over_two_processes_matches_one(corpus_and_tokenizer, tmp_pa
 def test_train_two_data_parallel_groups_of_two_match_one_process(corpus_and_tokenizer, tmp_path):
     corpus, tok = corpus_and_tokenizer
     _compare(tmp_path, corpus, tok, 4, 2, [dict(preset="tiny-gated-efla", varlen=True)])
+
+
+def _wrappers_alive() -> int:
+    return sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+
+
+def train_then_clean_up(rank: int, world: int, cfg: TrainConfig) -> tuple[int, int]:
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    train(cfg)
+    before = _wrappers_alive()
+    main_ddp_cleanup(finished=True)
+    return before, _wrappers_alive()
+
+
+def test_cleanup_frees_the_ddp_wrapper_before_exit(corpus_and_tokenizer, tmp_path):
+    corpus, tok = corpus_and_tokenizer
+    cfg = _config(corpus, tok, str(tmp_path / "run"), max_steps=2)
+    results = run_in_processes(train_then_clean_up, 2, tmp_path / "workers", args=(cfg,))
+    # train() returned, yet each rank's wrapper is still alive (a reference cycle) until the cleanup
+    assert [before for before, _ in results] == [1, 1]
+    assert [after for _, after in results] == [0, 0]
