@@ -23,6 +23,7 @@ RECORD=${RECORD:-docs/results/mad/baseline-grid/runs}  # the recorded runs, in t
 R=${R:-/tmp/mad-baseline}  # outside the checkout: partial states stay for the next call to a warm machine
 TASKS=${TASKS:-"SC FR C"}  # groups split by ';' train one after the other (so that a group can finish in time)
 TOGETHER=${TOGETHER:-32}
+MAD_ARGS=${MAD_ARGS:-}  # more `efla mad` options, e.g. `--rules exact`: the states of a subset, when all do not fit one carry
 TESTS=${TESTS:-1}
 STALL=${STALL:-180}
 mkdir -p "$R/logs" "$R/runs"
@@ -47,7 +48,7 @@ train() {  # the remaining runs of the tasks in $1, all in one process, stopped 
   log="$R/logs/mad-$(date +%H%M%S).log"
   echo "tasks $1: $TOGETHER runs side by side, until $(left)s from now; log $log"
   python3 -X faulthandler -m efla mad --preset baseline --tasks $1 --device cuda --threads 1 --cuda-graph \
-    --together "$TOGETHER" --out "$R" > "$log" 2>&1 &
+    --together "$TOGETHER" $MAD_ARGS --out "$R" > "$log" 2>&1 &
   pid=$!
   while sleep 5 && kill -0 "$pid" 2>/dev/null; do
     idle=$(($(date +%s) - $(stat -c %Y "$log" 2>/dev/null || date +%s)))
