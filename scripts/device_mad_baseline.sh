@@ -8,9 +8,9 @@
 # stack into the log.
 # Finished runs are stored in R and never repeated (the runs recorded in RECORD count as stored); a
 # run cut short keeps its state in R/partial/ for the next call while the machine is warm, and comes
-# back in tar parts beside the archive, the
-# most trained first, as many as a call returns (5 MB a state: about 12). The carry there is limited
-# to 64 MiB with the checkout (about 9 states).
+# back in tar parts beside the archive, the most trained first, as many as a call returns (5 MB a
+# state: about 12). The carry there is limited to 64 MiB with the checkout (about 9 states; MAD_ARGS
+# can pick a subset).
 #   here:   mkdir -p .devmad/baseline   (git-ignored; the stored runs and states, carried; unpack each
 #           archive and part into it, and move its logs/ out, to .devmad/baseline-logs: they need not travel)
 #   device: PACK=$OUT/mad_baseline.tgz bash scripts/device_mad_baseline.sh   (carry .whl .devmad/baseline)
