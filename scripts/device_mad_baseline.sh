@@ -23,7 +23,7 @@ RECORD=${RECORD:-docs/results/mad/baseline-grid/runs}  # the recorded runs, in t
 R=${R:-/tmp/mad-baseline}  # outside the checkout: partial states stay for the next call to a warm machine
 TASKS=${TASKS:-"SC FR C"}  # groups split by ';' train one after the other (so that a group can finish in time)
 TOGETHER=${TOGETHER:-32}
-MAD_ARGS=${MAD_ARGS:-}  # more `efla mad` options, e.g. `--rules exact`: the states of a subset, when all do not fit one carry
+MAD_ARGS=${MAD_ARGS:-}  # more `efla mad` options for training and report, e.g. `--rules exact` (a subset, when all states do not fit one carry) or `--seed 1`
 TESTS=${TESTS:-1}
 STALL=${STALL:-180}
 mkdir -p "$R/logs" "$R/runs"
@@ -74,7 +74,7 @@ IFS=';' read -ra TASK_GROUPS <<< "$TASKS"
 for group in "${TASK_GROUPS[@]}"; do
   if [ "$TRAIN" = 1 ] && [ "$(left)" -ge 60 ]; then train "$group"; else echo "tasks $group: no training this call"; fi
 done
-python3 -m efla mad --preset baseline --report-only --out "$R" > "$R/logs/report.log" 2>&1
+python3 -m efla mad --preset baseline $MAD_ARGS --report-only --out "$R" > "$R/logs/report.log" 2>&1
 echo "report exit $?; $(ls "$R/runs" | wc -l) runs stored; done in ${SECONDS}s"
 for f in "$R"/partial/*.pt; do [ -e "$f" ] && echo "partial: $(basename "$f")"; done
 [ -n "${PACK:-}" ] || exit 0

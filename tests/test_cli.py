@@ -71,6 +71,7 @@ def _fake_model_dir(path: pathlib.Path) -> pathlib.Path:
     (["mad", "--num-heads", "0"], "(--num-heads)"),
     (["mad", "--device", "cpu", "--cuda-graph"], "CUDA graphs need a CUDA device, got 'cpu' (--cuda-graph)"),
     (["mad", "--together", "0"], "expected a value >= 1, got 0 (--together)"),
+    (["mad", "--seed", "-1"], "expected a value >= 0, got -1 (--seed)"),
     (["mad", "--together", "2", "--time-limit", "60"], "needs runs trained one at a time (--together)"),
     (["mad", "--device", "cuda", "--together", "33"], "at most 32 runs side by side on a GPU, one CUDA stream each, "
                                                       "got 33 (--together)"),

@@ -35,6 +35,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--epochs", type=int, default=None, help="override the epoch budget (disables the step budget)")
     p.add_argument("--max-steps", type=int, default=None,
                    help="override the step budget: epochs = max_steps // steps per epoch (1..epochs)")
+    p.add_argument("--seed", type=int, default=12345,
+                   help="seed of the data, the initialization and the data order (default 12345); runs of other "
+                        "seeds are stored beside them in --out, each scored on its own")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16 = autocast (MAD used bf16)")
     p.add_argument("--device", default=default_device())
     p.add_argument("--together", type=int, default=1, metavar="N",
@@ -72,6 +75,7 @@ def _check_arguments(args) -> None:
     check.at_least(args.wds, 0, "--wds")
     check.at_least(args.epochs, 1, "--epochs")
     check.at_least(args.max_steps, 1, "--max-steps")
+    check.at_least(args.seed, 0, "--seed")
     check.positive(args.time_limit, "--time-limit")
     check.at_least(args.threads, 1, "--threads")
     check.at_least(args.together, 1, "--together")
@@ -112,7 +116,7 @@ def cmd_mad(args) -> int:
         torch.set_num_threads(args.threads)
     opts = MADOptions(preset=preset, tasks=_resolve_tasks(args.tasks), rules=list(dict.fromkeys(args.rules)),
                       num_heads=args.num_heads, lrs=args.lrs, wds=args.wds, epochs=args.epochs,
-                      max_steps=args.max_steps, precision=args.precision, device=args.device,
+                      max_steps=args.max_steps, seed=args.seed, precision=args.precision, device=args.device,
                       time_limit=args.time_limit, train=not args.report_only, settings=args.settings,
                       cuda_graph=args.cuda_graph, together=args.together)
     _check_settings(opts)
