@@ -205,7 +205,7 @@ CSV_FIELDS = ["task", "setting", "rule", "lr", "weight_decay", "test_acc", "test
               "final_train_loss", "seconds", "num_heads", "precision", "device", "num_params", "leakage", "key"]
 
 
-def _csv_row(run: dict) -> list:
+def csv_row(run: dict) -> list:
     row = {k: run.get(k) for k in CSV_FIELDS}
     row.update(epochs_budget=run["config"]["epochs"], num_heads=run["config"]["num_heads"],
                precision=run["config"]["precision"])
@@ -221,7 +221,7 @@ def write_outputs(results: dict, out_dir: str, command: str) -> list[str]:
     harness.atomic_write(p, json.dumps(results, indent=1))
     written.append(p)
     p = os.path.join(out_dir, "runs.csv")
-    harness.atomic_write_csv(p, CSV_FIELDS, (_csv_row(r) for r in results["runs"]))
+    harness.atomic_write_csv(p, CSV_FIELDS, (csv_row(r) for r in results["runs"]))
     written.append(p)
     p = os.path.join(out_dir, "summary.md")
     harness.atomic_write(p, summary_markdown(results, agg, command))

@@ -1,0 +1,136 @@
+"""Record MAD's fuzzy recall over seeds at its baseline setting's lr 1e-3 cells (wd 0 and 0.1), where
+seed 12345's grid found its best cells: docs/results/mad/fuzzy-recall-seeds/ gets runs/ (the runs of
+the other seeds, copied from .devmad/fr-seeds*/runs, git-ignored), runs.csv, results.json (per cell
+and rule each seed's accuracy, mean and sample std, and the paired EFLA - DeltaNet difference) and
+seeds.png. Seed 12345's runs stay in ../baseline-grid/runs and are listed by their path there.
+summary.md is written by hand. Usage: python scripts/record_mad_seeds.py [--command-as-run TEXT]"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import shutil
+import statistics
+
+from efla.experiments import harness
+from efla.experiments.mad.report import CSV_FIELDS, csv_row
+from efla.variants import colour, label
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORD = os.path.join(REPO, "docs", "results", "mad", "fuzzy-recall-seeds")
+BASELINE_RUNS = os.path.join(REPO, "docs", "results", "mad", "baseline-grid", "runs")
+NEW_RUNS = os.path.join(REPO, ".devmad", "fr-seeds*", "runs")
+RUN_PATTERN = "FR-v16-l128-n12800-m33__*__lr0.001-*-e200-*-s{seed}-fp32.json"
+SEEDS = (12345, 1, 2)
+RULES = ("exact", "euler")
+
+
+def gather() -> list[tuple[str, dict]]:
+    """(path relative to the record, run) for every seed's lr 1e-3 runs; new runs are copied in."""
+    os.makedirs(os.path.join(RECORD, "runs"), exist_ok=True)
+    found = []
+    for seed in SEEDS:
+        if seed == 12345:
+            paths = [(p, f"../baseline-grid/runs/{os.path.basename(p)}")
+                     for p in glob.glob(os.path.join(BASELINE_RUNS, RUN_PATTERN.format(seed=seed)))]
+        else:
+            paths = []
+            for p in glob.glob(os.path.join(NEW_RUNS, RUN_PATTERN.format(seed=seed))):
+                shutil.copy(p, os.path.join(RECORD, "runs"))
+            for p in glob.glob(os.path.join(RECORD, "runs", RUN_PATTERN.format(seed=seed))):
+                paths.append((p, f"runs/{os.path.basename(p)}"))
+        for path, rel in sorted(paths):
+            with open(path) as f:
+                found.append((rel, json.load(f)))
+    return found
+
+
+def spread(values: list[float]) -> dict:
+    std = statistics.stdev(values) if len(values) > 1 else float("nan")
+    return {"mean": statistics.mean(values), "std": std, "n": len(values),
+            "standard_error": std / math.sqrt(len(values))}
+
+
+def cells(runs: list[dict]) -> dict:
+    """Per weight decay and rule, each seed's accuracy (at the lowest-test-perplexity epoch) and its
+    spread; per weight decay also the paired difference, EFLA - DeltaNet, seed by seed."""
+    by = {(r["weight_decay"], r["rule"], r["config"]["seed"]): r for r in runs}
+    out = {}
+    for wd in sorted({r["weight_decay"] for r in runs}):
+        cell = {}
+        for rule in RULES:
+            accs = {s: by[(wd, rule, s)]["test_acc"] for s in SEEDS if (wd, rule, s) in by}
+            cell[rule] = {"by_seed": accs, **spread(list(accs.values()))}
+        paired = {s: cell["exact"]["by_seed"][s] - cell["euler"]["by_seed"][s]
+                  for s in SEEDS if s in cell["exact"]["by_seed"] and s in cell["euler"]["by_seed"]}
+        cell["difference"] = {"by_seed": paired, **spread(list(paired.values()))}
+        out[f"lr0.001-wd{wd:g}"] = cell
+    return out
+
+
+def best_cell_per_seed(cell_table: dict) -> dict:
+    """Each seed's best of the lr 1e-3 cells, per rule (the task's score restricted to these cells)."""
+    out = {}
+    for rule in RULES:
+        best = {s: max(c[rule]["by_seed"][s] for c in cell_table.values()) for s in SEEDS}
+        out[rule] = {"by_seed": best, **spread(list(best.values()))}
+    paired = {s: out["exact"]["by_seed"][s] - out["euler"]["by_seed"][s] for s in SEEDS}
+    out["difference"] = {"by_seed": paired, **spread(list(paired.values()))}
+    return out
+
+
+def plot(cell_table: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(cell_table), figsize=(4.2 * len(cell_table), 3.6), sharey=True)
+    for ax, (name, cell) in zip(axes, cell_table.items()):
+        for i, rule in enumerate(RULES):
+            xs = [j + (i - 0.5) * 0.38 for j in range(len(SEEDS))]
+            vals = [100 * cell[rule]["by_seed"][s] for s in SEEDS]
+            ax.bar(xs, vals, 0.38, color=colour(rule), label=label(rule), edgecolor="black", linewidth=0.4)
+            for x, v in zip(xs, vals):
+                ax.text(x, v + 0.8, f"{v:.1f}", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(SEEDS)))
+        ax.set_xticklabels([f"seed {s}" for s in SEEDS])
+        ax.set_title(f"fuzzy recall, {name.replace('lr0.001-', 'lr 1e-3, ').replace('wd', 'wd ')}", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    top = max(100 * v for cell in cell_table.values() for rule in RULES for v in cell[rule]["by_seed"].values())
+    axes[0].set_ylim(0, 1.15 * top)
+    axes[0].set_ylabel("test accuracy (%) at the lowest test perplexity")
+    axes[0].legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    harness.atomic_save_figure(fig, path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--command-as-run", default=None, help="replaces results.json's command_as_run")
+    args = parser.parse_args()
+    found = gather()
+    runs = [r for _, r in found]
+    table = cells(runs)
+    previous = os.path.join(RECORD, "results.json")
+    command_as_run = args.command_as_run
+    if command_as_run is None and os.path.exists(previous):
+        with open(previous) as f:
+            command_as_run = json.load(f)["command_as_run"]
+    results = {"command": "python scripts/record_mad_seeds.py", "command_as_run": command_as_run,
+               "device": sorted({r["device"] for r in runs}), "runs": [rel for rel, _ in found],
+               "cells": table, "best_cell_per_seed": best_cell_per_seed(table)}
+    harness.atomic_write(previous, json.dumps(results, indent=1))
+    harness.atomic_write_csv(os.path.join(RECORD, "runs.csv"), ["seed"] + CSV_FIELDS,
+                             ([r["config"]["seed"]] + csv_row(r) for r in runs))
+    plot(table, os.path.join(RECORD, "seeds.png"))
+    print(json.dumps({k: {r: {"mean": round(100 * v[r]["mean"], 2), "std": round(100 * v[r]["std"], 2)}
+                          for r in (*RULES, "difference")} for k, v in {**table, "best": results["best_cell_per_seed"]}.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
