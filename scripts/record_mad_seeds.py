@@ -26,25 +26,38 @@ NEW_RUNS = os.path.join(REPO, ".devmad", "fr-seeds*", "runs")
 RUN_PATTERN = "FR-v16-l128-n12800-m33__*__lr0.001-*-e200-*-s{seed}-fp32.json"
 SEEDS = (12345, 1, 2)
 RULES = ("exact", "euler")
+WEIGHT_DECAYS = (0.0, 0.1)
+
+
+def copy_new_runs() -> None:
+    """The other seeds' finished runs from the git-ignored stores into the record (a key in several
+    stores: the one trained last)."""
+    os.makedirs(os.path.join(RECORD, "runs"), exist_ok=True)
+    for seed in SEEDS[1:]:
+        paths = glob.glob(os.path.join(NEW_RUNS, RUN_PATTERN.format(seed=seed)))
+        for path in sorted(paths, key=os.path.getmtime):
+            shutil.copy(path, os.path.join(RECORD, "runs"))
 
 
 def gather() -> list[tuple[str, dict]]:
-    """(path relative to the record, run) for every seed's lr 1e-3 runs; new runs are copied in."""
-    os.makedirs(os.path.join(RECORD, "runs"), exist_ok=True)
+    """(path relative to the record, run) for every seed's lr 1e-3 runs: each rule and weight decay,
+    trained to its epoch budget."""
     found = []
     for seed in SEEDS:
-        if seed == 12345:
-            paths = [(p, f"../baseline-grid/runs/{os.path.basename(p)}")
-                     for p in glob.glob(os.path.join(BASELINE_RUNS, RUN_PATTERN.format(seed=seed)))]
-        else:
-            paths = []
-            for p in glob.glob(os.path.join(NEW_RUNS, RUN_PATTERN.format(seed=seed))):
-                shutil.copy(p, os.path.join(RECORD, "runs"))
-            for p in glob.glob(os.path.join(RECORD, "runs", RUN_PATTERN.format(seed=seed))):
-                paths.append((p, f"runs/{os.path.basename(p)}"))
-        for path, rel in sorted(paths):
+        in_grid = seed == 12345
+        where = BASELINE_RUNS if in_grid else os.path.join(RECORD, "runs")
+        rel = "../baseline-grid/runs" if in_grid else "runs"
+        for path in sorted(glob.glob(os.path.join(where, RUN_PATTERN.format(seed=seed)))):
             with open(path) as f:
-                found.append((rel, json.load(f)))
+                run = json.load(f)
+            stopped_short = run["epochs_run"] < run["config"]["epochs"] and not run["stopped_early"]
+            if run["truncated"] or run["diverged"] or stopped_short:
+                raise SystemExit(f"record_mad_seeds: not a finished run ({path})")
+            found.append((f"{rel}/{os.path.basename(path)}", run))
+    have = {(r["config"]["seed"], r["rule"], r["weight_decay"]) for _, r in found}
+    wanted = {(s, rule, wd) for s in SEEDS for rule in RULES for wd in WEIGHT_DECAYS}
+    if have != wanted:
+        raise SystemExit(f"record_mad_seeds: runs missing (seed, rule, wd): {sorted(wanted - have)}")
     return found
 
 
@@ -59,13 +72,12 @@ def cells(runs: list[dict]) -> dict:
     spread; per weight decay also the paired difference, EFLA - DeltaNet, seed by seed."""
     by = {(r["weight_decay"], r["rule"], r["config"]["seed"]): r for r in runs}
     out = {}
-    for wd in sorted({r["weight_decay"] for r in runs}):
+    for wd in WEIGHT_DECAYS:
         cell = {}
         for rule in RULES:
-            accs = {s: by[(wd, rule, s)]["test_acc"] for s in SEEDS if (wd, rule, s) in by}
+            accs = {s: by[(wd, rule, s)]["test_acc"] for s in SEEDS}
             cell[rule] = {"by_seed": accs, **spread(list(accs.values()))}
-        paired = {s: cell["exact"]["by_seed"][s] - cell["euler"]["by_seed"][s]
-                  for s in SEEDS if s in cell["exact"]["by_seed"] and s in cell["euler"]["by_seed"]}
+        paired = {s: cell["exact"]["by_seed"][s] - cell["euler"]["by_seed"][s] for s in SEEDS}
         cell["difference"] = {"by_seed": paired, **spread(list(paired.values()))}
         out[f"lr0.001-wd{wd:g}"] = cell
     return out
@@ -112,6 +124,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--command-as-run", default=None, help="replaces results.json's command_as_run")
     args = parser.parse_args()
+    copy_new_runs()
     found = gather()
     runs = [r for _, r in found]
     table = cells(runs)
@@ -124,11 +137,11 @@ def main() -> int:
                "device": sorted({r["device"] for r in runs}), "runs": [rel for rel, _ in found],
                "cells": table, "best_cell_per_seed": best_cell_per_seed(table)}
     harness.atomic_write(previous, json.dumps(results, indent=1))
-    harness.atomic_write_csv(os.path.join(RECORD, "runs.csv"), ["seed"] + CSV_FIELDS,
-                             ([r["config"]["seed"]] + csv_row(r) for r in runs))
+    harness.atomic_write_csv(os.path.join(RECORD, "runs.csv"), CSV_FIELDS, (csv_row(r) for r in runs))
     plot(table, os.path.join(RECORD, "seeds.png"))
-    print(json.dumps({k: {r: {"mean": round(100 * v[r]["mean"], 2), "std": round(100 * v[r]["std"], 2)}
-                          for r in (*RULES, "difference")} for k, v in {**table, "best": results["best_cell_per_seed"]}.items()}))
+    for name, cell in {**table, "best cell per seed": results["best_cell_per_seed"]}.items():
+        print(name, "  ".join(f"{k}: {100 * cell[k]['mean']:.2f} ± {100 * cell[k]['std']:.2f}"
+                              for k in (*RULES, "difference")))
     return 0
 
 

@@ -36,8 +36,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-steps", type=int, default=None,
                    help="override the step budget: epochs = max_steps // steps per epoch (1..epochs)")
     p.add_argument("--seed", type=int, default=12345,
-                   help="seed of the data, the initialization and the data order (default 12345); runs of other "
-                        "seeds are stored beside them in --out, each scored on its own")
+                   help="seed of the data, the initialization and the data order (default 12345). Runs of several "
+                        "seeds can share --out (the seed is in each run's key); results.json, runs.csv and summary.md "
+                        "there score this seed's runs only")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16 = autocast (MAD used bf16)")
     p.add_argument("--device", default=default_device())
     p.add_argument("--together", type=int, default=1, metavar="N",

@@ -14,8 +14,6 @@ RECORD = pathlib.Path(__file__).resolve().parents[2] / "docs/results/mad/fuzzy-r
 
 
 def _record():
-    if not (RECORD / "results.json").exists():
-        pytest.skip("no fuzzy-recall seeds record in this checkout")
     results = json.loads((RECORD / "results.json").read_text())
     runs = [json.loads((RECORD / rel).read_text()) for rel in results["runs"]]
     return results, runs
@@ -27,7 +25,9 @@ def test_each_seed_accuracy_is_its_runs():
         cell = results["cells"][f"lr0.001-wd{run['weight_decay']:g}"]
         assert cell[run["rule"]]["by_seed"][str(run["config"]["seed"])] == pytest.approx(run["test_acc"], abs=1e-12)
     listed = sum(len(cell[rule]["by_seed"]) for cell in results["cells"].values() for rule in ("exact", "euler"))
-    assert listed == len(runs)
+    assert listed == len(runs) == 12  # 3 seeds x 2 rules x 2 weight decays
+    assert {(r["config"]["seed"], r["rule"], r["weight_decay"]) for r in runs} == {
+        (s, rule, wd) for s in (12345, 1, 2) for rule in ("exact", "euler") for wd in (0.0, 0.1)}
 
 
 def test_spreads_and_paired_differences_follow_from_the_seeds():
@@ -40,6 +40,15 @@ def test_spreads_and_paired_differences_follow_from_the_seeds():
             values = list(entry["by_seed"].values())
             assert entry["mean"] == pytest.approx(statistics.mean(values), abs=1e-12)
             assert entry["std"] == pytest.approx(statistics.stdev(values), abs=1e-12)
+            assert entry["standard_error"] == pytest.approx(statistics.stdev(values) / len(values) ** 0.5, abs=1e-12)
+
+
+def test_best_cell_per_seed_is_the_better_of_the_cells():
+    results, _ = _record()
+    best = results["best_cell_per_seed"]
+    for rule in ("exact", "euler"):
+        for seed, acc in best[rule]["by_seed"].items():
+            assert acc == max(cell[rule]["by_seed"][seed] for cell in results["cells"].values())
 
 
 def test_csv_has_a_row_per_listed_run():

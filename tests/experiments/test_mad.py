@@ -663,14 +663,27 @@ def test_cli(tmp_path):
     assert "Gated DeltaNet" in (out / "summary.md").read_text()
 
 
-def test_cli_seed_keys_its_runs_and_changes_data_and_init(tmp_path):
+def test_seed_sets_the_data_and_the_initialization():
+    setting = R._TINY["fuzzy-in-context-recall"]
+    one, two = (E.MADRun(E.RunConfig(setting, epochs=1, width=32, num_heads=2, seed=s)) for s in (1, 2))
+    again = E.MADRun(E.RunConfig(setting, epochs=1, width=32, num_heads=2, seed=1))
+    assert not torch.equal(one.data.train_x, two.data.train_x)
+    assert torch.equal(one.data.train_x, again.data.train_x) and torch.equal(one.data.test_y, again.data.test_y)
+    params = [dict(r.model.named_parameters()) for r in (one, two, again)]
+    assert all(torch.equal(params[0][n], params[2][n]) for n in params[0])
+    assert not torch.equal(params[0]["embed.weight"], params[1]["embed.weight"])
+
+
+def test_cli_seed_keys_its_runs_and_reports_its_own(tmp_path):
     out = tmp_path / "seeds"
     common = ["mad", "--preset", "tiny", "--tasks", "M", "--rules", "exact", "--num-heads", "2", "--out", str(out)]
     assert main(common + ["--seed", "1"]) == 0
     assert main(common + ["--seed", "2"]) == 0
-    runs = {p.name.split("-s")[-1]: json.loads(p.read_text()) for p in (out / "runs").glob("*.json")}
-    assert sorted(runs) == ["1-fp32.json", "2-fp32.json"]
-    one, two = runs["1-fp32.json"], runs["2-fp32.json"]
-    assert abs(one["history"][0]["train_loss"] - two["history"][0]["train_loss"]) > 1e-4
+    runs = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
+    assert sorted(r["config"]["seed"] for r in runs) == [1, 2]
+    assert all(r["key"].endswith(f"-s{r['config']['seed']}-fp32") for r in runs)
     saved = json.loads((out / "results.json").read_text())
-    assert [r["key"] for r in saved["runs"]] == [two["key"]]  # the report scores the seed asked for
+    assert [r["config"]["seed"] for r in saved["runs"]] == [2]  # the report scores the seed asked for
+    assert "seed 2" in (out / "summary.md").read_text()
+    with open(out / "runs.csv") as f:
+        assert [row["seed"] for row in csv.DictReader(f)] == ["2"]

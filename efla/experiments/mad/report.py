@@ -97,7 +97,7 @@ def summary_markdown(results: dict, agg: dict, command: str) -> str:
     opts = results["options"]
     lines = [f"# MAD synthetic benchmark ({opts['preset']} preset)", "", f"Command as run: `{command}`", "",
              f"Preset: {results['preset']['description']}. Heads: {opts['num_heads']}; precision {opts['precision']}; "
-             f"device {opts['device']}; versions: {json.dumps(results['versions'])}.", "",
+             f"seed {opts['seed']}; device {opts['device']}; versions: {json.dumps(results['versions'])}.", "",
              "Overrides of the preset: " + (", ".join(f"{k}={opts[k]}" for k in ("lrs", "wds", "epochs", "max_steps",
                                                                              "time_limit", "width", "batch_size")
                                                  if opts.get(k) is not None) or "none") + ".", "",
@@ -200,14 +200,14 @@ def plot_scores(agg: dict, path: str, title: str) -> None:
     harness.atomic_save_figure(fig, path, dpi=120)
 
 
-CSV_FIELDS = ["task", "setting", "rule", "lr", "weight_decay", "test_acc", "test_ppl", "test_token_acc", "best_epoch",
+CSV_FIELDS = ["task", "setting", "rule", "lr", "weight_decay", "seed", "test_acc", "test_ppl", "test_token_acc", "best_epoch",
               "max_test_acc", "epochs_run", "epochs_budget", "steps", "stopped_early", "truncated", "diverged",
               "final_train_loss", "seconds", "num_heads", "precision", "device", "num_params", "leakage", "key"]
 
 
 def csv_row(run: dict) -> list:
     row = {k: run.get(k) for k in CSV_FIELDS}
-    row.update(epochs_budget=run["config"]["epochs"], num_heads=run["config"]["num_heads"],
+    row.update(seed=run["config"]["seed"], epochs_budget=run["config"]["epochs"], num_heads=run["config"]["num_heads"],
                precision=run["config"]["precision"])
     return [row[k] for k in CSV_FIELDS]
 
