@@ -62,36 +62,30 @@ def gather() -> list[tuple[str, dict]]:
 
 
 def spread(values: list[float]) -> dict:
-    std = statistics.stdev(values) if len(values) > 1 else float("nan")
+    std = statistics.stdev(values)
     return {"mean": statistics.mean(values), "std": std, "n": len(values),
             "standard_error": std / math.sqrt(len(values))}
 
 
-def cells(runs: list[dict]) -> dict:
-    """Per weight decay and rule, each seed's accuracy (at the lowest-test-perplexity epoch) and its
-    spread; per weight decay also the paired difference, EFLA - DeltaNet, seed by seed."""
-    by = {(r["weight_decay"], r["rule"], r["config"]["seed"]): r for r in runs}
-    out = {}
-    for wd in WEIGHT_DECAYS:
-        cell = {}
-        for rule in RULES:
-            accs = {s: by[(wd, rule, s)]["test_acc"] for s in SEEDS}
-            cell[rule] = {"by_seed": accs, **spread(list(accs.values()))}
-        paired = {s: cell["exact"]["by_seed"][s] - cell["euler"]["by_seed"][s] for s in SEEDS}
-        cell["difference"] = {"by_seed": paired, **spread(list(paired.values()))}
-        out[f"lr0.001-wd{wd:g}"] = cell
+def compared(by_rule: dict) -> dict:
+    """Each rule's accuracies by seed with their spread, and the paired difference EFLA - DeltaNet."""
+    out = {rule: {"by_seed": accs, **spread(list(accs.values()))} for rule, accs in by_rule.items()}
+    paired = {s: by_rule["exact"][s] - by_rule["euler"][s] for s in SEEDS}
+    out["difference"] = {"by_seed": paired, **spread(list(paired.values()))}
     return out
+
+
+def cells(runs: list[dict]) -> dict:
+    """Per weight decay, each rule's accuracy (at the lowest-test-perplexity epoch) by seed, compared."""
+    by = {(r["weight_decay"], r["rule"], r["config"]["seed"]): r["test_acc"] for r in runs}
+    return {f"lr0.001-wd{wd:g}": compared({rule: {s: by[(wd, rule, s)] for s in SEEDS} for rule in RULES})
+            for wd in WEIGHT_DECAYS}
 
 
 def best_cell_per_seed(cell_table: dict) -> dict:
     """Each seed's best of the lr 1e-3 cells, per rule (the task's score restricted to these cells)."""
-    out = {}
-    for rule in RULES:
-        best = {s: max(c[rule]["by_seed"][s] for c in cell_table.values()) for s in SEEDS}
-        out[rule] = {"by_seed": best, **spread(list(best.values()))}
-    paired = {s: out["exact"]["by_seed"][s] - out["euler"]["by_seed"][s] for s in SEEDS}
-    out["difference"] = {"by_seed": paired, **spread(list(paired.values()))}
-    return out
+    return compared({rule: {s: max(c[rule]["by_seed"][s] for c in cell_table.values()) for s in SEEDS}
+                     for rule in RULES})
 
 
 def plot(cell_table: dict, path: str) -> None:

@@ -9,7 +9,7 @@ from efla.errors import UsageError
 
 def add_parser(subparsers) -> None:
     from efla.data.mad_tasks import TASK_ABBR, TASKS
-    from efla.experiments.mad.run import PRESETS
+    from efla.experiments.mad.run import PRESETS, MADOptions
 
     abbr = ", ".join(f"{v}={k}" for k, v in TASK_ABBR.items())
     p = subparsers.add_parser(
@@ -35,8 +35,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--epochs", type=int, default=None, help="override the epoch budget (disables the step budget)")
     p.add_argument("--max-steps", type=int, default=None,
                    help="override the step budget: epochs = max_steps // steps per epoch (1..epochs)")
-    p.add_argument("--seed", type=int, default=12345,
-                   help="seed of the data, the initialization and the data order (default 12345). Runs of several "
+    p.add_argument("--seed", type=int, default=MADOptions.seed,
+                   help="seed of the data, the initialization and the data order (default %(default)s). Runs of several "
                         "seeds can share --out (the seed is in each run's key); results.json, runs.csv and summary.md "
                         "there score this seed's runs only")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16 = autocast (MAD used bf16)")
