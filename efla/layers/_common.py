@@ -158,6 +158,20 @@ def get_layer_state(cache: Any, layer_idx: int | None) -> dict | None:
     return cache.get_layer_state(layer_idx)
 
 
+def empty_recurrent_state(layer, num_slots: int, device, dtype: torch.dtype) -> dict:
+    """A linear-attention layer's decoding state for ``num_slots`` rows, zeroed: the ``[S, HV, K, V]``
+    matrix states in float32 (float64 for float64 models) and the q, k, v convolution histories
+    ``[S, D, W]`` in the model's dtype (``None`` without short convolutions)."""
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    state = torch.zeros(num_slots, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, device=device,
+                        dtype=state_dtype)
+    conv = None
+    if layer.use_short_conv:
+        conv = tuple(torch.zeros(num_slots, width, layer.conv_size, device=device, dtype=dtype)
+                     for width in (layer.key_dim, layer.key_dim, layer.value_dim))
+    return {"recurrent_state": state, "conv_state": conv}
+
+
 def stiffness_stats(k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None, update_rule: str) -> dict:
     """Detached per-head statistics of one forward (all ``[B, T, H]``, float32).
 

@@ -110,6 +110,42 @@ class Attention(nn.Module):
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"window_size={self.window_size}, rope_theta={self.rope_theta}")
 
+    def empty_state(self, num_slots: int, device, dtype: torch.dtype, max_length: int | None = None) -> dict:
+        """Key/value buffers for ``num_slots`` rows of ``max_length`` positions (a key's row index is
+        its position) and each row's length, zeroed (see ``EFLACache.for_model``)."""
+        if max_length is None or max_length < 1:
+            raise ValueError("max_length: a model with softmax-attention layers needs the positions to allocate "
+                             f"for its key/value buffers, got {max_length!r}")
+        shape = (num_slots, max_length, self.num_kv_heads, self.head_dim)
+        kv = (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+        return {"kv_pool": kv, "lengths": torch.zeros(num_slots, dtype=torch.long, device=device)}
+
+    def _pool_step(self, hidden_states, pool, cache):
+        """One token per row against the key/value buffers of a slot cache: write the new key and
+        value at the row's length, attend over the positions up to it (within the window)."""
+        B, T = hidden_states.shape[:2]
+        if T != 1:
+            raise ValueError(f"hidden_states: a slot cache's attention layers take one token per row, got {T} "
+                             "(prefill into an EFLACache and copy it over with write_slots)")
+        keys, values = pool["kv_pool"]
+        slots = cache.slots if cache.slots is not None else torch.arange(B, device=hidden_states.device)
+        # rows past the buffer's end can only be the engine's scratch row (padding of a batch bucket)
+        position = pool["lengths"].index_select(0, slots).clamp(max=keys.shape[1] - 1)
+        q = self.q_proj(hidden_states).view(B, 1, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states).view(B, 1, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).view(B, 1, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, position[:, None], self.rope_theta), apply_rotary(k, position[:, None], self.rope_theta)
+        keys.index_put_((slots, position), k[:, 0])
+        values.index_put_((slots, position), v[:, 0])
+        key_position = torch.arange(keys.shape[1], device=keys.device)
+        allowed = key_position[None, :] <= position[:, None]
+        if self.window_size is not None:
+            allowed &= key_position[None, :] > position[:, None] - self.window_size
+        o = self._attend(q, keys.index_select(0, slots), values.index_select(0, slots), allowed[:, None, None, :])
+        pool["lengths"].index_copy_(0, slots, position + 1)
+        cache.advance_layer(self.layer_idx)
+        return self.o_proj(o.reshape(B, 1, self.hidden_size))
+
     def _positions(self, B, T, mask, last_state, cu_seqlens, device):
         """``positions [B, T]`` of the new tokens (-1 at padding), ``segments [B, T]`` (packed input,
         else ``None``) and every row's ``next_position [B]`` after them."""
@@ -164,6 +200,11 @@ class Attention(nn.Module):
             raise ValueError("context parallelism: softmax-attention layers (config attn) do not support it")
         mask = padding_mask(attention_mask, B, T, cu_seqlens)
         last_state = get_layer_state(past_key_values, self.layer_idx)
+        if last_state is not None and "kv_pool" in last_state:
+            if mask is not None or cu_seqlens is not None:
+                raise ValueError("attention_mask, cu_seqlens: a slot cache's attention layers take one unpadded "
+                                 "token per row")
+            return self._pool_step(hidden_states, last_state, past_key_values), None, past_key_values
         use_cache = bool(use_cache) and past_key_values is not None
 
         q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim)

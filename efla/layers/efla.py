@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from efla.ops import chunk_delta_rule, chunk_efla, recurrent_delta_rule, recurrent_efla
+from efla.ops import DecodeSpec, chunk_delta_rule, chunk_efla, recurrent_delta_rule, recurrent_efla
 
 from efla.distributed.context_parallel import context_parallel_aware, context_parallel_conv_states
 
@@ -22,12 +22,14 @@ from ._common import (
     check_hidden_states,
     check_num_v_heads,
     check_update_rule,
+    empty_recurrent_state,
     get_layer_state,
     padding_mask,
     per_value_head,
     project,
     stiffness_stats,
 )
+from .decode import decode_pool, fused_decode
 from .modules import RMSNorm, RMSNormGated, ShortConvolution, l2_normalize
 
 __all__ = ["EFLA"]
@@ -253,6 +255,27 @@ class EFLA(nn.Module):
             return recurrent_efla if recurrent else chunk_efla
         return recurrent_delta_rule if recurrent else chunk_delta_rule
 
+    def decode_spec(self) -> DecodeSpec | None:
+        """The constants of this layer's fused decoding step (``efla.ops.fused_decode_step``), or
+        ``None`` for the activations and norms it does not cover (relu/elu, sum normalisation)."""
+        if self.qk_norm != "l2" or self.qk_activation not in ("silu", "identity"):
+            return None
+        return DecodeSpec(num_heads=self.num_heads, groups=self.num_v_heads // self.num_heads,
+                          head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim, exact=self.update_rule == "exact",
+                          gated=False, qk_silu=self.qk_activation == "silu",
+                          beta_scale=2.0 if self.allow_neg_eigval else 1.0, k_l2=self.update_rule == "euler",
+                          out_gate="swish" if self.use_gate else None, norm_eps=self.o_norm.eps,
+                          conv_size=self.conv_size)
+
+    def empty_state(self, num_slots: int, device, dtype: torch.dtype, max_length: int | None = None) -> dict:
+        """This layer's decoding state for ``num_slots`` rows, zeroed (see ``EFLACache.for_model``)."""
+        return empty_recurrent_state(self, num_slots, device, dtype)
+
+    def _fused_step(self, hidden_states, pool, cache):
+        names = ["q_proj", "k_proj", "v_proj"] + (["b_proj"] if self.use_beta else []) + \
+            (["g_proj"] if self.use_gate else [])
+        return fused_decode(self, hidden_states, cache, pool, names, {"beta": "b_proj", "gate": "g_proj"})
+
     # -- forward ------------------------------------------------------------------------------------
     def forward(
         self,
@@ -268,6 +291,9 @@ class EFLA(nn.Module):
         if cu_seqlens is not None and B != 1:
             raise ValueError(
                 f"cu_seqlens: packed input needs batch size 1, got hidden_states {tuple(hidden_states.shape)}")
+        pool = decode_pool(self, hidden_states, attention_mask, past_key_values, use_cache, cu_seqlens)
+        if pool is not None:  # one token per row on the GPU: the fused step, the cache updated in place
+            return self._fused_step(hidden_states, pool, past_key_values), None, past_key_values
         last_state = get_layer_state(past_key_values, self.layer_idx)
         use_cache = bool(use_cache) and past_key_values is not None
 

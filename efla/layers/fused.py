@@ -38,6 +38,7 @@ def _importable() -> bool:
         try:
             from fla.modules import FusedCrossEntropyLoss, FusedLinearCrossEntropyLoss
             from fla.modules.activations import swiglu_linear
+            from fla.modules.activations.ops import swiglu_fwd
             from fla.modules.causal_conv1d import causal_conv1d
             from fla.modules.fused_norm_gate import rms_norm_gated
             from fla.modules.layernorm import rms_norm
@@ -45,7 +46,7 @@ def _importable() -> bool:
 
             _kernels = SimpleNamespace(
                 rms_norm=rms_norm, rms_norm_gated=rms_norm_gated, causal_conv1d=causal_conv1d,
-                swiglu_linear=swiglu_linear, CrossEntropyLoss=FusedCrossEntropyLoss,
+                swiglu_linear=swiglu_linear, swiglu_forward=swiglu_fwd, CrossEntropyLoss=FusedCrossEntropyLoss,
                 LinearCrossEntropyLoss=FusedLinearCrossEntropyLoss, decay_gate=fused_gdn_gate,
             )
         except Exception:  # noqa: BLE001  no triton / no fla / a broken install: the PyTorch code serves

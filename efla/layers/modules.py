@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from efla.ops.normalize import l2_normalize
 
+from ._common import _bare_linear
+from .decode import stacked_projections
 from .fused import kernels_for
 
 __all__ = ["ShortConvolution", "RMSNorm", "RMSNormGated", "GatedMLP", "decay_gate", "l2_normalize",
@@ -264,3 +266,19 @@ class GatedMLP(nn.Module):
         if fused is not None:  # SiLU-gate and down projection in one op that keeps no product for backward
             return fused.swiglu_linear(self.gate_proj(x), self.up_proj(x), self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)``; without autograd in fewer kernels (inference, decoding above all):
+        the down projection accumulates into the residual (one product, no separate sum) and on the
+        GPU the gate and up projections of a decoding step are one product over their stacked weights."""
+        if torch.is_grad_enabled() or residual.dtype != x.dtype or not _bare_linear(self.down_proj):
+            return residual + self(x)
+        if x.shape[-2] == 1:
+            gate, up = stacked_projections(self, x, [self.gate_proj, self.up_proj])
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        fused = kernels_for(x)
+        h = fused.swiglu_forward(gate, up, output_contiguous=True) if fused is not None else F.silu(gate) * up
+        out = torch.addmm(residual.reshape(-1, self.hidden_size), h.reshape(-1, self.intermediate_size),
+                          self.down_proj.weight.t())
+        return out.view(residual.shape)

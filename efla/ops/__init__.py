@@ -29,12 +29,16 @@ from __future__ import annotations
 
 from .api import run as _run
 from .coefficients import efla_coefficient, gated_efla_coefficients
+from .decode import DecodeSpec, fused_decode_available, fused_decode_step
 from .gates import raw_gates
 from .normalize import l2_normalize
 from .validate import check_keys, deferred_key_checks
 from ..variants import Variant
 
 __all__ = [
+    "DecodeSpec",
+    "fused_decode_available",
+    "fused_decode_step",
     "efla_coefficient",
     "gated_efla_coefficients",
     "l2_normalize",
