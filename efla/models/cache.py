@@ -10,6 +10,22 @@ from transformers.cache_utils import Cache
 __all__ = ["EFLACache"]
 
 
+def _write_attention_rows(pool: dict, state: dict, slots: torch.Tensor) -> None:
+    """Scatter a dynamic attention state's keys/values (``[n, S, ...]`` with their positions, -1 for
+    padding) into the pool's buffers at ``[slots[row], position]``, and set the rows' lengths."""
+    keys, values = state["attn_state"]
+    positions = state["key_positions"]
+    real = positions >= 0
+    rows = slots[:, None].expand_as(positions)[real]
+    pool_keys, pool_values = pool["kv_pool"]
+    if bool((positions[real] >= pool_keys.shape[1]).any()):
+        raise ValueError(f"max_length: a prompt reaches position {int(positions.max())}, beyond the "
+                         f"{pool_keys.shape[1]} positions allocated")
+    pool_keys[rows, positions[real]] = keys[real].to(pool_keys.dtype)
+    pool_values[rows, positions[real]] = values[real].to(pool_values.dtype)
+    pool["lengths"].index_copy_(0, slots, state["next_position"])
+
+
 def _map_tensors(obj: Any, fn):
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -44,6 +60,14 @@ class EFLACache(Cache):
     ``update_layer_state(i, recurrent_state=..., conv_state=..., offset=T)`` (attention layers:
     ``update_attention_state``).
 
+    States are updated in place: once a layer holds a state, later steps copy their result into
+    the same tensors, so a decoding loop (or a CUDA graph of one step) always finds them at the
+    same addresses. ``EFLACache.for_model(model, num_slots)`` allocates every layer's state up front
+    as a pool of ``num_slots`` rows (softmax-attention layers: a key/value buffer of ``max_length``
+    positions per row); with ``cache.slots`` set to a ``[B]`` index tensor, batch row ``b`` reads
+    and writes pool row ``slots[b]`` (the fast decoding loop and a server's request slots work
+    so). ``write_slots`` copies a prefilled cache's states into pool rows.
+
     Example:
         >>> cache = EFLACache()
         >>> cache.get_seq_length()
@@ -60,6 +84,19 @@ class EFLACache(Cache):
         self.offloading = False
         self.states: list[dict[str, Any] | None] = [None] * (num_layers or 0)
         self._seen_tokens: list[int] = [0] * (num_layers or 0)
+        self.slots: torch.Tensor | None = None
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, num_slots: int, max_length: int | None = None) -> EFLACache:
+        """Every layer's state allocated once, zeroed, as a pool of ``num_slots`` rows on the model's
+        device (recurrent states in float32, convolution histories in the model's dtype); a model
+        with softmax-attention layers needs ``max_length``, the positions each row may reach."""
+        blocks = model.get_decoder().layers
+        weight = next(model.parameters())
+        cache = cls(len(blocks))
+        for i, block in enumerate(blocks):
+            cache.states[i] = block.attn.empty_state(num_slots, weight.device, weight.dtype, max_length)
+        return cache
 
     # -- layer protocol ---------------------------------------------------------------------------
     def _grow(self, layer_idx: int) -> None:
@@ -68,21 +105,52 @@ class EFLACache(Cache):
             self._seen_tokens.append(0)
 
     def get_layer_state(self, layer_idx: int) -> dict[str, Any] | None:
-        if layer_idx < len(self.states):
-            return self.states[layer_idx]
-        return None
+        """The layer's state for the current batch rows: with ``slots`` set, a copy of those pool rows
+        (softmax-attention pools are returned whole: their layer indexes them itself)."""
+        state = self.layer_pool(layer_idx)
+        if state is None or self.slots is None or "kv_pool" in state:
+            return state
+        return _map_tensors(state, lambda t: t.index_select(0, self.slots))
+
+    def layer_pool(self, layer_idx: int) -> dict[str, Any] | None:
+        """The layer's stored state itself (all pool rows), or ``None``."""
+        return self.states[layer_idx] if layer_idx < len(self.states) else None
 
     def update_layer_state(self, layer_idx: int, recurrent_state: torch.Tensor | None = None,
                            conv_state: tuple | None = None, offset: int = 1, **kwargs: Any) -> dict[str, Any]:
         self._grow(layer_idx)
         state = self.states[layer_idx] or {"recurrent_state": None, "conv_state": None}
         if recurrent_state is not None:
-            state["recurrent_state"] = recurrent_state
+            state["recurrent_state"] = self._written(state["recurrent_state"], recurrent_state)
         if conv_state is not None:
-            state["conv_state"] = tuple(conv_state)
+            old = state["conv_state"] or (None,) * len(conv_state)
+            state["conv_state"] = tuple(self._written(o, n) for o, n in zip(old, conv_state))
         self.states[layer_idx] = state
         self._seen_tokens[layer_idx] += int(offset)
         return state
+
+    def _written(self, stored: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        """``new`` copied into ``stored`` (into its ``slots`` rows when set) where it fits, else ``new``."""
+        if stored is None or stored is new:
+            return new
+        if self.slots is not None:
+            return stored.index_copy_(0, self.slots, new.to(stored.dtype))
+        if stored.shape == new.shape and stored.dtype == new.dtype and stored.device == new.device:
+            return stored.copy_(new)
+        return new
+
+    def write_slots(self, slots: torch.Tensor, source: EFLACache) -> None:
+        """Copy the states of ``source`` (a cache of ``len(slots)`` rows, as a prefill leaves it) into
+        the pool rows ``slots``; attention keys go to their positions in the key/value buffers."""
+        for pool, state in zip(self.states, source.states):
+            if pool is None or state is None:
+                continue
+            if "kv_pool" in pool:
+                _write_attention_rows(pool, state, slots)
+                continue
+            pool["recurrent_state"].index_copy_(0, slots, state["recurrent_state"].to(pool["recurrent_state"].dtype))
+            for dst, src in zip(pool["conv_state"] or (), state["conv_state"] or ()):
+                dst.index_copy_(0, slots, src.to(dst.dtype))
 
     def update_attention_state(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
                                key_positions: torch.Tensor, next_position: torch.Tensor,
@@ -99,6 +167,10 @@ class EFLACache(Cache):
         self.states[layer_idx] = state
         self._seen_tokens[layer_idx] += int(offset)
         return state
+
+    def advance_layer(self, layer_idx: int, offset: int = 1) -> None:
+        """Count ``offset`` tokens seen by a layer that updated its pools itself."""
+        self._seen_tokens[layer_idx] += int(offset)
 
     # -- transformers Cache API used by generate() ---------------------------------------------------
     def __len__(self) -> int:
@@ -150,6 +222,8 @@ class EFLACache(Cache):
 
     @property
     def batch_size(self) -> int:
+        if self.slots is not None:
+            return self.slots.shape[0]
         for s in self.states:
             if s is not None and s.get("recurrent_state") is not None:
                 return s["recurrent_state"].shape[0]

@@ -149,7 +149,7 @@ class EFLABlock(_BlockBase):
         h, _, past_key_values = self.attn(self.attn_norm(hidden_states), attention_mask=attention_mask,
                                           past_key_values=past_key_values, use_cache=use_cache, cu_seqlens=cu_seqlens)
         h, residual = self.mlp_norm(h, residual, prenorm=True)  # residual += h, then the norm: one kernel on GPU
-        return residual + self.mlp(h)
+        return self.mlp.add_to(h, residual)
 
 
 class EFLAPreTrainedModel(PreTrainedModel):

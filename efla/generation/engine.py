@@ -1,0 +1,230 @@
+"""``DecodeEngine``: a model's decoding state allocated once, prefill into it, and a decoding step
+that runs as one CUDA graph per batch bucket.
+
+The state is an ``EFLACache`` pool (``EFLACache.for_model``): every layer's recurrent state,
+convolution histories (and, for softmax-attention layers, key/value buffers) for ``capacity``
+rows plus one scratch row, updated in place. A batch of ``B`` rows decodes in the bucket of the
+next size up (1, 2, 4, ..., 256, then multiples of 256); bucket rows point at pool rows through
+``cache.slots``, padding rows at the scratch row. One step (embedding, every layer, head, the
+choice of the next token, the stop-token bookkeeping) reads and writes only the bucket's static
+tensors, so on CUDA it is captured once per bucket (greedy and sampling apart) and replayed:
+one launch per token instead of a few hundred, nothing allocated after capture, nothing read
+back to the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from efla.layers.decode import refresh_stacked_weights
+from efla.models.cache import EFLACache
+
+from .sampling import choose_tokens
+
+__all__ = ["DecodeEngine", "Bucket", "bucket_size", "engine_for", "release"]
+
+MAX_STOP_TOKENS = 16
+_POSITION_GRAIN = 1024  # attention buffers grow in steps of this many positions
+_ENGINE_ATTR = "_efla_decode_engine"
+
+
+def bucket_size(batch: int) -> int:
+    """The padded batch a step runs at: the next power of two up to 256, then multiples of 256."""
+    if batch < 1:
+        raise ValueError(f"batch: expected at least one row, got {batch}")
+    return 1 << (batch - 1).bit_length() if batch <= 256 else 256 * -(-batch // 256)
+
+
+@dataclass
+class Bucket:
+    """The static tensors of one batch size: what a captured step reads and writes."""
+
+    size: int
+    slots: torch.Tensor  # [size] pool row of each batch row (the scratch row for padding)
+    tokens: torch.Tensor  # [size] the last token of each row; the step replaces it with the next
+    finished: torch.Tensor  # [size] rows that produced a stop token (they emit the pad token since)
+    temperature: torch.Tensor  # [size] 0: greedy
+    top_k: torch.Tensor  # [size] 0: off
+    top_p: torch.Tensor  # [size] 1: off
+    noise: torch.Tensor  # [size, vocab] Exp(1) draws of this step (sampling)
+    graphs: dict = field(default_factory=dict)  # sampling (bool) -> captured step
+
+
+class DecodeEngine:
+    """Decoding state and step of one model (see the module's doc). ``use_cuda_graph``: capture the
+    step on CUDA (default: whenever the model is on CUDA); elsewhere the same step runs eagerly."""
+
+    def __init__(self, model: torch.nn.Module, use_cuda_graph: bool | None = None):
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.head = model.get_output_embeddings()
+        weight = next(model.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
+        on_cuda = self.device.type == "cuda"
+        self.use_graphs = on_cuda if use_cuda_graph is None else bool(use_cuda_graph) and on_cuda
+        self.vocab = self.head.out_features
+        self.needs_positions = bool(getattr(model.config, "attn", None))
+        self.cache: EFLACache | None = None
+        self.capacity, self.max_length = 0, None
+        self.buckets: dict[int, Bucket] = {}
+        self.stop_tokens = torch.full((MAX_STOP_TOKENS,), -1, dtype=torch.long, device=self.device)
+        self.pad_token = torch.zeros((), dtype=torch.long, device=self.device)
+        self.memory_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._weights = self._weights_key()
+
+    # -- the pool and the buckets -------------------------------------------------------------------
+    @property
+    def scratch_slot(self) -> int:
+        return self.capacity
+
+    def reserve(self, slots: int, max_length: int | None = None) -> None:
+        """Make room for ``slots`` rows (and, with attention layers, ``max_length`` positions each);
+        a larger pool replaces the old one, whose states and captured steps are dropped."""
+        length = max_length if self.needs_positions else None
+        if self.cache is not None and slots <= self.capacity and (length is None or length <= self.max_length):
+            return
+        capacity = max(slots, self.capacity)
+        if length is not None:
+            length = _POSITION_GRAIN * -(-max(length, self.max_length or 0) // _POSITION_GRAIN)
+        self.cache, self.buckets = None, {}
+        self._new_graph_pool()
+        self.cache = EFLACache.for_model(self.model, capacity + 1, length)
+        self.capacity, self.max_length = capacity, length
+
+    def bucket(self, batch: int) -> Bucket:
+        """The bucket that runs ``batch`` rows (made on first use, every row on the scratch slot)."""
+        size = bucket_size(batch)
+        if size not in self.buckets:
+            dev = self.device
+            self.buckets[size] = Bucket(
+                size=size, slots=torch.full((size,), self.scratch_slot, dtype=torch.long, device=dev),
+                tokens=torch.zeros(size, dtype=torch.long, device=dev),
+                finished=torch.zeros(size, dtype=torch.bool, device=dev),
+                temperature=torch.zeros(size, device=dev), top_k=torch.zeros(size, dtype=torch.long, device=dev),
+                top_p=torch.ones(size, device=dev), noise=torch.ones(size, self.vocab, device=dev))
+        return self.buckets[size]
+
+    def set_stop_tokens(self, stop_tokens: list[int], pad_token: int) -> None:
+        if len(stop_tokens) > MAX_STOP_TOKENS:
+            raise ValueError(f"eos_token_id: at most {MAX_STOP_TOKENS} stop tokens, got {len(stop_tokens)}")
+        self.stop_tokens.fill_(-1)
+        if stop_tokens:
+            self.stop_tokens[:len(stop_tokens)] = torch.tensor(stop_tokens, dtype=torch.long)
+        self.pad_token.fill_(int(pad_token))
+
+    def is_stop_token(self, tokens: torch.Tensor) -> torch.Tensor:
+        # a comparison, not torch.isin, which cannot be captured in a CUDA graph
+        return (tokens[..., None] == self.stop_tokens).any(-1)
+
+    def check_weights(self) -> None:
+        """Captured steps read the weights where they were: drop them if a weight moved, and
+        refill the stacked projection weights of any weight changed in place."""
+        key = self._weights_key()
+        if key != self._weights:
+            self._weights = key
+            for bucket in self.buckets.values():
+                bucket.graphs.clear()
+            self._new_graph_pool()
+        refresh_stacked_weights(self.model)
+
+    def _new_graph_pool(self) -> None:
+        # a pool whose graphs are all gone is freed: new captures need a new one
+        self.memory_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    def _weights_key(self) -> tuple:
+        return tuple(p.data_ptr() for p in self.model.parameters())
+
+    # -- prefill and decoding -----------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, prompts: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+        """Run the prompts (1-D token tensors) packed in one sequence (``cu_seqlens``: the chunk
+        kernels, no padding), write their final states into pool rows ``slots``, and return the
+        logits of each prompt's last token, ``[N, vocab]`` float32."""
+        lengths = torch.tensor([len(p) for p in prompts])
+        cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(self.device)
+        packed = torch.cat(list(prompts)).to(self.device)[None]
+        out = self.decoder(input_ids=packed, cu_seqlens=cu_seqlens, use_cache=True)
+        self.cache.write_slots(slots, _cache_of(out))
+        last = out.last_hidden_state[0, cu_seqlens[1:] - 1]
+        return self.head(last).float()
+
+    @torch.no_grad()
+    def start(self, bucket: Bucket, logits: torch.Tensor, generator: torch.Generator | None) -> None:
+        """Choose the first new token of the bucket's first ``len(logits)`` rows from the prefill's
+        logits (the rows' slots and sampling settings already set)."""
+        n = logits.shape[0]
+        noise = bucket.noise[:n]
+        if bool((bucket.temperature[:n] > 0).any()):
+            noise.exponential_(generator=generator)
+        tokens = choose_tokens(logits, bucket.temperature[:n], bucket.top_k[:n], bucket.top_p[:n], noise)
+        bucket.tokens[:n] = tokens
+        bucket.finished[:n] = self.is_stop_token(tokens)
+
+    def step(self, bucket: Bucket, sampling: bool, generator: torch.Generator | None) -> None:
+        """One decoding step of the whole bucket: ``bucket.tokens`` becomes the next token."""
+        if sampling:
+            bucket.noise.exponential_(generator=generator)
+        if not self.use_graphs:
+            with torch.no_grad():
+                self._step(bucket, sampling)
+            return
+        graph = bucket.graphs.get(sampling)
+        if graph is None:
+            graph = bucket.graphs[sampling] = self._capture(bucket, sampling)
+        graph.replay()
+
+    def _step(self, bucket: Bucket, sampling: bool) -> None:
+        self.cache.slots = bucket.slots
+        hidden = self.decoder(input_ids=bucket.tokens[:, None], past_key_values=self.cache,
+                              use_cache=True).last_hidden_state
+        logits = self.head(hidden[:, 0]).float()
+        if sampling:
+            tokens = choose_tokens(logits, bucket.temperature, bucket.top_k, bucket.top_p, bucket.noise)
+        else:
+            tokens = logits.argmax(-1)
+        tokens = torch.where(bucket.finished, self.pad_token, tokens)
+        bucket.finished |= self.is_stop_token(tokens)
+        bucket.tokens.copy_(tokens)
+
+    def _capture(self, bucket: Bucket, sampling: bool) -> torch.cuda.CUDAGraph:
+        """Warm the step up on a side stream (kernels compiled and tuned) with every row on the
+        scratch slot, so no live state moves, then capture it."""
+        saved = [t.clone() for t in (bucket.slots, bucket.tokens, bucket.finished)]
+        bucket.slots.fill_(self.scratch_slot)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(2):
+                self._step(bucket, sampling)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph, pool=self.memory_pool):
+            self._step(bucket, sampling)
+        for tensor, value in zip((bucket.slots, bucket.tokens, bucket.finished), saved):
+            tensor.copy_(value)
+        return graph
+
+
+def _cache_of(out):
+    return out.cache if hasattr(out, "cache") and out.cache is not None else out.past_key_values
+
+
+def engine_for(model: torch.nn.Module, use_cuda_graph: bool | None = None) -> DecodeEngine:
+    """The model's engine, made on first use and kept on the model (its state pool and captured
+    steps stay allocated until ``release(model)``); a new one when the device, dtype or graph
+    setting changed."""
+    engine = model.__dict__.get(_ENGINE_ATTR)
+    weight = next(model.parameters())
+    wanted = weight.device.type == "cuda" if use_cuda_graph is None else bool(use_cuda_graph)
+    if engine is None or engine.device != weight.device or engine.dtype != weight.dtype \
+            or engine.use_graphs != (wanted and weight.device.type == "cuda"):
+        release(model)
+        engine = model.__dict__[_ENGINE_ATTR] = DecodeEngine(model, use_cuda_graph)
+    return engine
+
+
+def release(model: torch.nn.Module) -> None:
+    """Free the decoding state and captured steps that ``efla.generation`` keeps on ``model``."""
+    model.__dict__.pop(_ENGINE_ATTR, None)
