@@ -1,0 +1,317 @@
+"""``efla generate``: text continuations of prompts from a saved efla model directory, streamed as they
+are generated, or as one JSON line per prompt (``--json``; all prompts in one left-padded batch).
+Argument checks and printing only; the decoding is :func:`efla.generation.generate`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from efla.errors import UsageError
+
+_EPILOG = """\
+examples:
+  efla generate runs/lm/efla-s0 "The meaning of life is" --max-new-tokens 40
+  efla generate runs/lm/efla-s0 --prompts-file prompts.txt --temperature 0.8 --top-p 0.95 --seed 0 --json
+Temperature 0 (the default) is greedy decoding; --top-k / --top-p only act when sampling (temperature > 0).
+A PROMPT that starts with '-' goes after `--`.
+"""
+
+
+# -- checks made before anything is loaded ---------------------------------------------------------
+
+def _check_model_dir(path: str) -> None:
+    """A saved efla model: config.json with model_type 'efla', safetensors weights, tokenizer files."""
+    from efla.experiments import arg_checks as check
+
+    check.existing_dir(path, "MODEL_DIR")
+    names = set(os.listdir(path))
+    config = os.path.join(path, "config.json")
+    if "config.json" not in names:
+        raise UsageError(f"{path} is not a model directory: no config.json (MODEL_DIR)")
+    try:
+        with open(config, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UsageError(f"{config}: not a readable JSON config ({' '.join(str(error).split())}) (MODEL_DIR)") from None
+    model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if model_type != "efla":
+        raise UsageError(f"{config}: model_type {model_type!r} is not an efla model (expected 'efla'; "
+                         "`efla convert` turns fla DeltaNet checkpoints into one) (MODEL_DIR)")
+    if not any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names):
+        raise UsageError(f"{path} has a config.json but no safetensors weights (*.safetensors) (MODEL_DIR)")
+    if not names & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"}:
+        raise UsageError(f"{path} has no tokenizer files (tokenizer.json or tokenizer_config.json) (MODEL_DIR)")
+
+
+def _read_prompts_file(path: str) -> list[str]:
+    """One prompt per line (blank lines skipped); a byte that is not UTF-8 is named with its line."""
+    from efla.experiments import arg_checks as check
+
+    check.existing_file(path, "--prompts-file")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as error:
+        raise UsageError(f"{path}: cannot be read ({error.strerror or error}) (--prompts-file)") from None
+    prompts = []
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise UsageError(f"{path}:{number}: not UTF-8 text (byte 0x{raw[error.start]:02x} at column "
+                             f"{error.start + 1}) (--prompts-file)") from None
+        if number == 1:
+            line = line.removeprefix("\ufeff")  # a byte order mark
+        line = line.removesuffix("\r")
+        if line.strip():
+            prompts.append(line)
+    return prompts
+
+
+def _check_device(name: str) -> str:
+    """The device to run on (``auto``: cuda if available, else cpu)."""
+    import torch
+
+    from efla.experiments import arg_checks as check
+
+    check.device(name)
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind, _, index = name.partition(":")
+    if index and (kind != "cuda" or not index.isdigit()):
+        raise UsageError(f"unknown device {name!r}; expected auto, cpu, cuda or cuda:N (--device)")
+    if index and int(index) >= torch.cuda.device_count():
+        raise UsageError(f"{name} requested but there are {torch.cuda.device_count()} CUDA devices (--device)")
+    return name
+
+
+def _check_dtype(name: str, device: str):
+    import torch
+
+    if name == "auto":
+        name = "bfloat16" if device.startswith("cuda") else "float32"
+    if name == "float16" and not device.startswith("cuda"):
+        raise UsageError("float16 needs a CUDA device; on the CPU use float32 or bfloat16 (--dtype)")
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _check_options(args) -> None:
+    from efla.experiments import arg_checks as check
+
+    check.at_least(args.max_new_tokens, 1, "--max-new-tokens")
+    check.at_least(args.temperature, 0, "--temperature")
+    check.at_least(args.top_k, 0, "--top-k")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise UsageError(f"expected a value in (0, 1], got {args.top_p:g} (--top-p)")
+    check.at_least(args.seed, 0, "--seed")
+
+
+# -- loading and generating ------------------------------------------------------------------------
+
+def _load(path: str, device: str, dtype):
+    import efla  # noqa: F401  (registers the efla model type with transformers)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar on stderr: the output is the text
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    return model.to(device).eval(), tokenizer
+
+
+def _stop_tokens(model, tokenizer) -> list[int]:
+    """The tokenizer's eos, else the model's generation_config eos (none: generate to the length)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
+
+
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _until_stop(ids: list[int], stop_tokens: list[int]) -> tuple[list[int], str]:
+    """A row's new tokens up to and including its first stop token, and the finish reason."""
+    for j, t in enumerate(ids):
+        if t in stop_tokens:
+            return ids[: j + 1], "stop"
+    return ids, "length"
+
+
+class _PrintStreamer:
+    """Prints a single row's continuation as it comes (a transformers-style streamer: ``put`` / ``end``).
+    The first ``put`` (the prompt) is skipped; tokens after a stop token (the padding of a finished
+    row) are ignored. Each print is the new part of the decoding of all tokens so far, so the
+    printed text is exactly the decoding of the whole continuation; an incomplete UTF-8 character
+    at the end waits for its next token."""
+
+    def __init__(self, tokenizer, stop_tokens: list[int], out=None):
+        self.tokenizer, self.stop_tokens = tokenizer, set(stop_tokens)
+        self.out = out
+        self.ids: list[int] = []
+        self.printed = ""
+        self.prompt_pending = True
+        self.stopped = False
+
+    def put(self, value) -> None:
+        if self.prompt_pending:
+            self.prompt_pending = False
+            return
+        for t in value.reshape(-1).tolist():
+            if self.stopped:
+                break
+            self.ids.append(int(t))
+            self.stopped = int(t) in self.stop_tokens
+        self._emit(final=False)
+
+    def end(self) -> None:
+        self._emit(final=True)
+        self._write("\n")
+
+    def _emit(self, final: bool) -> None:
+        text = _decode(self.tokenizer, self.ids)
+        if not final:
+            text = text.rstrip("\ufffd")
+        if text.startswith(self.printed) and len(text) > len(self.printed):
+            self._write(text[len(self.printed):])
+            self.printed = text
+
+    def _write(self, text: str) -> None:
+        out = self.out or sys.stdout
+        out.write(text)
+        out.flush()
+
+
+def _encode(tokenizer, prompts: list[str]) -> list[list[int]]:
+    encoded = []
+    for prompt in prompts:
+        ids = list(tokenizer(prompt)["input_ids"])
+        if not ids:
+            raise UsageError(f"the prompt {prompt!r} encodes to no tokens (PROMPT)")
+        encoded.append(ids)
+    return encoded
+
+
+def _sampling(args) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                top_p=None if args.top_p in (None, 1.0) else args.top_p, seed=args.seed)
+
+
+def _stream(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args) -> None:
+    import torch
+
+    from efla.generation import generate
+
+    device = next(model.parameters()).device
+    for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
+        if i:
+            print(flush=True)
+        print(prompt, end="", flush=True)
+        streamer = _PrintStreamer(tokenizer, stop_tokens)
+        generate(model, torch.tensor([ids], device=device), eos_token_id=stop_tokens, pad_token_id=pad_id,
+                 streamer=streamer, **_sampling(args))
+
+
+def _json_lines(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args) -> None:
+    import torch
+
+    from efla.generation import generate
+
+    device = next(model.parameters()).device
+    tokenizer.padding_side = "left"
+    width = max(map(len, encoded))
+    input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(encoded), width), dtype=torch.long)
+    for row, ids in enumerate(encoded):
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        mask[row, width - len(ids):] = 1
+    out = generate(model, input_ids.to(device), attention_mask=mask.to(device), eos_token_id=stop_tokens,
+                   pad_token_id=pad_id, **_sampling(args))
+    for prompt, row in zip(prompts, out[:, width:].tolist()):
+        new, reason = _until_stop(row, stop_tokens)
+        line = {"prompt": prompt, "text": _decode(tokenizer, new), "new_tokens": len(new), "finish_reason": reason}
+        print(json.dumps(line, ensure_ascii=False), flush=True)
+
+
+def cmd_generate(args) -> int:
+    _check_model_dir(args.model_dir)
+    _check_options(args)
+    device = _check_device(args.device)
+    dtype = _check_dtype(args.dtype, device)
+    prompts = list(args.prompts or [])
+    if args.prompts_file is not None:
+        prompts += _read_prompts_file(args.prompts_file)
+    if not prompts:
+        if args.prompts_file is not None:
+            raise UsageError(f"no prompt given: {args.prompts_file} has no prompt lines (--prompts-file)")
+        raise UsageError("no prompt given (PROMPT or --prompts-file)")
+
+    model, tokenizer = _load(args.model_dir, device, dtype)
+    encoded = _encode(tokenizer, prompts)
+    stop_tokens = _stop_tokens(model, tokenizer)
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = stop_tokens[0] if stop_tokens else 0
+    if args.json:
+        _json_lines(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args)
+    else:
+        _stream(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "generate", help="continue prompts with a saved efla model (streamed, or JSON lines with --json)",
+        description="Load a model directory written by `efla train` (or save_pretrained plus a tokenizer) and "
+                    "continue each prompt: streamed to stdout prompt by prompt, or with --json all prompts in one "
+                    "left-padded batch and one JSON object per prompt per line (prompt, text, new_tokens, "
+                    "finish_reason).",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts (each continued on its own)")
+    p.add_argument("--prompts-file", default=None, metavar="FILE",
+                   help="UTF-8 text file, one prompt per line (blank lines skipped); after the PROMPTs")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                   help="tokens to generate per prompt at most (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0: greedy (default); above 0: sampling from softmax(logits / T)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K likeliest tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample from the smallest set of tokens with probability >= P, 0 < P <= 1 (1: off)")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (same seed, same output)")
+    p.add_argument("--device", default="auto", metavar="D", help="auto (cuda if available), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on the CPU (float16 needs CUDA)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per prompt per line: prompt, text, new_tokens, finish_reason")
+    p.set_defaults(func=cmd_generate)
+    _accept_prompts_after_options(p)
+
+
+def _accept_prompts_after_options(parser) -> None:
+    """``efla generate MODEL --json "a prompt"``: PROMPTs may follow options (argparse alone gives the
+    positionals only their first run of arguments), by parsing this subcommand intermixed."""
+    plain = parser.parse_known_args
+    inside = []
+
+    def parse_known_args(args=None, namespace=None):
+        if inside:  # parse_known_intermixed_args calls parse_known_args itself
+            return plain(args, namespace)
+        inside.append(True)
+        try:
+            return parser.parse_known_intermixed_args(args, namespace)
+        finally:
+            inside.pop()
+
+    parser.parse_known_args = parse_known_args

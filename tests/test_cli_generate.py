@@ -1,0 +1,164 @@
+"""`efla generate`: JSON lines equal to efla.generation.generate prompt by prompt, streaming prints the same
+text, seeded sampling repeats, and every user mistake is one line with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from efla.cli import main
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PROMPTS = ["def main(", "import torch", "The model"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> pathlib.Path:
+    """A tiny-efla model with random weights and a byte-level BPE trained on this repository's sources."""
+    from efla.data.tokenizer import train_bpe_tokenizer
+    from efla.models import EFLAForCausalLM, get_preset_config
+
+    path = tmp_path_factory.mktemp("generate") / "model"
+    text = "".join(p.read_text(encoding="utf-8") for p in sorted((REPO / "efla").rglob("*.py")))[:20_000]
+    tokenizer = train_bpe_tokenizer([text], vocab_size=320, save_dir=str(path))
+    cfg = get_preset_config("tiny-efla")
+    cfg.vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    EFLAForCausalLM(cfg).eval().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    import efla  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+
+
+def _json_lines(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def _alone(loaded, prompt: str, n: int) -> list[int]:
+    """The new tokens of efla.generation.generate for this prompt alone (greedy)."""
+    from efla.generation import generate
+
+    model, tokenizer = loaded
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    out = generate(model, ids, max_new_tokens=n, eos_token_id=tokenizer.eos_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_json_lines_match_generate_prompt_by_prompt(model_dir, loaded, tmp_path, capsys):
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text(f"\n{PROMPTS[2]}\n\n", encoding="utf-8")  # blank lines skipped
+    assert main(["generate", str(model_dir), *PROMPTS[:2], "--prompts-file", str(prompts_file),
+                 "--max-new-tokens", "10", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    rows = _json_lines(captured.out)
+    assert [r["prompt"] for r in rows] == PROMPTS
+    tokenizer = loaded[1]
+    for r in rows:
+        assert set(r) >= {"prompt", "text", "new_tokens", "finish_reason"}
+        new = _alone(loaded, r["prompt"], 10)
+        assert r["text"] == tokenizer.decode(new, skip_special_tokens=True)
+        assert r["new_tokens"] == len(new) == 10 and r["finish_reason"] == "length"
+
+
+def test_a_row_that_stops_early_counts_no_padding(model_dir, loaded, monkeypatch, capsys):
+    """A stop token made in the third step of the first prompt: that row stops there, the other runs on."""
+    import efla.commands.generate as command
+
+    first, second = (_alone(loaded, p, 6) for p in PROMPTS[:2])
+    stop = first[2]
+    if stop in first[:2] or stop in second:
+        pytest.skip("the chosen stop token also occurs elsewhere")
+    monkeypatch.setattr(command, "_stop_tokens", lambda model, tokenizer: [stop])
+    assert main(["generate", str(model_dir), *PROMPTS[:2], "--max-new-tokens", "6", "--json"]) == 0
+    rows = _json_lines(capsys.readouterr().out)
+    tokenizer = loaded[1]
+    assert rows[0]["new_tokens"] == 3 and rows[0]["finish_reason"] == "stop"
+    assert rows[0]["text"] == tokenizer.decode(first[:3], skip_special_tokens=True)
+    assert rows[1]["new_tokens"] == 6 and rows[1]["finish_reason"] == "length"
+
+
+def test_streaming_prints_the_json_text(model_dir, capsys):
+    assert main(["generate", str(model_dir), *PROMPTS[:2], "--max-new-tokens", "12", "--json"]) == 0
+    texts = [r["text"] for r in _json_lines(capsys.readouterr().out)]
+    assert main(["generate", str(model_dir), *PROMPTS[:2], "--max-new-tokens", "12"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == f"{PROMPTS[0]}{texts[0]}\n\n{PROMPTS[1]}{texts[1]}\n"
+    assert captured.err == ""
+
+
+def test_seeded_sampling_repeats(model_dir, capsys):
+    def sample(seed: int) -> list[dict]:
+        assert main(["generate", str(model_dir), PROMPTS[0], "--temperature", "1.0", "--top-k", "50", "--top-p", "0.95",
+                     "--seed", str(seed), "--max-new-tokens", "12", "--json"]) == 0
+        return _json_lines(capsys.readouterr().out)
+
+    first = sample(7)
+    assert sample(7) == first
+    assert sample(8) != first  # 12 tokens sampled from ~300 at temperature 1: a different seed differs
+
+
+def test_help_runs_as_a_module():
+    result = subprocess.run([sys.executable, "-m", "efla", "generate", "--help"], capture_output=True, text=True,
+                            cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "MODEL_DIR" in result.stdout and "--prompts-file" in result.stdout
+
+
+def _other_model_type(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
+    other = tmp_path / "llama"
+    shutil.copytree(model_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(cfg, model_type="llama")))
+    return other
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing-dir", "no such directory: {tmp}/no-such-model (MODEL_DIR)"),
+    ("no-config", "{tmp}/empty is not a model directory: no config.json (MODEL_DIR)"),
+    ("other-model-type", "{tmp}/llama/config.json: model_type 'llama' is not an efla model"),
+    ("no-prompt", "no prompt given (PROMPT or --prompts-file)"),
+    ("top-p-0", "(--top-p)"),
+    ("temperature-negative", "expected a value >= 0, got -1 (--temperature)"),
+    ("max-new-tokens-0", "expected a value >= 1, got 0 (--max-new-tokens)"),
+    ("prompts-file-missing", "no such file: {tmp}/no-such-prompts.txt (--prompts-file)"),
+    ("prompts-file-not-utf8", "{tmp}/bad.txt:3: not UTF-8 text (byte 0xff at column 4) (--prompts-file)"),
+    ("prompts-file-blank", "no prompt given: {tmp}/blank.txt has no prompt lines (--prompts-file)"),
+    ("float16-on-cpu", "(--dtype)"),
+    ("unknown-device", "(--device)"),
+])
+def test_user_mistakes_are_one_line_with_status_2(case, expected, model_dir, tmp_path, capsys):
+    model = str(model_dir)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad.txt").write_bytes(b"first prompt\n\nabc\xff def\n")
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    argv = {
+        "missing-dir": [str(tmp_path / "no-such-model"), "hi"],
+        "no-config": [str(tmp_path / "empty"), "hi"],
+        "other-model-type": [str(_other_model_type(model_dir, tmp_path)) if case == "other-model-type" else "", "hi"],
+        "no-prompt": [model],
+        "top-p-0": [model, "hi", "--top-p", "0"],
+        "temperature-negative": [model, "hi", "--temperature", "-1"],
+        "max-new-tokens-0": [model, "hi", "--max-new-tokens", "0"],
+        "prompts-file-missing": [model, "--prompts-file", str(tmp_path / "no-such-prompts.txt")],
+        "prompts-file-not-utf8": [model, "--prompts-file", str(tmp_path / "bad.txt")],
+        "prompts-file-blank": [model, "--prompts-file", str(tmp_path / "blank.txt")],
+        "float16-on-cpu": [model, "hi", "--device", "cpu", "--dtype", "float16"],
+        "unknown-device": [model, "hi", "--device", "tpu"],
+    }[case]
+    assert main(["generate", *argv]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("efla generate: ") and expected.format(tmp=tmp_path) in lines[0], lines[0]
