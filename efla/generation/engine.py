@@ -20,6 +20,7 @@ import torch
 
 from efla.layers.decode import refresh_stacked_weights
 from efla.models.cache import EFLACache
+from efla.ops.validate import unchecked_values
 
 from .sampling import choose_tokens
 
@@ -50,6 +51,7 @@ class Bucket:
     top_p: torch.Tensor  # [size] 1: off
     noise: torch.Tensor  # [size, vocab] Exp(1) draws of this step (sampling)
     graphs: dict = field(default_factory=dict)  # sampling (bool) -> captured step
+    first_rows: bool = False  # slots are 0 .. size-1: an eager step may use the pool's rows as views
 
 
 class DecodeEngine:
@@ -73,6 +75,7 @@ class DecodeEngine:
         self.pad_token = torch.zeros((), dtype=torch.long, device=self.device)
         self.memory_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._weights = self._weights_key()
+        self._views = None  # (rows, cache over the pool's first rows) of the eager step
 
     # -- the pool and the buckets -------------------------------------------------------------------
     @property
@@ -88,14 +91,15 @@ class DecodeEngine:
         capacity = max(slots, self.capacity)
         if length is not None:
             length = _POSITION_GRAIN * -(-max(length, self.max_length or 0) // _POSITION_GRAIN)
-        self.cache, self.buckets = None, {}
+        self.cache, self.buckets, self._views = None, {}, None
         self._new_graph_pool()
         self.cache = EFLACache.for_model(self.model, capacity + 1, length)
         self.capacity, self.max_length = capacity, length
 
     def bucket(self, batch: int) -> Bucket:
-        """The bucket that runs ``batch`` rows (made on first use, every row on the scratch slot)."""
-        size = bucket_size(batch)
+        """The bucket that runs ``batch`` rows (made on first use, every row on the scratch slot);
+        without graphs a bucket holds exactly ``batch`` rows (no padding to compute)."""
+        size = bucket_size(batch) if self.use_graphs else batch
         if size not in self.buckets:
             dev = self.device
             self.buckets[size] = Bucket(
@@ -105,6 +109,17 @@ class DecodeEngine:
                 temperature=torch.zeros(size, device=dev), top_k=torch.zeros(size, dtype=torch.long, device=dev),
                 top_p=torch.ones(size, device=dev), noise=torch.ones(size, self.vocab, device=dev))
         return self.buckets[size]
+
+    def assign(self, bucket: Bucket, slots: torch.Tensor) -> None:
+        """Bucket rows ``0 .. len(slots)-1`` decode pool rows ``slots``; the rest of the bucket pads
+        on the scratch row (and counts as finished, so it never holds up the stop check)."""
+        n = len(slots)
+        bucket.slots.fill_(self.scratch_slot)
+        bucket.slots[:n] = slots
+        bucket.finished.fill_(True)
+        bucket.first_rows = not self.use_graphs and n == bucket.size and torch.equal(
+            slots.cpu(), torch.arange(n))
+        self._views = None
 
     def set_stop_tokens(self, stop_tokens: list[int], pad_token: int) -> None:
         if len(stop_tokens) > MAX_STOP_TOKENS:
@@ -167,7 +182,7 @@ class DecodeEngine:
         if sampling:
             bucket.noise.exponential_(generator=generator)
         if not self.use_graphs:
-            with torch.no_grad():
+            with torch.no_grad(), unchecked_values():  # the model's own activations (a GPU skips them too)
                 self._step(bucket, sampling)
             return
         graph = bucket.graphs.get(sampling)
@@ -176,8 +191,7 @@ class DecodeEngine:
         graph.replay()
 
     def _step(self, bucket: Bucket, sampling: bool) -> None:
-        self.cache.slots = bucket.slots
-        hidden = self.decoder(input_ids=bucket.tokens[:, None], past_key_values=self.cache,
+        hidden = self.decoder(input_ids=bucket.tokens[:, None], past_key_values=self._step_cache(bucket),
                               use_cache=True).last_hidden_state
         logits = self.head(hidden[:, 0]).float()
         if sampling:
@@ -187,6 +201,14 @@ class DecodeEngine:
         tokens = torch.where(bucket.finished, self.pad_token, tokens)
         bucket.finished |= self.is_stop_token(tokens)
         bucket.tokens.copy_(tokens)
+
+    def _step_cache(self, bucket: Bucket) -> EFLACache:
+        if not bucket.first_rows:
+            self.cache.slots = bucket.slots
+            return self.cache
+        if self._views is None or self._views[0] != bucket.size:
+            self._views = (bucket.size, self.cache.first_rows(bucket.size))
+        return self._views[1]
 
     def _capture(self, bucket: Bucket, sampling: bool) -> torch.cuda.CUDAGraph:
         """Warm the step up on a side stream (kernels compiled and tuned) with every row on the

@@ -166,9 +166,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     engine.set_stop_tokens(stop_tokens, _pad_token(model, pad_token_id, stop_tokens))
     bucket = engine.bucket(batch)
     rows = torch.arange(batch, device=engine.device)
-    bucket.slots.fill_(engine.scratch_slot)
-    bucket.slots[:batch] = rows
-    bucket.finished.fill_(True)  # padding rows: never block the stop check
+    engine.assign(bucket, rows)
     sampling = temperature > 0
     for tensor, value in ((bucket.temperature, float(temperature)), (bucket.top_k, int(top_k or 0)),
                           (bucket.top_p, 1.0 if top_p is None else float(top_p))):

@@ -137,11 +137,14 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, position[:, None], self.rope_theta), apply_rotary(k, position[:, None], self.rope_theta)
         keys.index_put_((slots, position), k[:, 0])
         values.index_put_((slots, position), v[:, 0])
-        key_position = torch.arange(keys.shape[1], device=keys.device)
+        # on the CPU (no graph to keep static) only the positions written so far
+        span = int(position.max()) + 1 if keys.device.type == "cpu" else keys.shape[1]
+        key_position = torch.arange(span, device=keys.device)
         allowed = key_position[None, :] <= position[:, None]
         if self.window_size is not None:
             allowed &= key_position[None, :] > position[:, None] - self.window_size
-        o = self._attend(q, keys.index_select(0, slots), values.index_select(0, slots), allowed[:, None, None, :])
+        rows = (lambda t: t[:B, :span]) if cache.slots is None else (lambda t: t[:, :span].index_select(0, slots))
+        o = self._attend(q, rows(keys), rows(values), allowed[:, None, None, :])
         pool["lengths"].index_copy_(0, slots, position + 1)
         cache.advance_layer(self.layer_idx)
         return self.o_proj(o.reshape(B, 1, self.hidden_size))

@@ -3,8 +3,9 @@
 On the GPU a step of an EFLA / Gated EFLA layer is its input projections (optionally one matrix
 product over a stacked copy of their weights, see ``set_merged_projections``), the fused step
 kernel (``efla.ops.fused_decode_step``: convolutions, activations, beta and gate, the state
-update, the output norm) and the output projection. The layers take this path for a
-one-token call on CUDA without autograd whose cache already holds the layer's state; every other
+update, the output norm) and the output projection; on the CPU the same step in PyTorch. The
+layers take this path for a one-token call without autograd whose cache already holds the
+layer's state; every other
 call runs their general code, which gives the same results (to rounding); so does every call
 under ``efla.layers.fused.disabled()`` (``EFLA_FUSED=0``).
 """
@@ -94,7 +95,7 @@ def refresh_stacked_weights(model: nn.Module) -> None:
 
 def decode_pool(layer, hidden_states, attention_mask, cache, use_cache, cu_seqlens) -> dict | None:
     """The layer's stored state when this call can take the fused decoding step, else ``None``."""
-    if not (use_cache and fused.enabled() and hidden_states.is_cuda and hidden_states.shape[1] == 1 and cu_seqlens is None
+    if not (use_cache and fused.enabled() and hidden_states.shape[1] == 1 and cu_seqlens is None
             and attention_mask is None and cache is not None and layer.layer_idx is not None
             and not torch.is_grad_enabled() and not layer.record_stats and context_parallel_inactive()):
         return None

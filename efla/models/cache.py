@@ -98,6 +98,14 @@ class EFLACache(Cache):
             cache.states[i] = block.attn.empty_state(num_slots, weight.device, weight.dtype, max_length)
         return cache
 
+    def first_rows(self, n: int) -> EFLACache:
+        """A cache over pool rows ``0 .. n-1`` as views (no ``slots``): its layers read and update
+        those rows where they lie, without the gather and scatter of ``slots``."""
+        view = EFLACache(len(self.states))
+        view.states = [_map_tensors(state, lambda t: t[:n]) if state is not None else None for state in self.states]
+        view._seen_tokens = list(self._seen_tokens)
+        return view
+
     # -- layer protocol ---------------------------------------------------------------------------
     def _grow(self, layer_idx: int) -> None:
         while len(self.states) <= layer_idx:

@@ -6,8 +6,10 @@ convolutions' histories and convolve, activate, L2-normalise q (and k for the Eu
 beta (and the decay gate), update the ``[K, V]`` state of every value head, read it out with q,
 and RMS-normalise (and gate) the output. ``fused_decode_step`` does all of it in one launch,
 updating the cache's convolution histories and states in place (in the pool rows ``slots``).
-Everything else (CPU tensors, Triton missing, head dims whose state block does not fit in
-registers; see ``fused_decode_available``) runs the layer's own code instead.
+On the CPU the same step runs as a short chain of PyTorch operations (without the general
+code's checks, layouts and autograd machinery, which cost a one-token step more than its
+arithmetic). Where neither applies (a GPU without Triton, head dims whose state block does not
+fit in registers; see ``fused_decode_available``) the layer runs its own code instead.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from .coefficients import coefficients
+from .normalize import L2NORM_EPS
 
 __all__ = ["DecodeSpec", "fused_decode_available", "fused_decode_step"]
 
@@ -39,6 +45,8 @@ class DecodeSpec:
 
 def fused_decode_available(spec: DecodeSpec, x: torch.Tensor, state: torch.Tensor) -> bool:
     """Whether ``fused_decode_step`` runs for inputs like ``x`` and this state pool."""
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.float64) and state.dtype in (torch.float32, torch.float64)
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
     from .api import _cuda
@@ -62,6 +70,67 @@ def fused_decode_step(spec: DecodeSpec, q, k, v, beta, a, gate, conv, state, slo
     histories ``[S, D, W]`` (advanced in place), or ``None`` without convolutions; ``state``:
     ``[S, HV, K, V]`` float32 (advanced in place); ``slots``: ``[N]`` pool rows or ``None``
     (row ``n`` is pool row ``n``)."""
+    if q.device.type == "cpu":
+        return _decode_step_torch(spec, q, k, v, beta, a, gate, conv, state, slots, A_log, dt_bias, norm_weight)
     from .cuda import decode
 
     return decode.decode_step(spec, q, k, v, beta, a, gate, conv, state, slots, A_log, dt_bias, norm_weight)
+
+
+def _rows(pool: torch.Tensor, slots) -> torch.Tensor:
+    return pool if slots is None else pool.index_select(0, slots)
+
+
+def _store(pool: torch.Tensor, slots, rows: torch.Tensor) -> None:
+    if slots is None:
+        pool.copy_(rows)
+    else:
+        pool.index_copy_(0, slots, rows.to(pool.dtype))
+
+
+def _conv_push(x, weight, bias, pool, slots, silu: bool) -> torch.Tensor:
+    """Push ``x [N, D]`` into the histories ``[S, D, W]`` and return the convolution's output."""
+    history = torch.cat([_rows(pool, slots)[..., 1:], x.to(pool.dtype)[..., None]], dim=-1)
+    _store(pool, slots, history)
+    y = (history.to(x.dtype) * weight.to(x.dtype)).sum(-1)
+    y = y + bias.to(x.dtype) if bias is not None else y
+    return F.silu(y) if silu else y
+
+
+def _l2(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def _decode_step_torch(spec, q, k, v, beta, a, gate, conv, state, slots, A_log, dt_bias, norm_weight):
+    """``fused_decode_step`` in PyTorch, in the state's precision (the same arithmetic as the
+    layers' general path: coefficients from ``efla.ops.coefficients``)."""
+    N, H, G, K, V = q.shape[0], spec.num_heads, spec.groups, spec.head_k_dim, spec.head_v_dim
+    cdt, out_dtype = state.dtype, q.dtype
+    q, k, v = q.to(cdt), k.to(cdt), v.to(cdt)
+    if conv is not None:
+        (wq, wk, wv), (bq, bk, bv), (cq, ck, cv) = conv
+        q = _conv_push(q, wq, bq, cq, slots, spec.qk_silu)
+        k = _conv_push(k, wk, bk, ck, slots, spec.qk_silu)
+        v = _conv_push(v, wv, bv, cv, slots, True)
+    else:
+        q, k, v = (F.silu(q), F.silu(k), F.silu(v)) if spec.qk_silu else (q, k, F.silu(v))
+    q = (_l2(q.view(N, H, K)) * K ** -0.5).repeat_interleave(G, dim=1)  # [N, HV, K]
+    k = (_l2(k.view(N, H, K)) if spec.k_l2 else k.view(N, H, K)).repeat_interleave(G, dim=1)
+    v = v.view(N, H * G, V)
+    b = spec.beta_scale * torch.sigmoid(beta.to(cdt)) if beta is not None else torch.full((N, H * G), spec.beta_scale,
+                                                                                            dtype=cdt)
+    g = -A_log.to(cdt).exp() * F.softplus(a.to(cdt) + dt_bias.to(cdt)) if spec.gated else None
+    rule = ("gated_efla" if spec.gated else "efla") if spec.exact else ("gated_delta_rule" if spec.gated else "delta_rule")
+    gamma, erase, write = coefficients(rule, k[:, None], b[:, None], None if g is None else g[:, None])
+    S = _rows(state, slots)
+    decay = torch.ones_like(b) if gamma is None else gamma[:, 0].exp()
+    predicted = torch.einsum("nhk,nhkv->nhv", k, S)
+    correction = write[:, 0, :, None] * v - (decay * erase[:, 0])[..., None] * predicted
+    S = S * decay[..., None, None] + k[..., None] * correction[..., None, :]
+    _store(state, slots, S)
+    o = torch.einsum("nhk,nhkv->nhv", q, S)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + spec.norm_eps) * norm_weight.to(cdt)
+    if spec.out_gate is not None:
+        gate = gate.to(cdt).view(N, H * G, V)
+        o = o * (torch.sigmoid(gate) if spec.out_gate == "sigmoid" else F.silu(gate))
+    return o.reshape(N, H * G * V).to(out_dtype)

@@ -55,12 +55,29 @@ def _check_tensor(name: str, x, ndim: int) -> None:
         raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
 
 
+_unchecked = threading.local()
+
+
+@contextlib.contextmanager
+def unchecked_values():
+    """Skip the value checks in this thread inside the block, on every device: for a caller whose
+    inputs are a model's own activations, each step of a decoding loop (a step's checks cost more
+    than the step on the CPU), as a GPU skips them by default."""
+    before = getattr(_unchecked, "on", False)
+    _unchecked.on = True
+    try:
+        yield
+    finally:
+        _unchecked.on = before
+
+
 def values_checked(x: torch.Tensor) -> bool:
     """Whether value checks run for inputs on ``x``'s device (always on the CPU; opt-in on a GPU).
 
     Never while ``torch.compile`` traces: each check reads a value back to Python, which would
-    split the compiled graph at every op call; eager calls keep every check."""
-    if torch.compiler.is_compiling():
+    split the compiled graph at every op call; eager calls keep every check (but inside
+    ``unchecked_values()``)."""
+    if torch.compiler.is_compiling() or getattr(_unchecked, "on", False):
         return False
     if not x.is_cuda:
         return True

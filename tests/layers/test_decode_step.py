@@ -1,6 +1,7 @@
 """The token mixers' fused decoding step (one kernel: convolutions, activations, gates, state update,
-output norm) against their general code, on a slot pool: under Triton's CPU interpreter in float32
-and on a GPU in float32 and bfloat16 (see ``decode_checks.py``)."""
+output norm) against their general code, on a slot pool: its PyTorch form on the CPU in float64 and
+float32, the Triton kernel under Triton's CPU interpreter in float32 and on a GPU in float32 and
+bfloat16 (see ``decode_checks.py``)."""
 
 import os
 import subprocess
@@ -14,6 +15,14 @@ from tests.layers import decode_checks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _READY, _WHY = interpreter_ready(("triton",))
+
+
+@pytest.mark.parametrize("name", list(decode_checks.CASES))
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-13), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("stiff", [False, True])
+def test_decode_step_on_cpu(name, dtype, tol, stiff):
+    errors = decode_checks.compare(name, device="cpu", dtype=dtype, stiff=stiff)
+    assert max(errors) < tol, errors
 
 
 @pytest.mark.skipif(not _READY, reason=_WHY)
