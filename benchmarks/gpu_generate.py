@@ -28,6 +28,7 @@ Stages (``--stages``):
    cache, random init); working memory = peak - weights; our decoding state per sequence (MiB); and
    ``fast`` after a ``--prompt`` prompt making ``--new-tokens`` vs ``--long-generation`` tokens (the
    claim: the same peak).
+4. ``profile``: kernels per captured decoding step and their GPU time, at each of ``--batches``.
 
 Peak memory of a call is what the method would peak at alone in the process: its model's weights, plus
 what it keeps allocated between calls (on our model: the stacked projection weights of the decoding
@@ -557,9 +558,51 @@ def emit_memory_summary(report: Report, args, rows: list[dict], state: float | N
     report.emit("")
 
 
+# -- stage: one decoding step under the profiler -------------------------------------------------------
+
+def step_kernels(model, batch: int, replays: int = 10) -> tuple[float, float, list]:
+    """(kernels per step, GPU ms per step, [(name, launches per step, us each)] by total time) of the
+    captured step of ``batch`` rows (the engine's bucket for it, captured by a call before)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = engine_for(model).bucket(batch).graphs[False]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        sync()
+    kernels: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            entry = kernels.setdefault(event.name[:60], [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.device_time
+    count = sum(n for n, _ in kernels.values()) / replays
+    gpu_ms = sum(t for _, t in kernels.values()) / replays / 1e3
+    table = sorted(((name, n / replays, t / n) for name, (n, t) in kernels.items()), key=lambda r: -r[1] * r[2])
+    return count, gpu_ms, table
+
+
+def profile_stage(size: str, args, report: Report) -> None:
+    models = [build_ours(size)]
+    try:
+        report.emit(f"## {size}: one captured decoding step under the profiler")
+        report.emit("")
+        for B in args.batches:
+            ids = prompt_ids(B, args.prompt, get_preset_config(f"{size}-efla").vocab_size)
+            generate(models[0], ids, max_new_tokens=2, eos_token_id=[])
+            count, gpu_ms, table = step_kernels(models[0], B)
+            report.record(dict(size=size, stage="profile", batch=B, kernels=count, gpu_ms=gpu_ms, top=table[:12]))
+            report.emit(f"- batch {B} (bucket {engine_for(models[0]).bucket_size(B)}): {count:.0f} kernels, "
+                        f"{gpu_ms:.3f} ms GPU time per step; by time: "
+                        + "; ".join(f"{name} {n:.0f} x {us:.2f} us" for name, n, us in table[:6]))
+        report.emit("")
+    finally:
+        free(models)
+
+
 # -- main ---------------------------------------------------------------------------------------------
 
-STAGES = {"speed": speed_stage, "long": long_stage, "memory": memory_stage}
+STAGES = {"speed": speed_stage, "long": long_stage, "memory": memory_stage, "profile": profile_stage}
 
 
 def header(report: Report, args) -> None:
