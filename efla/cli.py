@@ -11,7 +11,7 @@ import sys
 from efla.experiments.harness import command_line
 
 # the order of ``efla --help``: the tour first, then the experiments, then the model tools
-COMMAND_MODULES = ("demo", "robustness", "convert", "eval", "generate", "mad", "train")
+COMMAND_MODULES = ("demo", "robustness", "convert", "eval", "generate", "serve", "mad", "train")
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

@@ -1,0 +1,169 @@
+"""``efla serve``: an OpenAI-compatible HTTP server for a saved efla model directory, with continuous
+batching over the decoding engine's state slots (``efla.serving``). Argument checks, loading and
+running uvicorn; the serving itself is :mod:`efla.serving`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+
+from efla.errors import UsageError
+
+_EPILOG = """\
+examples:
+  efla serve runs/lm/efla-s0
+  efla serve runs/lm/efla-s0 --host 0.0.0.0 --port 8080 --max-batch 256 --api-key "$KEY"
+  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "efla-s0", "prompt": "The meaning of life is", "max_tokens": 32, "temperature": 0}'
+Endpoints: POST /v1/completions (OpenAI's; top_k as an extension), GET /v1/models, GET /health (slots,
+queue, prefix-cache hit rate). SIGTERM: stop taking requests, finish those in flight (up to
+--shutdown-timeout seconds, then cancel them), exit 0. The server writes no files.
+"""
+
+
+def _check_libraries() -> None:
+    import importlib.util
+
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"efla serve needs {' and '.join(missing)}: pip install 'efla[serve]' (fastapi, uvicorn)")
+
+
+def _check_options(args) -> None:
+    from efla.experiments import arg_checks as check
+
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"expected a port in 0..65535 (0: any free port), got {args.port} (--port)")
+    check.at_least(args.max_batch, 1, "--max-batch")
+    check.at_least(args.max_queue, 0, "--max-queue")
+    check.at_least(args.max_context, 2, "--max-context")
+    check.at_least(args.prefill_chunk, 1, "--prefill-chunk")
+    check.at_least(args.prefix_cache_mb, 0, "--prefix-cache-mb")
+    check.at_least(args.prefix_block, 1, "--prefix-block")
+    check.at_least(args.shutdown_timeout, 0, "--shutdown-timeout")
+    check.at_least(args.seed, 0, "--seed")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("the API key is empty (--api-key or EFLA_API_KEY)")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise UsageError("the model name is empty (--served-model-name)")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, listening before the model loads: a port in use is reported at once, and a
+    client that connects early waits until the server answers."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as error:
+        raise UsageError(f"cannot listen on {host}:{port}: {error.strerror or error} (--host, --port)") from None
+    return sock
+
+
+def _check_tokenizer(tokenizer, path: str) -> None:
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise UsageError(f"the tokenizer in {path} has no fast (tokenizers) version, which efla serve decodes "
+                         "streamed text with (MODEL_DIR)")
+
+
+def _scheduler(model, tokenizer, args):
+    from efla.serving import PrefixCache, Scheduler
+
+    from .generate import _stop_tokens
+
+    stop_tokens = _stop_tokens(model, tokenizer)
+    cache = PrefixCache(block=args.prefix_block, max_bytes=args.prefix_cache_mb << 20) if args.prefix_cache_mb else None
+    max_context = args.max_context or int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+    return Scheduler(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue, max_context=max_context,
+                     prefill_chunk=args.prefill_chunk, prefix_cache=cache, stop_tokens=stop_tokens,
+                     pad_token=tokenizer.pad_token_id, seed=args.seed)
+
+
+def _serve(app, sock: socket.socket, scheduler, args) -> None:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            scheduler.stop_accepting()  # requests arriving while in-flight ones finish get 503
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
+    # uvicorn raises the signal it shut down for again once it is done; a SIGTERM that ended a
+    # graceful shutdown is the normal way out here (exit 0), not a death by signal
+    signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    Server(config).run(sockets=[sock])
+
+
+def cmd_serve(args) -> int:
+    from .generate import _check_device, _check_dtype, _check_model_dir, _load
+
+    _check_libraries()
+    _check_model_dir(args.model_dir)
+    _check_options(args)
+    device = _check_device(args.device)
+    dtype = _check_dtype(args.dtype, device)
+    sock = _listen(args.host, args.port)
+    try:
+        model, tokenizer = _load(args.model_dir, device, dtype)
+        _check_tokenizer(tokenizer, args.model_dir)
+        scheduler = _scheduler(model, tokenizer, args)
+        scheduler.start()
+        from efla.serving import create_app
+
+        name = args.served_model_name or os.path.basename(os.path.abspath(args.model_dir))
+        app = create_app(scheduler, tokenizer, model_name=name, api_key=args.api_key)
+        host, port = sock.getsockname()[:2]
+        cache = f"prefix cache {args.prefix_cache_mb} MB" if scheduler.prefix_cache is not None else "no prefix cache"
+        print(f"efla serve: {name} at http://{host}:{port}/v1 ({device}, {args.max_batch} slots, "
+              f"{args.max_queue} queue places, context {scheduler.max_context}, {cache})", file=sys.stderr, flush=True)
+        _serve(app, sock, scheduler, args)
+    finally:
+        sock.close()
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="serve a saved efla model over an OpenAI-compatible HTTP API (continuous batching)",
+        description="Load a model directory (config, safetensors weights, tokenizer) and serve OpenAI's completions "
+                    "API: requests share the model step by step in a pool of --max-batch state slots (continuous "
+                    "batching), prompts are prefilled in chunks between decoding steps, and states after recent "
+                    "prompt prefixes are reused. Needs pip install 'efla[serve]'.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0: any free port)")
+    p.add_argument("--device", default="auto", metavar="D", help="auto (cuda if available), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on the CPU (float16 needs CUDA)")
+    p.add_argument("--max-batch", type=int, default=64, metavar="N",
+                   help="state slots: requests decoding at once (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="requests that may wait for a slot; more get HTTP 429 (default: %(default)s)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name of the API (default: MODEL_DIR's name)")
+    p.add_argument("--api-key", default=os.environ.get("EFLA_API_KEY") or None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $EFLA_API_KEY, else no key)")
+    p.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="the most tokens of a request, prompt and completion (default: the model's "
+                        "max_position_embeddings)")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
+                   help="the most prompt tokens prefilled between two decoding steps (default: %(default)s)")
+    p.add_argument("--prefix-cache-mb", type=int, default=1024, metavar="MB",
+                   help="memory for states after recent prompt prefixes, on the model's device (0: off; hybrid "
+                        "models with attention layers go without; default: %(default)s)")
+    p.add_argument("--prefix-block", type=int, default=64, metavar="N",
+                   help="prefixes are cached at multiples of N tokens (default: %(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, seconds for requests in flight to finish before they are cancelled "
+                        "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="seeds the sampling of requests without a seed of their own")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default: %(default)s)")
+    p.set_defaults(func=cmd_serve)

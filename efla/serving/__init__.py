@@ -1,0 +1,22 @@
+"""Serving: an OpenAI-compatible HTTP server (``efla serve``) with continuous batching over the
+decoding engine's pool of recurrent states.
+
+``Scheduler`` owns the model in a background thread and batches requests step by step (chunked
+prefill, a prefix state cache, per-request seeds); ``create_app`` puts OpenAI's ``/v1/completions``
+and ``/v1/models`` and a ``/health`` report in front of it (FastAPI; ``pip install "efla[serve]"``).
+"""
+
+from .prefix_cache import PrefixCache
+from .scheduler import (ErrorEvent, FinishEvent, QueueFull, Request, SamplingParams, Scheduler, ShuttingDown,
+                        TokenEvent)
+
+__all__ = ["Scheduler", "SamplingParams", "Request", "TokenEvent", "FinishEvent", "ErrorEvent", "QueueFull",
+           "ShuttingDown", "PrefixCache", "create_app"]
+
+
+def __getattr__(name):
+    if name == "create_app":  # FastAPI is an optional dependency: imported when the app is asked for
+        from .app import create_app
+
+        return create_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,555 @@
+"""``Scheduler``: continuous batching over the decoding engine's pool of recurrent states.
+
+One background thread owns the model. Each request holds one pool row (a *slot*) from admission to
+its end. Every iteration of the loop
+
+1. launches one decoding step of every decoding request (one CUDA graph per batch bucket on the
+   GPU) and queues the copy of its tokens to the host;
+2. hands out the tokens of the step before (read one step late, so the host's work overlaps the
+   device's): text, stop strings, ends; an ended request's slot is free again;
+3. drops cancelled requests (their clients went away) and admits waiting ones into free slots,
+   starting from the prefix cache's state when it holds a prefix of the prompt;
+4. prefills at most ``prefill_chunk`` prompt tokens, continuing each prompt from its slot's state
+   (so a long prompt delays the running requests by one chunk per step, never by all of it), and
+   picks the first token of every prompt that is complete;
+5. rebuilds the decoding batch when requests ended or joined: the bucket's rows point at their
+   slots through ``bucket.slots``, so the same captured step serves any assignment.
+
+Requests end at ``max_tokens``, at a stop token (the tokenizer's end of sequence), at a stop string,
+or when cancelled. A seeded sampling request draws its noise from its own generator (see
+``DecodeEngine.step``'s ``fill_noise``), so it gives the same tokens whatever runs beside it; greedy requests give
+``efla.generation.generate``'s tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from efla.generation import DecodeEngine, choose_tokens
+from efla.models.cache import EFLACache
+
+from .prefix_cache import PrefixCache
+from .states import has_attention_layers, restore_row, rows_cache, snapshot_row
+from .text import CompletionText
+
+__all__ = ["Scheduler", "SamplingParams", "Request", "TokenEvent", "FinishEvent", "ErrorEvent", "QueueFull",
+           "ShuttingDown"]
+
+logger = logging.getLogger("efla.serving")
+
+
+class QueueFull(RuntimeError):
+    """More requests than free slots plus ``max_queue`` waiting places."""
+
+
+class ShuttingDown(RuntimeError):
+    """The scheduler no longer takes requests."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    seed: int | None = None  # sampling only: a generator of the request's own
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class TokenEvent:
+    text: str  # new text ready to show ("" while a character or a possible stop string is incomplete)
+    tokens: int = 1
+
+
+@dataclass
+class FinishEvent:
+    text: str  # the rest of the text
+    reason: str  # "length", "stop" or "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class ErrorEvent:
+    message: str
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt's generation; ``on_event(request, event)`` is called from the scheduler's thread."""
+
+    prompt: list[int]
+    params: SamplingParams
+    on_event: Callable[[Request, object], None]
+    index: int = 0  # its place among the prompts submitted together
+    tokens: list[int] = field(default_factory=list)
+    text: CompletionText | None = None
+    slot: int | None = None
+    row: int = -1  # its row in the decoding bucket
+    prefilled: int = 0  # prompt tokens in its slot's state
+    block_keys: list[int] = field(default_factory=list)
+    save_points: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    cancelled: bool = False
+    done: bool = False
+
+
+@dataclass(eq=False)
+class _Piece:
+    request: Request
+    start: int
+    end: int
+
+
+class _HostCopy:
+    """A device tensor's copy to the host, queued behind the work before it and read later."""
+
+    def __init__(self, tensor: torch.Tensor):
+        if tensor.is_cuda:
+            self.tensor = tensor.to("cpu", non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.tensor, self.event = tensor.clone(), None
+
+    def values(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tensor.tolist()
+
+
+@dataclass
+class _Read:
+    rows: list[Request]  # the bucket's requests when the step ran
+    tokens: _HostCopy
+    joined: list[Request] = field(default_factory=list)  # requests whose first token comes first
+    first_tokens: _HostCopy | None = None
+
+
+class Scheduler:
+    """Continuous batching of generation requests over ``max_batch`` state slots (see the module's doc).
+
+    Args:
+        model: an ``EFLAForCausalLM`` in eval mode (any variant; hybrid models bypass the prefix cache).
+        tokenizer: a fast tokenizer (text and stop strings); ``None``: token counts only.
+        max_batch: state slots, the most requests decoding at once.
+        max_queue: requests that may wait for a slot beyond those holding one (``QueueFull`` past it).
+        max_context: the most tokens (prompt and new ones) of a request.
+        prefill_chunk: the most prompt tokens prefilled between two decoding steps.
+        prefix_cache: states after recent prompt prefixes (``None``: off).
+        stop_tokens / pad_token: tokens that end a request; what a finished row emits.
+        seed: seeds the noise of unseeded sampling requests.
+        use_cuda_graph: replay captured steps on CUDA (default: on CUDA); all buckets are captured
+            when the scheduler starts.
+    """
+
+    def __init__(self, model, tokenizer=None, *, max_batch: int = 64, max_queue: int = 256, max_context: int = 2048,
+                 prefill_chunk: int = 512, prefix_cache: PrefixCache | None = None, stop_tokens=(),
+                 pad_token: int | None = None, seed: int | None = None, use_cuda_graph: bool | None = None):
+        for name, value, least in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0),
+                                   ("max_context", max_context, 2), ("prefill_chunk", prefill_chunk, 1)):
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}: expected an int >= {least}, got {value!r}")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.max_queue, self.max_context = max_batch, max_queue, max_context
+        self.prefill_chunk = prefill_chunk
+        self.engine = DecodeEngine(model, use_cuda_graph)
+        self.engine.check_weights()
+        self.engine.reserve(max_batch, max_context + 2)  # + 2: a finished row may step once more
+        self.stop_tokens = [int(t) for t in stop_tokens]
+        self._stop_set = set(self.stop_tokens)
+        self.engine.set_stop_tokens(self.stop_tokens, pad_token if pad_token is not None else
+                                    (self.stop_tokens[0] if self.stop_tokens else 0))
+        self.hybrid = has_attention_layers(self.engine.cache)
+        self.prefix_cache = None if self.hybrid else prefix_cache
+        self.vocab = self.engine.vocab
+        self._generator = torch.Generator(device=self.engine.device)
+        self._generator.manual_seed(int(seed) if seed is not None else int(torch.randint(2**62, ()).item()))
+
+        self._cond = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._holding = 0  # requests holding a slot
+        self._accepting, self._stopping = True, False
+        self._cancellations = False  # some request was cancelled since the last look
+        self._free_slots = list(range(max_batch - 1, -1, -1))
+        self._prefilling: list[Request] = []
+        self._rows: list[Request] = []
+        self._bucket = None
+        self._pending: _Read | None = None
+        self._joined: tuple[list[Request], _HostCopy] | None = None
+        self.steps = self.peak_batch = self.served = self.cancelled = self.generated = self.prompt_tokens_prefilled = 0
+        self._thread: threading.Thread | None = None
+
+    # -- the outside: submit, cancel, start, stop, status --------------------------------------------
+    def submit(self, prompts: list[list[int]], params: SamplingParams,
+               on_event: Callable[[Request, object], None]) -> list[Request]:
+        """Queue one request per prompt (token ids); raises ``ValueError`` naming a wrong field,
+        ``QueueFull`` or ``ShuttingDown``."""
+        self._check(prompts, params)
+        requests = [Request(list(p), params, on_event, index=i,
+                            text=CompletionText(self.tokenizer, list(params.stop)) if self.tokenizer else None)
+                    for i, p in enumerate(prompts)]
+        with self._cond:
+            if not self._accepting:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._waiting) + self._holding + len(requests) > self.max_batch + self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting for one of {self.max_batch} slots "
+                                f"(at most {self.max_queue} may wait)")
+            self._waiting.extend(requests)
+            self._cond.notify()
+        return requests
+
+    def _check(self, prompts, params: SamplingParams) -> None:
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens: expected >= 1, got {params.max_tokens}")
+        if not params.temperature >= 0 or params.top_k < 0 or not 0 < params.top_p <= 1:
+            raise ValueError("temperature, top_k, top_p: expected temperature >= 0, top_k >= 0, 0 < top_p <= 1")
+        if not prompts or len(prompts) > self.max_batch + self.max_queue:
+            raise ValueError(f"prompt: expected 1 to {self.max_batch + self.max_queue} prompts, got {len(prompts)}")
+        for ids in prompts:
+            if not ids:
+                raise ValueError("prompt: a prompt has no tokens")
+            if min(ids) < 0 or max(ids) >= self.vocab:
+                raise ValueError(f"prompt: token ids must be in [0, {self.vocab})")
+            if len(ids) + params.max_tokens > self.max_context:
+                raise ValueError(f"max_tokens: the prompt's {len(ids)} tokens and max_tokens = {params.max_tokens} "
+                                 f"exceed the context of {self.max_context} tokens")
+
+    def cancel(self, requests: list[Request]) -> None:
+        """End these requests soon (their slots are freed at the next step); ended ones are left alone."""
+        for request in requests:
+            request.cancelled = True
+        with self._cond:
+            self._cancellations = True
+            self._cond.notify()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self.engine.capture_all(self.max_batch)
+            self._thread = threading.Thread(target=self._run, name="efla-scheduler", daemon=True)
+            self._thread.start()
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests (``ShuttingDown``); queued and running ones go on."""
+        with self._cond:
+            self._accepting = False
+
+    def close(self, timeout: float | None = None) -> None:
+        """Refuse new requests, end every queued and running one (an error event: the server is
+        shutting down) and stop the thread."""
+        with self._cond:
+            self._accepting, self._stopping = False, True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def status(self) -> dict:
+        with self._cond:
+            waiting, holding = len(self._waiting), self._holding
+        cache = self.prefix_cache.stats() if self.prefix_cache is not None else {
+            "enabled": False, "reason": "hybrid model (attention layers)" if self.hybrid else "off"}
+        return {"slots_total": self.max_batch, "slots_free": self.max_batch - holding, "waiting": waiting,
+                "max_queue": self.max_queue, "decoding": len(self._rows), "steps": self.steps,
+                "peak_batch": self.peak_batch, "requests_served": self.served,
+                "requests_cancelled": self.cancelled, "tokens_generated": self.generated,
+                "prompt_tokens_prefilled": self.prompt_tokens_prefilled, "prefix_cache": cache}
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while self._wait_for_work():
+            try:
+                with torch.no_grad():
+                    self._iterate()
+            except Exception:  # a failed step must not take the server down: its requests end with an error
+                logger.exception("efla serve: a scheduler step failed; its requests end with an error")
+                self._fail_active("internal error while generating (see the server log)")
+        self._shut_down()
+
+    def _wait_for_work(self) -> bool:
+        with self._cond:
+            while not (self._stopping or self._waiting or self._rows or self._prefilling or self._pending
+                       or self._cancellations):
+                self._cond.wait()
+            return not self._stopping
+
+    def _iterate(self) -> None:
+        read = self._launch_step() if self._rows else None
+        if self._pending is not None:
+            self._deliver(self._pending)
+        self._pending = read
+        self._drop_cancelled()
+        self._admit()
+        joined, first_tokens = self._prefill()
+        if joined or any(r.done for r in self._rows):
+            self._rebuild(joined, first_tokens)
+
+    def _launch_step(self) -> _Read:
+        bucket, n = self._bucket, len(self._rows)
+        sampling = any(r.params.temperature > 0 for r in self._rows)
+        self.engine.step(bucket, sampling, fill_noise=self._fill_noise)
+        self.steps += 1
+        self.peak_batch = max(self.peak_batch, n)
+        read = _Read(list(self._rows), _HostCopy(bucket.tokens[:n]))
+        if self._joined is not None:
+            read.joined, read.first_tokens = self._joined
+            self._joined = None
+        return read
+
+    def _fill_noise(self, noise: torch.Tensor) -> None:
+        noise.exponential_(generator=self._generator)
+        for row, request in enumerate(self._rows):
+            if request.generator is not None:
+                noise[row].exponential_(generator=request.generator)
+
+    # -- tokens to text and ends --------------------------------------------------------------------
+    def _deliver(self, read: _Read) -> None:
+        if read.first_tokens is not None:
+            for request, token in zip(read.joined, read.first_tokens.values()):
+                self._accept(request, token)
+        for request, token in zip(read.rows, read.tokens.values()):
+            self._accept(request, token)
+
+    def _accept(self, request: Request, token: int) -> None:
+        if request.done:
+            return
+        if request.cancelled:
+            self._finish(request, "cancelled")
+            return
+        request.tokens.append(token)
+        self.generated += 1
+        try:
+            reason = self._end_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason)
+            else:
+                request.on_event(request, TokenEvent(request.text.ready() if request.text else ""))
+        except Exception:  # one request's text (a tokenizer that cannot decode a token) must not end the others
+            logger.exception("efla serve: a request's text failed")
+            self._fail(request, "internal error while decoding the text (see the server log)")
+
+    def _end_reason(self, request: Request, token: int) -> str | None:
+        if token in self._stop_set:
+            return "stop"
+        if request.text is not None:
+            request.text.add(token)
+            if request.text.stopped:
+                return "stop"
+        return "length" if len(request.tokens) >= request.params.max_tokens else None
+
+    def _finish(self, request: Request, reason: str) -> None:
+        rest = request.text.finish(request.tokens) if request.text is not None and reason != "cancelled" else ""
+        self._release(request)
+        if reason == "cancelled":
+            self.cancelled += 1
+        else:
+            self.served += 1
+        request.on_event(request, FinishEvent(rest, reason, len(request.prompt), len(request.tokens)))
+
+    def _fail(self, request: Request, message: str) -> None:
+        self._release(request)
+        request.on_event(request, ErrorEvent(message))
+
+    def _release(self, request: Request) -> None:
+        """The request is done; its slot takes the next request (a device step still using it is
+        queued before anything the next request writes there)."""
+        request.done = True
+        if request.slot is not None:
+            self._free_slots.append(request.slot)
+            request.slot = None
+            with self._cond:
+                self._holding -= 1
+
+    # -- admission and prefill ----------------------------------------------------------------------
+    def _drop_cancelled(self) -> None:
+        if not self._cancellations:
+            return
+        with self._cond:
+            self._cancellations = False
+            waiting = [r for r in self._waiting if r.cancelled]
+            if waiting:
+                self._waiting = deque(r for r in self._waiting if not r.cancelled)
+        for request in itertools.chain(waiting, self._prefilling, self._rows):
+            if request.cancelled and not request.done:
+                self._finish(request, "cancelled")
+        self._prefilling = [r for r in self._prefilling if not r.done]
+
+    def _admit(self) -> None:
+        while self._free_slots:
+            with self._cond:
+                if not self._waiting:
+                    return
+                request = self._waiting.popleft()
+                self._holding += 1
+            request.slot = self._free_slots.pop()
+            if request.params.seed is not None and request.params.temperature > 0:
+                request.generator = torch.Generator(device=self.engine.device)
+                request.generator.manual_seed(request.params.seed)
+            self._start_from_prefix(request)
+            self._prefilling.append(request)
+
+    def _start_from_prefix(self, request: Request) -> None:
+        if self.prefix_cache is None:
+            return
+        request.block_keys = self.prefix_cache.block_keys(request.prompt)
+        hit = self.prefix_cache.lookup(request.prompt, request.block_keys)
+        if hit.length:
+            restore_row(self.engine.cache, request.slot, hit.state)
+            request.prefilled = hit.length
+        request.save_points = self.prefix_cache.save_points(request.block_keys, request.prefilled)
+
+    def _plan(self) -> list[list[_Piece]]:
+        """This iteration's prefill: up to ``prefill_chunk`` tokens, first come first served, each
+        request's share cut at its save points (pieces of one request go to successive rounds)."""
+        rounds: list[list[_Piece]] = []
+        budget = self.prefill_chunk
+        for request in self._prefilling:
+            if budget == 0:
+                break
+            start = request.prefilled
+            end = min(len(request.prompt), start + budget)
+            budget -= end - start
+            bounds = [p for p in request.save_points if start < p < end] + [end]
+            for i, stop in enumerate(bounds):
+                if i == len(rounds):
+                    rounds.append([])
+                rounds[i].append(_Piece(request, start, stop))
+                start = stop
+        return rounds
+
+    def _prefill(self) -> tuple[list[Request], torch.Tensor | None]:
+        """Run this iteration's prefill; the requests whose prompt is complete and their first tokens."""
+        complete, logits = [], []
+        for pieces in self._plan():
+            for piece, piece_logits in zip(pieces, self._run_round(pieces)):
+                request = piece.request
+                request.prefilled = piece.end
+                self.prompt_tokens_prefilled += piece.end - piece.start
+                if piece.end in request.save_points:
+                    self._save_prefix(request, piece.end)
+                if piece_logits is not None:
+                    complete.append(request)
+                    logits.append(piece_logits)
+        if not complete:
+            return [], None
+        self._prefilling = [r for r in self._prefilling if r.prefilled < len(r.prompt)]
+        return complete, self._first_tokens(complete, torch.stack(logits))
+
+    def _save_prefix(self, request: Request, length: int) -> None:
+        key = request.block_keys[length // self.prefix_cache.block - 1]
+        self.prefix_cache.put(request.prompt[:length], key, snapshot_row(self.engine.cache, request.slot))
+
+    def _run_round(self, pieces: list[_Piece]) -> list[torch.Tensor | None]:
+        """Prefill ``pieces`` (at most one per request) into their slots; each piece's last-token
+        logits where it completes its prompt, else ``None``. Prompts starting at their first token
+        run as ``generate`` prefills them (packed, no initial state); the others continue from their
+        slots' states (one by one in hybrid models, whose attention layers take no packed
+        continuation)."""
+        num_layers = len(self.engine.cache.states)
+        fresh = [p for p in pieces if p.start == 0]
+        going_on = [p for p in pieces if p.start > 0]
+        groups = [(fresh, EFLACache(num_layers))] if fresh else []
+        for group in ([[p] for p in going_on] if self.hybrid else [going_on] if going_on else []):
+            groups.append((group, rows_cache(self.engine.cache, self._device_long([p.request.slot for p in group]),
+                                             [p.start for p in group])))
+        logits = {}
+        for group, cache in groups:
+            logits.update(zip(group, self._forward(group, cache)))
+        return [logits[p] for p in pieces]
+
+    def _forward(self, pieces: list[_Piece], cache: EFLACache) -> list[torch.Tensor | None]:
+        lengths = [p.end - p.start for p in pieces]
+        ids = self._device_long(list(itertools.chain.from_iterable(p.request.prompt[p.start:p.end] for p in pieces)))
+        ends = list(itertools.accumulate(lengths))
+        packed = len(pieces) > 1 or not self.hybrid
+        cu_seqlens = self._device_long([0, *ends]) if packed else None
+        out = self.engine.decoder(input_ids=ids[None], cu_seqlens=cu_seqlens, past_key_values=cache, use_cache=True)
+        self.engine.cache.write_slots(self._device_long([p.request.slot for p in pieces]), cache)
+        complete = [i for i, p in enumerate(pieces) if p.end == len(p.request.prompt)]
+        if not complete:
+            return [None] * len(pieces)
+        last = out.last_hidden_state[0, self._device_long([ends[i] - 1 for i in complete])]
+        rows = dict(zip(complete, self.engine.head(last).float()))
+        return [rows.get(i) for i in range(len(pieces))]
+
+    def _first_tokens(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        if not any(r.params.temperature > 0 for r in requests):
+            return logits.argmax(-1)
+        temperature, top_k, top_p = self._sampling_rows(requests)
+        noise = torch.empty_like(logits).exponential_(generator=self._generator)
+        for row, request in enumerate(requests):
+            if request.generator is not None:
+                noise[row].exponential_(generator=request.generator)
+        return choose_tokens(logits, temperature, top_k, top_p, noise)
+
+    # -- the decoding batch -------------------------------------------------------------------------
+    def _rebuild(self, joined: list[Request], first_tokens: torch.Tensor | None) -> None:
+        """The bucket of the requests still decoding (their last tokens and stop flags carried over on
+        the device) followed by those that joined (their first tokens)."""
+        kept = [r for r in self._rows if not r.done]
+        rows = kept + joined
+        if kept:
+            old_rows = self._device_long([r.row for r in kept])
+            carried_tokens, carried_finished = self._bucket.tokens[old_rows], self._bucket.finished[old_rows]
+        self._rows, self._bucket = rows, None
+        if not rows:
+            return
+        bucket = self.engine.bucket(len(rows))
+        self.engine.assign(bucket, self._device_long([r.slot for r in rows]))
+        k, n = len(kept), len(rows)
+        if kept:
+            bucket.tokens[:k] = carried_tokens
+            bucket.finished[:k] = carried_finished
+        if joined:
+            bucket.tokens[k:n] = first_tokens
+            bucket.finished[k:n] = self.engine.is_stop_token(first_tokens)
+            self._joined = (joined, _HostCopy(first_tokens))
+        temperature, top_k, top_p = self._sampling_rows(rows)
+        bucket.temperature[:n], bucket.top_k[:n], bucket.top_p[:n] = temperature, top_k, top_p
+        for row, request in enumerate(rows):
+            request.row = row
+        self._bucket = bucket
+
+    def _sampling_rows(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        params = [r.params for r in requests]
+        return (self._device([p.temperature for p in params], torch.float32),
+                self._device_long([p.top_k for p in params]),
+                self._device([p.top_p for p in params], torch.float32))
+
+    def _device_long(self, values: list[int]) -> torch.Tensor:
+        return self._device(values, torch.long)
+
+    def _device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """``values`` on the engine's device; on CUDA through pinned memory, without waiting for the
+        device (the pinned block is not reused before the copy ran)."""
+        host = torch.tensor(values, dtype=dtype)
+        if self.engine.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.engine.device, non_blocking=True)
+
+    # -- failures and shutdown ----------------------------------------------------------------------
+    def _fail_active(self, message: str) -> None:
+        for request in itertools.chain(self._prefilling, self._rows, self._pending.rows if self._pending else ()):
+            if not request.done:
+                self._fail(request, message)
+        self._prefilling, self._rows, self._bucket, self._pending, self._joined = [], [], None, None, None
+
+    def _shut_down(self) -> None:
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+        for request in waiting:
+            request.done = True
+            request.on_event(request, ErrorEvent("the server is shutting down"))
+        self._fail_active("the server is shutting down")
+

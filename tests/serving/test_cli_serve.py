@@ -1,0 +1,88 @@
+"""`efla serve`: user mistakes are one line with exit status 2; on SIGTERM the server finishes the
+request in flight, refuses new ones, and exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from efla.cli import main
+
+from .conftest import MODEL_NAME, REPO, error_of, serve
+
+GOOD_BODY = {"model": MODEL_NAME, "prompt": "def main(", "max_tokens": 4, "temperature": 0}
+
+
+@pytest.mark.parametrize("options, option", [
+    (["--port", "70000"], "--port"),
+    (["--max-batch", "0"], "--max-batch"),
+    (["--max-queue", "-1"], "--max-queue"),
+    (["--prefill-chunk", "0"], "--prefill-chunk"),
+    (["--api-key", " "], "--api-key"),
+])
+def test_a_wrong_option_is_one_line_with_status_2(model_dir, capsys, options, option):
+    assert main(["serve", str(model_dir), *options]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("efla serve: ") and f"({option}" in err
+
+
+def test_a_missing_model_directory_is_one_line(tmp_path, capsys):
+    assert main(["serve", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "(MODEL_DIR)" in err
+
+
+def test_a_port_in_use_is_reported_before_loading(model_dir, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["serve", str(model_dir), "--port", str(taken.getsockname()[1])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("efla serve: cannot listen on 127.0.0.1:") and err.count("\n") == 1
+
+
+def test_a_server_shutting_down_answers_503(loaded):
+    with serve(*loaded) as served:
+        served.scheduler.stop_accepting()  # what SIGTERM does first
+        response = httpx.post(f"{served.url}/v1/completions", json=GOOD_BODY, timeout=10)
+    assert response.status_code == 503 and error_of(response)["code"] == "shutting_down"
+
+
+def _start(model_dir) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "efla", "serve", str(model_dir), "--port", "0",
+                                "--log-level", "warning", "--max-context", "4096", "--served-model-name", MODEL_NAME],
+                               cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    for line in process.stderr:
+        if " at http://" in line:
+            return process, line.split(" at ")[1].split("/v1")[0]
+    process.kill()
+    raise AssertionError(f"the server did not start (status {process.wait()})")
+
+
+def test_sigterm_finishes_the_request_in_flight_and_exits_0(model_dir):
+    process, url = _start(model_dir)
+    try:
+        body = {**GOOD_BODY, "max_tokens": 300, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        last = json.loads(rest[-2][len("data: "):])
+        assert last["choices"][0]["finish_reason"] == "length"  # all 300 tokens, not cut short
+        assert process.wait(60) == 0
+        err = process.stderr.read()
+        assert "Traceback" not in err, err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

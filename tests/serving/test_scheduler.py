@@ -1,0 +1,178 @@
+"""The scheduler without HTTP: chunked prefill gives generate's tokens for every kind of model, a long
+prompt's prefill lets running requests go on step by step, a failed step ends only its requests, and
+cancelled requests, waiting or running, end and give their places back."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from efla.generation import generate
+from efla.serving import ErrorEvent, FinishEvent, PrefixCache, SamplingParams, Scheduler, TokenEvent
+
+EOS = 2
+
+
+class Collector:
+    """``on_event`` for a scheduler: keeps every event in order and signals when ``expected`` requests ended."""
+
+    def __init__(self, expected: int):
+        self.events: list[tuple[object, object]] = []
+        self.ended = 0
+        self.expected = expected
+        self.all_ended = threading.Event()
+        self.lock = threading.Lock()
+
+    def __call__(self, request, event) -> None:
+        with self.lock:
+            self.events.append((request, event))
+            if isinstance(event, (FinishEvent, ErrorEvent)):
+                self.ended += 1
+                if self.ended == self.expected:
+                    self.all_ended.set()
+
+    def wait(self) -> None:
+        assert self.all_ended.wait(60), f"{self.ended} of {self.expected} requests ended"
+
+    def final(self, request):
+        return next(e for r, e in self.events if r is request and isinstance(e, (FinishEvent, ErrorEvent)))
+
+
+def _model(preset: str):
+    from efla.models import EFLAForCausalLM, get_preset_config
+
+    torch.manual_seed(0)
+    return EFLAForCausalLM(get_preset_config(preset)).eval()
+
+
+def _generate_alone(model, prompt: list[int], max_tokens: int, **sampling) -> list[int]:
+    out = generate(model, torch.tensor([prompt]), max_new_tokens=max_tokens, eos_token_id=EOS, **sampling)
+    new = out[0, len(prompt):].tolist()
+    return new[:new.index(EOS) + 1] if EOS in new else new
+
+
+def _scheduler(model, **options) -> Scheduler:
+    scheduler = Scheduler(model, None, stop_tokens=[EOS], **{"max_batch": 4, "max_context": 1024, **options})
+    scheduler.start()
+    return scheduler
+
+
+@pytest.mark.parametrize("preset", ["tiny-efla", "tiny-gated-efla", "tiny-deltanet", "tiny-hybrid-efla"])
+def test_chunked_prefill_gives_generates_tokens(preset):
+    """Prompts of 20-150 tokens prefilled 7 tokens per step, each continuing from its slot's state, with
+    more prompts than slots (slots are reused): the tokens of generate with each prompt alone."""
+    model = _model(preset)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (20, 150, 64, 65, 97, 33)]
+    expected = [_generate_alone(model, p, 10) for p in prompts]
+    scheduler = _scheduler(model, prefill_chunk=7, prefix_cache=PrefixCache(block=16))
+    try:
+        collector = Collector(len(prompts))
+        requests = [scheduler.submit([p], SamplingParams(max_tokens=10), collector)[0] for p in prompts]
+        collector.wait()
+        assert [r.tokens for r in requests] == expected
+        status = scheduler.status()
+        assert status["slots_free"] == 4 and status["prompt_tokens_prefilled"] == sum(map(len, prompts))
+        assert status["prefix_cache"]["enabled"] is (preset != "tiny-hybrid-efla")
+    finally:
+        scheduler.close()
+
+
+def test_seeded_requests_decoding_together_sample_as_if_alone(loaded):
+    """Three prompts with one seed, admitted and decoded together: each row draws its noise from its
+    own generator, so each gives what generate gives it alone with that seed."""
+    model = loaded[0]
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    sampling = dict(temperature=1.0, top_k=50, top_p=0.9)
+    expected = [_generate_alone(model, p, 12, seed=7, **sampling) for p in prompts]
+    assert len({tuple(e) for e in expected}) == 3
+    scheduler = _scheduler(model)
+    try:
+        collector = Collector(3)
+        requests = scheduler.submit(prompts, SamplingParams(max_tokens=12, seed=7, **sampling), collector)
+        collector.wait()
+        assert scheduler.peak_batch == 3
+        assert [r.tokens for r in requests] == expected
+    finally:
+        scheduler.close()
+
+
+def test_a_long_prompt_is_prefilled_between_decoding_steps(loaded):
+    """While a 200-token prompt is prefilled 8 tokens per step, a running request gets a token every step."""
+    model = loaded[0]
+    scheduler = _scheduler(model, prefill_chunk=8)
+    try:
+        collector = Collector(2)
+        running = scheduler.submit([[5, 6, 7]], SamplingParams(max_tokens=60), collector)[0]
+        while not any(r is running for r, _ in list(collector.events)):
+            threading.Event().wait(0.001)
+        submitted_at = len(collector.events)
+        long_prompt = scheduler.submit([list(range(3, 203))], SamplingParams(max_tokens=1), collector)[0]
+        collector.wait()
+        events = [r for r, _ in collector.events[submitted_at:]]
+        during_prefill = events[:events.index(long_prompt)].count(running)
+        assert during_prefill >= 200 // 8 - 1  # a token of the running request per prefill chunk, less the read lag
+        assert collector.final(running).completion_tokens == 60
+    finally:
+        scheduler.close()
+
+
+def test_a_failed_step_ends_its_requests_and_the_scheduler_goes_on(loaded, monkeypatch):
+    model = loaded[0]
+    scheduler = _scheduler(model)
+    try:
+        real_step = scheduler.engine.step
+        failures = iter([True])
+
+        def failing_once(*args, **kwargs):
+            if next(failures, False):
+                raise RuntimeError("a device error")
+            return real_step(*args, **kwargs)
+
+        monkeypatch.setattr(scheduler.engine, "step", failing_once)
+        collector = Collector(2)
+        scheduler.submit([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=5), collector)
+        collector.wait()
+        assert all(isinstance(e, ErrorEvent) for _, e in collector.events if not isinstance(e, TokenEvent))
+        assert scheduler.running and scheduler.status()["slots_free"] == 4
+        collector = Collector(1)
+        request = scheduler.submit([[5, 6, 7]], SamplingParams(max_tokens=5), collector)[0]
+        collector.wait()
+        assert request.tokens == _generate_alone(model, [5, 6, 7], 5)
+    finally:
+        scheduler.close()
+
+
+def test_cancelled_requests_end_and_give_their_places_back(loaded):
+    model = loaded[0]
+    scheduler = _scheduler(model, max_batch=1, max_queue=1)
+    try:
+        collector = Collector(2)
+        running, waiting = scheduler.submit([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=500), collector)
+        while not running.tokens:
+            threading.Event().wait(0.001)
+        scheduler.cancel([waiting, running])
+        collector.wait()
+        assert collector.final(waiting).reason == collector.final(running).reason == "cancelled"
+        assert waiting.tokens == [] and len(running.tokens) < 500
+        status = scheduler.status()
+        assert (status["slots_free"], status["waiting"]) == (1, 0)
+        collector = Collector(2)
+        scheduler.submit([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3), collector)  # both places free again
+        collector.wait()
+    finally:
+        scheduler.close()
+
+
+def test_closing_ends_queued_and_running_requests_with_an_error(loaded):
+    scheduler = _scheduler(loaded[0], max_batch=1)
+    collector = Collector(2)
+    running, _ = scheduler.submit([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=900), collector)
+    while not running.tokens:
+        threading.Event().wait(0.001)
+    scheduler.close()
+    collector.wait()
+    assert not scheduler.running
+    assert [e.message for _, e in collector.events if isinstance(e, ErrorEvent)] == ["the server is shutting down"] * 2
