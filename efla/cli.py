@@ -4,7 +4,9 @@ error into one line and an exit status."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import importlib.metadata
 import os
 import sys
 
@@ -21,10 +23,64 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+class SubcommandParser(OneLineErrorParser):
+    """The parser of one ``efla <command>``: rejects unknown arguments before checking for missing ones, so the
+    message names the subcommand (argparse alone reports a missing option first, then the unknown arguments
+    as ``efla``'s)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.intermixed = False  # positionals may follow options (``efla generate MODEL --json PROMPT``)
+        self._parsing = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._parsing:  # argparse's intermixed parsing calls this method itself
+            return super().parse_known_args(args, namespace)
+        self._parsing = True
+        try:
+            args = sys.argv[1:] if args is None else list(args)
+            parse = super().parse_known_intermixed_args if self.intermixed else super().parse_known_args
+            self._reject_unknown_arguments(parse, args)
+            return parse(args, namespace)
+        finally:
+            self._parsing = False
+
+    def _reject_unknown_arguments(self, parse, args: list[str]) -> None:
+        with _nothing_required(self):
+            _, unknown = parse(args, None)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}")
+
+
+@contextlib.contextmanager
+def _nothing_required(parser: argparse.ArgumentParser):
+    """Lets ``parser`` parse without its required arguments and groups (restored on leaving)."""
+    required = [a for a in parser._actions if a.required] + [g for g in parser._mutually_exclusive_groups if g.required]
+    for item in required:
+        item.required = False
+    try:
+        yield
+    finally:
+        for item in required:
+            item.required = True
+
+
+def installed_version() -> str:
+    """The version of the installed ``efla`` distribution, else ``efla.__version__`` (a source checkout)."""
+    try:
+        return importlib.metadata.version("efla")
+    except importlib.metadata.PackageNotFoundError:
+        import efla
+
+        return getattr(efla, "__version__", "unknown")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(prog="efla", description="Exact Flow Linear Attention: ops, models and experiments.",
                            epilog="Errors are reported in one line; EFLA_DEBUG=1 or --debug shows the traceback.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("--version", action="version", version=f"efla {installed_version()}",
+                   help="print the installed efla version and exit")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=SubcommandParser)
     for name in COMMAND_MODULES:
         importlib.import_module(f"efla.commands.{name}").add_parser(sub)
     return p

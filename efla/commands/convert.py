@@ -30,10 +30,14 @@ def cmd_convert(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("convert", help="convert a flash-linear-attention DeltaNet/Gated DeltaNet checkpoint "
-                                       "(hybrids with softmax-attention layers too)")
+                                       "(hybrids with softmax-attention layers too)",
+                       description="Convert a flash-linear-attention DeltaNet or Gated DeltaNet model directory "
+                                   "(hybrids with softmax-attention layers too) into an efla model directory that "
+                                   "AutoModelForCausalLM loads after `import efla`; tokenizer files are copied.")
     p.add_argument("src", help="fla model directory (config.json with model_type delta_net or gated_deltanet, safetensors)")
     p.add_argument("dst", help="new efla model directory (must not exist or be empty)")
     p.add_argument("--update-rule", choices=["exact", "euler"], default="exact",
                    help="exact: EFLA with the same weights (default); euler: reproduces the original model")
-    p.add_argument("--dtype", choices=["keep", "float32", "bfloat16"], default="keep")
+    p.add_argument("--dtype", choices=["keep", "float32", "bfloat16"], default="keep",
+                   help="dtype of the saved weights (keep: as in SRC; default)")
     p.set_defaults(func=cmd_convert)

@@ -178,8 +178,9 @@ def _add_eval_options(p) -> None:
     p.add_argument("--prefix", default="auto", choices=["auto", "bos", "eos", "none"],
                    help="token before the WikiText stream so its first token is scored (auto: BOS if the "
                         "tokenizer adds BOS itself, else EOS, the document separator of `efla train`)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype the model is evaluated in (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--harness", default=None, metavar="TASKS",
                    help="comma-separated lm-evaluation-harness tasks (needs lm-eval: pip install 'efla[eval]'); "

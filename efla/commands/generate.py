@@ -301,17 +301,5 @@ def add_parser(sub) -> None:
 
 def _accept_prompts_after_options(parser) -> None:
     """``efla generate MODEL --json "a prompt"``: PROMPTs may follow options (argparse alone gives the
-    positionals only their first run of arguments), by parsing this subcommand intermixed."""
-    plain = parser.parse_known_args
-    inside = []
-
-    def parse_known_args(args=None, namespace=None):
-        if inside:  # parse_known_intermixed_args calls parse_known_args itself
-            return plain(args, namespace)
-        inside.append(True)
-        try:
-            return parser.parse_known_intermixed_args(args, namespace)
-        finally:
-            inside.pop()
-
-    parser.parse_known_args = parse_known_args
+    positionals only their first run of arguments)."""
+    parser.intermixed = True

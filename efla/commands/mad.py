@@ -40,7 +40,7 @@ def add_parser(subparsers) -> None:
                         "seeds can share --out (the seed is in each run's key); results.json, runs.csv and summary.md "
                         "there score this seed's runs only")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16 = autocast (MAD used bf16)")
-    p.add_argument("--device", default=default_device())
+    p.add_argument("--device", default=default_device(), help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--together", type=int, default=1, metavar="N",
                    help="train up to N runs side by side in this process (each in its own CUDA stream on a GPU, "
                         "where small models leave most of it idle; at most 32 there); default 1")

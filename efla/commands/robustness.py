@@ -8,13 +8,21 @@ from efla.experiments.harness import default_device
 
 
 def add_parser(subparsers) -> None:
-    r = subparsers.add_parser("robustness",
-                              help="pixel-sequence classification under intensity scaling, noise and dropout")
+    r = subparsers.add_parser(
+        "robustness", help="pixel-sequence classification under intensity scaling, noise and dropout",
+        description="Train EFLA and DeltaNet pixel-sequence classifiers (MNIST, or the embedded 8x8 digits) and test "
+                    "them under input intensity scaling, additive noise and dropout. Writes results.json, one CSV "
+                    "per learning-rate setting, plots and summary.md.")
     _add_pixel_args(r, "results/robustness")
+    r.add_argument("--lr", type=float, default=1e-3, help="learning rate used for every rule (default 1e-3)")
     r.add_argument("--paper-lr", action="store_true", help="also train with the authors' lrs (EFLA 3e-3, DeltaNet 1e-3)")
     r.set_defaults(func=cmd_robustness)
 
-    s = subparsers.add_parser("lr-sweep", help="final training loss and test accuracy across learning rates")
+    s = subparsers.add_parser(
+        "lr-sweep", help="final training loss and test accuracy across learning rates",
+        description="Train EFLA and DeltaNet pixel-sequence classifiers at each learning rate of --lrs and report "
+                    "the final training loss and the test accuracy per rule and learning rate. Writes lr_sweep.json, "
+                    "lr_sweep.csv, lr_sweep.png and lr_sweep.md.")
     _add_pixel_args(s, "results/lr-sweep")
     s.add_argument("--lrs", type=float, nargs="+", default=None, help="default: 1e-4 3e-4 1e-3 3e-3 1e-2")
     s.set_defaults(func=cmd_lr_sweep)
@@ -29,23 +37,23 @@ def _add_pixel_args(p, default_out):
     p.add_argument("--data-dir", default=None, help="folder with the four MNIST idx(.gz) files (or MNIST/raw)")
     p.add_argument("--rules", nargs="+", default=["exact", "euler"],
                    choices=["exact", "euler", "gated-exact", "gated-euler"], help="update rules to compare")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate used for every rule (default 1e-3)")
     p.add_argument("--epochs", type=int, default=None,
                    help="training epochs (default: 1 on MNIST as in the paper, 40 on the small embedded digits)")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--num-heads", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=128, help="training examples per step (default 128)")
+    p.add_argument("--width", type=int, default=64,
+                   help="model width: pixel embedding and q/k/v size, split over --num-heads (default 64)")
+    p.add_argument("--num-heads", type=int, default=1, help="attention heads; must divide --width (default 1)")
     p.add_argument("--authors-model", action="store_true",
                    help="the authors' model: no bias on the pixel projection, xavier-uniform q/k/v weights")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default: 0)")
     p.add_argument("--train-limit", type=int, default=None, help="use only the first N training examples")
     p.add_argument("--test-limit", type=int, default=None, help="use only the first N test examples")
-    p.add_argument("--device", default=default_device())
+    p.add_argument("--device", default=default_device(), help="cpu, cuda or cuda:N (default: cuda if available)")
 
 
 def _check_pixel_args(args) -> None:
     check.at_least(args.epochs, 1, "--epochs")
-    check.positive(args.lr, "--lr")
+    check.positive(getattr(args, "lr", None), "--lr")
     check.positive(getattr(args, "lrs", None), "--lrs")
     check.at_least(args.batch_size, 1, "--batch-size")
     check.at_least(args.width, 1, "--width")
@@ -84,7 +92,8 @@ def _prepare(args):
     data = _load_pixels(args, console)
     opts = RobustnessOptions.for_data(
         data.name, quick=args.quick, epochs=args.epochs, seeds=args.seeds, train_limit=args.train_limit,
-        test_limit=args.test_limit, rules=args.rules, lr=args.lr, paper_lr=getattr(args, "paper_lr", False),
+        test_limit=args.test_limit, rules=args.rules, lr=getattr(args, "lr", RobustnessOptions.lr),
+        paper_lr=getattr(args, "paper_lr", False),
         batch_size=args.batch_size, width=args.width, num_heads=args.num_heads, authors_model=args.authors_model,
         device=args.device)
     return console, data, opts
