@@ -388,19 +388,18 @@ class EFLAForCausalLM(EFLAPreTrainedModel, GenerationMixin):
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
 
     def _targets(self, hidden_states, labels, shift_labels, keep, cu_seqlens):
-        """The per-position targets from ``labels`` (shifted here) or ``shift_labels`` (shifted by the
-        caller, as sequence-parallel trainers pass them), or ``None`` without either."""
+        """The per-position targets from ``shift_labels`` (shifted by the caller, as sequence- and
+        context-parallel trainers pass them, often beside ``labels``: then ``labels`` is ignored, as in
+        transformers' ``ForCausalLMLoss``), else ``labels`` (shifted here), or ``None`` without either."""
         if labels is None and shift_labels is None:
             return None
-        if labels is not None and shift_labels is not None:
-            raise ValueError("labels, shift_labels: pass one of them (shift_labels are labels already shifted)")
-        name, given = ("labels", labels) if labels is not None else ("shift_labels", shift_labels)
+        name, given = ("shift_labels", shift_labels) if shift_labels is not None else ("labels", labels)
         if given.shape != hidden_states.shape[:2]:
             raise ValueError(f"{name}: expected shape {tuple(hidden_states.shape[:2])}, got {tuple(given.shape)}")
         if keep > 0:
             raise ValueError(f"{name}: cannot compute the loss with logits_to_keep > 0")
         given = given.to(hidden_states.device)
-        return self.shift(given, cu_seqlens) if labels is not None else given
+        return given if shift_labels is not None else self.shift(given, cu_seqlens)
 
     def _logits_and_loss(self, hidden_states, target, num_items_in_batch):
         """``(logits or None, loss)``. On the GPU (flash-linear-attention installed) a training step

@@ -109,8 +109,32 @@ def test_shift_labels_and_num_items_in_batch():
     summed = model(ids, labels=labels, num_items_in_batch=count).loss
     assert (summed - loss).abs().item() < 1e-12
     assert (model(ids, labels=labels, num_items_in_batch=2 * count).loss - loss / 2).abs().item() < 1e-12
-    with pytest.raises(ValueError, match="shift_labels"):
-        model(ids, labels=labels, shift_labels=shifted)
+
+
+def test_shift_labels_beside_labels_decide_the_loss_as_in_transformers():
+    """Sequence-parallel trainers (accelerate, DeepSpeed) pass both; the loss is against shift_labels and
+    labels are ignored, as transformers' ForCausalLMLoss does."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    torch.manual_seed(5)
+    model = EFLAForCausalLM(get_preset_config("tiny-efla")).double()
+    ids = torch.randint(0, 256, (2, 9))
+    labels = ids.clone()
+    shifted = torch.randint(0, 256, (2, 9))  # unrelated to labels: only one of them can give the loss
+    shifted[1, -4:] = -100
+    count = int((shifted != -100).sum())
+    alone = model(input_ids=ids, shift_labels=shifted, num_items_in_batch=count)
+    trainer_batch = dict(input_ids=ids, labels=labels, shift_labels=shifted)
+    both = model(**trainer_batch, num_items_in_batch=count)
+    assert (both.loss - alone.loss).abs().item() < 1e-12
+    assert (both.loss - model(ids, labels=labels, num_items_in_batch=count).loss).abs().item() > 1e-3
+    reference = ForCausalLMLoss(both.logits, labels, model.config.vocab_size, num_items_in_batch=count,
+                                shift_labels=shifted)
+    assert (both.loss - reference).abs().item() < 1e-10
+    both.loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert model.lm_head.weight.grad.abs().sum().item() > 0
 
 
 # ----------------------------------------------------------------------------- interpreter (CPU)

@@ -163,13 +163,21 @@ def _encode(tokenizer, text: str, add_special_tokens: bool | None = None) -> lis
         return list(tokenizer(text, **kw)["input_ids"])
 
 
+def _recorded_seed(path: str) -> int | None:
+    """The seed ``efla train`` recorded in ``<path>/train_args.json``; for other model directories the
+    ``-s<N>`` / ``-seed<N>`` ending of the directory name, else ``None``."""
+    args_file = os.path.join(path, "train_args.json")
+    if os.path.isfile(args_file):
+        with open(args_file) as f:
+            return json.load(f).get("seed")
+    m = re.search(r"(?:^|[-_])s(?:eed)?(\d+)$", os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else None
+
+
 def model_info(model, path: str | None = None) -> dict:
     cfg = model.config
     variant = getattr(cfg, "variant", None) or getattr(cfg, "model_type", "model")
-    seed = None
-    if path:
-        m = re.search(r"(?:^|[-_])s(?:eed)?(\d+)$", os.path.basename(os.path.normpath(path)))
-        seed = int(m.group(1)) if m else None
+    seed = _recorded_seed(path) if path else None
     training = None
     if path and os.path.isfile(os.path.join(path, "train_summary.json")):  # written by `efla train`
         with open(os.path.join(path, "train_summary.json")) as f:

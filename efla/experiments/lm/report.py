@@ -132,13 +132,22 @@ def plot_loss_curves(rows: list[dict], title: str, path: str) -> None:
     harness.atomic_save_figure(fig, path, dpi=120)
 
 
-def _mean_spread(xs, fmt=".4f") -> str:
+def _mean_spread(xs, several_seeds: bool, fmt=".4f") -> str:
+    """The mean of ``xs`` (``None`` left out), with the sample standard deviation only over different seeds."""
     xs = [x for x in xs if x is not None]
     if not xs:
         return "n/a"
-    if len(xs) == 1:
-        return f"{xs[0]:{fmt}}"
+    if len(xs) == 1 or not several_seeds:
+        return f"{statistics.mean(xs):{fmt}}"
     return f"{statistics.mean(xs):{fmt}} ± {statistics.stdev(xs):{fmt}}"
+
+
+def _several_seeds(rs: list[dict]) -> bool:
+    return len({r["seed"] for r in rs}) > 1
+
+
+def _by_variant(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    return [(v, [r for r in rows if r["variant"] == v]) for v in LM_VARIANTS if any(r["variant"] == v for r in rows)]
 
 
 def _has_eval(rows: list[dict]) -> bool:
@@ -160,29 +169,30 @@ def variants_table(rows: list[dict]) -> harness.Table:
     if evals:
         columns += ["WikiText word ppl", "WikiText bits/byte", "LAMBADA acc", "LAMBADA ppl"]
     table = harness.Table(title="Language modelling by variant", columns=columns, right=set(range(2, len(columns))))
-    for v in (v for v in LM_VARIANTS if any(r["variant"] == v for r in rows)):
-        rs = [r for r in rows if r["variant"] == v]
+    for v, rs in _by_variant(rows):
+        seeds = _several_seeds(rs)
         vl = [r["val_loss"] for r in rs if r["val_loss"] is not None]
         tps = [r["tokens_per_s"] for r in rs if r["tokens_per_s"]]
         cells = [label(v), ", ".join(str(r["seed"]) for r in rs), _params(rs),
-                 _mean_spread([r["final_loss"] for r in rs]), _mean_spread(vl),
-                 _mean_spread([math.exp(x) for x in vl], ".1f"), f"{statistics.mean(tps):,.0f}" if tps else "n/a"]
+                 _mean_spread([r["final_loss"] for r in rs], seeds), _mean_spread(vl, seeds),
+                 _mean_spread([math.exp(x) for x in vl], seeds, ".1f"), f"{statistics.mean(tps):,.0f}" if tps else "n/a"]
         if evals:
-            cells += [_mean_spread([r.get("wikitext_word_ppl") for r in rs], ".1f"),
-                      _mean_spread([r.get("wikitext_bpb") for r in rs], ".4f"),
-                      _mean_spread([r.get("lambada_acc") for r in rs], ".4f"),
-                      _mean_spread([r.get("lambada_ppl") for r in rs], ".1f")]
+            cells += [_mean_spread([r.get("wikitext_word_ppl") for r in rs], seeds, ".1f"),
+                      _mean_spread([r.get("wikitext_bpb") for r in rs], seeds, ".4f"),
+                      _mean_spread([r.get("lambada_acc") for r in rs], seeds, ".4f"),
+                      _mean_spread([r.get("lambada_ppl") for r in rs], seeds, ".1f")]
         table.add_row(*cells)
     return table
 
 
 def runs_table(rows: list[dict]) -> harness.Table:
     evals = _has_eval(rows)
-    columns = ["run", "train loss", "validation loss", "tokens/s", "train seconds"]
+    columns = ["run", "seed", "steps", "training tokens", "train loss", "validation loss", "tokens/s", "train seconds"]
     columns += ["WikiText word ppl", "bits/byte", "LAMBADA acc"] if evals else []
     table = harness.Table(title="Runs", columns=columns, right=set(range(1, len(columns))))
     for r in rows:
-        cells = [r["run"], f"{r['final_loss']:.4f}", _fmt(r["val_loss"], ".4f"), _fmt(r["tokens_per_s"], ",.0f"),
+        cells = [r["run"], str(r["seed"]), str(r["steps"]), f"{r['tokens']:,}", f"{r['final_loss']:.4f}",
+                 _fmt(r["val_loss"], ".4f"), _fmt(r["tokens_per_s"], ",.0f"),
                  _fmt(r["train_seconds"], ".0f")]
         if evals:
             cells += [_fmt(r.get("wikitext_word_ppl"), ".1f"), _fmt(r.get("wikitext_bpb"), ".4f"),
@@ -213,16 +223,41 @@ def _eval_note(rows: list[dict]) -> list[str]:
             + (f"; {'; '.join(limits)}" if limits else "") + ")."]
 
 
+def _run_length(rows: list[dict]) -> str:
+    """Steps and training tokens: once when every run has the same, else per run."""
+    lengths = {(r["steps"], r["tokens"]) for r in rows}
+    if len(lengths) == 1:
+        steps, tokens = lengths.pop()
+        return f", {steps} steps, {tokens:,} training tokens"
+    return "; per run: " + ", ".join(f"{r['run']} {r['steps']} steps / {r['tokens']:,} tokens" for r in rows)
+
+
+def _shapes(rows: list[dict]) -> str:
+    shapes = sorted({(r["resolved"].get("seq_len"), r["resolved"].get("batch_tokens")) for r in rows}, key=str)
+    return "; ".join(f"sequence length {s}, {b} tokens per step" for s, b in shapes)
+
+
+def _spread_note(rows: list[dict]) -> str:
+    """What the variant table's numbers are: mean ± std over seeds only for variants whose runs differ in seed."""
+    groups = _by_variant(rows)
+    several = [label(v) for v, rs in groups if _several_seeds(rs)]
+    single = [label(v) for v, rs in groups if not _several_seeds(rs)]
+    parts = []
+    if several:
+        parts.append(f"{', '.join(several)}: mean ± sample standard deviation over seeds (model initialisation; the "
+                     "data order is the same for every run)")
+    if single:
+        parts.append(f"{', '.join(single)}: one seed, no spread (the mean where several runs share it)")
+    return "; ".join(parts) + "."
+
+
 def summary_markdown(rows: list[dict], title: str, notes: str, command_line: str) -> str:
-    r0 = rows[0]
     sources = sorted({_model_source(r) for r in rows})
     lines = [f"# {title}", "",
-             f"{len(rows)} runs; each: {' or '.join(sources)} (parameters with this vocabulary: see the table), "
-             f"{r0['steps']} steps, {r0['tokens']:,} training tokens (sequence length "
-             f"{r0['resolved'].get('seq_len')}, {r0['resolved'].get('batch_tokens')} tokens per step).", "",
+             f"{len(rows)} runs; each: {' or '.join(sources)} (parameters with this vocabulary: see the table)"
+             f"{_run_length(rows)} ({_shapes(rows)}).", "",
              *variants_table(rows).markdown(), "",
-             "Mean ± sample standard deviation over seeds (model initialisation; the data order is the same "
-             "for every run). Per-run numbers: `lm_losses.json` / `lm_losses.csv`; curves: `lm_loss_curves.png`.",
+             f"{_spread_note(rows)} Per-run numbers: `lm_losses.json` / `lm_losses.csv`; curves: `lm_loss_curves.png`.",
              *_eval_note(rows), "", *runs_table(rows).markdown()]
     if notes:
         lines += ["", notes.rstrip()]

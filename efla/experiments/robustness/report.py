@@ -97,7 +97,8 @@ def plot_robustness(results: dict, agg: dict, out_dir: str) -> list[str]:
             ax.grid(alpha=0.3)
             ax.set_title(f"accuracy vs {KIND_LABEL[kind]}")
             ax.legend()
-        fig.suptitle(f"Robustness ({setting}): {_title(results)}; mean over seeds, band = min..max")
+        spread = "; mean over seeds, band = min..max" if any(_several_seeds(e) for e in by_rule.values()) else ""
+        fig.suptitle(f"Robustness ({setting}): {_title(results)}{spread}")
         fig.tight_layout()
         p = os.path.join(out_dir, f"robustness_{setting}.png")
         harness.atomic_save_figure(fig, p)
@@ -143,17 +144,35 @@ def robustness_tables(results: dict, agg: dict) -> dict[str, harness.Table]:
             lv = by_rule[rules[0]][kind]["levels"]
             diff = f"{by_rule['exact'][kind]['area'] - by_rule['euler'][kind]['area']:+.4f}" if compared else ""
             table.add_row(kind, f"{lv[0]:g}..{lv[-1]:g} ({len(lv)})",
-                          *(f"{by_rule[r][kind]['area']:.4f} ± {by_rule[r][kind]['area_std']:.4f}" for r in rules),
-                          diff)
+                          *(_area_cell(by_rule[r], kind) for r in rules), diff)
         tables[setting] = table
     return tables
+
+
+def _several_seeds(entry: dict) -> bool:
+    return len(set(entry["seeds"])) > 1
+
+
+def _area_cell(entry: dict, kind: str) -> str:
+    """Accuracy averaged over a perturbation's levels; its spread only where the runs differ in seed."""
+    area = f"{entry[kind]['area']:.4f}"
+    return f"{area} ± {entry[kind]['area_std']:.4f}" if _several_seeds(entry) else area
+
+
+def _cell_note(agg: dict) -> str:
+    entries = [entry for by_rule in agg.values() for entry in by_rule.values()]
+    if any(_several_seeds(e) for e in entries):
+        return ("Each cell: accuracy averaged over the perturbation levels (mean over seeds ± sample standard "
+                "deviation over seeds where a cell has several seeds).")
+    seeds = sorted({s for e in entries for s in e["seeds"]})
+    return (f"Each cell: accuracy averaged over the perturbation levels, from one seed (seed "
+            f"{', '.join(map(str, seeds))}; no spread over seeds).")
 
 
 def robustness_summary(results: dict, agg: dict, command: str) -> str:
     lines = [f"# Robustness: {_title(results)}", "", f"Command as run: `{command}`", "",
              f"Data: {results['dataset']['source']}; versions: {json.dumps(results['versions'])}", "",
-             "Each cell: accuracy averaged over the perturbation levels (mean over seeds ± sample standard "
-             "deviation over seeds, 0 for one seed). Higher means the model degrades more slowly.", ""]
+             f"{_cell_note(agg)} Higher means the model degrades more slowly.", ""]
     tables = robustness_tables(results, agg)
     for setting, by_rule in agg.items():
         lines += [f"## {setting}", "", *tables[setting].markdown()]
@@ -183,7 +202,8 @@ def _lr_sweep_means(results: dict) -> dict:
     def stats(rows):
         losses = [x["final_train_loss"] for x in rows]
         accs = [x["test_accuracy"] for x in rows]
-        return statistics.mean(losses), statistics.mean(accs), _sample_std(losses), _sample_std(accs), len(rows)
+        seeds = len({x["seed"] for x in rows})
+        return statistics.mean(losses), statistics.mean(accs), _sample_std(losses), _sample_std(accs), seeds
 
     return {rule: {lr: stats(rows) for lr, rows in sorted(by_lr.items())} for rule, by_lr in by_rule.items()}
 
@@ -198,7 +218,7 @@ def _sweep_cell(loss: float, acc: float, loss_std: float, acc_std: float, seeds:
 def lr_sweep_table(results: dict) -> harness.Table:
     """Final train loss / test accuracy by rule and learning rate, mean ± sample std over seeds
     (console and lr_sweep.md)."""
-    seeds = len(results["options"]["seeds"])
+    seeds = len({r["seed"] for r in results["rows"]})
     table = harness.Table(title=f"{results['dataset']['name']}: learning-rate sweep (final train loss / test accuracy"
                                 + (f", mean ± sample std over {seeds} seeds)" if seeds > 1 else ")"),
                           columns=["rule", *(f"lr {lr:g}" for lr in results["lrs"])],
