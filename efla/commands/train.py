@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 _EPILOG = """\
 examples:
@@ -99,12 +100,16 @@ def add_parser(subparsers) -> None:
                         "number of processes, data parallelism runs across the groups; default: %(default)s)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.set_defaults(func=cmd_train, _defaults={a.dest: a.default for a in p._actions})
+    _record_given_options(p)
+    p.set_defaults(func=cmd_train, given_options=())
 
-    r = subparsers.add_parser("lm-report", help="losses JSON/CSV, loss-curve PNG and summary.md of `efla train` runs")
+    r = subparsers.add_parser("lm-report", help="losses JSON/CSV, loss-curve PNG and summary.md of `efla train` runs",
+                              description="Read finished `efla train` run directories and write their losses "
+                                          "(lm_losses.json/.csv), the loss curves (lm_loss_curves.png) and a summary "
+                                          "table per variant (summary.md).")
     r.add_argument("--runs", nargs="+", required=True, help="run directories (OUT of efla train)")
     r.add_argument("--out", required=True, help="where to write lm_losses.json/.csv, lm_loss_curves.png, summary.md")
-    r.add_argument("--title", default="Language modelling")
+    r.add_argument("--title", default="Language modelling", help="heading of summary.md (default: %(default)s)")
     r.add_argument("--notes", default=None, help="a markdown file appended to summary.md (commands, remarks)")
     r.set_defaults(func=cmd_lm_report)
 
@@ -141,19 +146,42 @@ def _peak_memory_text(per_gpu: list[float] | None) -> str:
     return "; peak GPU memory " + ", ".join(f"{g:.1f}" for g in per_gpu) + " GiB" + (" per GPU" if len(per_gpu) > 1 else "")
 
 
+def _record_given_options(parser) -> None:
+    """Each option of ``parser`` adds its name to ``given_options`` when it is on the command line (so a
+    value given equal to its default still counts as given)."""
+    for action in parser._actions:
+        if action.option_strings and not isinstance(action, argparse._HelpAction):
+            action.__class__ = _recording(type(action))
+
+
+@functools.cache
+def _recording(action_class):
+    class Recording(action_class):
+        def __call__(self, parser, namespace, values, option_string=None):
+            super().__call__(parser, namespace, values, option_string)
+            namespace.given_options = (*getattr(namespace, "given_options", ()), self.dest)
+
+    return Recording
+
+
 def _given_options(args) -> dict:
-    """TrainConfig fields from the command line; when resuming, what it leaves at its default comes
-    from the run's saved ``train_args.json``."""
+    """TrainConfig fields from the command line; when resuming, what it does not give comes from the
+    run's saved ``train_args.json``, and a given option that would change the run is refused."""
+    import os
+
     from efla.errors import UsageError
-    from efla.experiments.lm.config import TrainConfig
+    from efla.experiments.lm.config import TrainConfig, check_resume_unchanged, stored_train_args
 
     fields = TrainConfig.__dataclass_fields__
-    given = {k: v for k, v in vars(args).items() if k in fields}
     resuming = args.resume or args.resume_or_start or args.resume_from
-    saved = _saved_options(args.out, fields) if resuming else None
-    if saved is not None:
-        defaults = args._defaults
-        given = {**saved, **{k: v for k, v in given.items() if k not in defaults or v != defaults[k]},
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(args.resume_from))) if args.resume_from else args.out
+    saved = stored_train_args(run_dir) if resuming else None
+    if saved is None:
+        given = {k: v for k, v in vars(args).items() if k in fields}
+    else:
+        explicit = {k: getattr(args, k) for k in args.given_options if k in fields}
+        check_resume_unchanged(saved, explicit)
+        given = {**{k: v for k, v in saved.items() if k in fields}, **_run_length(explicit), "out": args.out,
                  "resume": args.resume, "resume_or_start": args.resume_or_start, "resume_from": args.resume_from,
                  "overwrite": False}
     if not given.get("data"):
@@ -161,21 +189,11 @@ def _given_options(args) -> dict:
     return given
 
 
-def _saved_options(out: str, fields) -> dict | None:
-    import json
-    import os
-
-    from efla.errors import UsageError
-
-    path = os.path.join(out, "train_args.json")
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            saved = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path}: unreadable ({e}) (--resume)") from None
-    return {k: v for k, v in saved.items() if k in fields}
+def _run_length(explicit: dict) -> dict:
+    """A resume given ``--max-tokens`` alone is measured by it, not by the saved ``--max-steps``."""
+    if "max_tokens" in explicit and "max_steps" not in explicit:
+        return dict(explicit, max_steps=None)
+    return explicit
 
 
 def cmd_lm_report(args) -> int:

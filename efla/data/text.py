@@ -50,6 +50,7 @@ __all__ = [
     "read_documents",
     "strip_gutenberg",
     "tokenize_documents",
+    "NoTextError",
     "load_token_stream",
     "split_train_val",
     "make_batch",
@@ -111,6 +112,7 @@ class TextCheck:
     path: str
     invalid_bytes: int = 0  # bytes that are not UTF-8
     first_invalid_line: int | None = None  # 1-based line of the first such byte
+    has_text: bool = False  # anything but whitespace
 
     def describe(self) -> str:
         return (f"{self.path}:{self.first_invalid_line}: not UTF-8 ({self.invalid_bytes} undecodable byte(s) "
@@ -146,6 +148,7 @@ def check_text_file(path: str, chunk_bytes: int = 1 << 20, option: str = "--data
                 first = _ESCAPED_BYTE.search(text).start()
                 found.first_invalid_line = lines_before + text.count("\n", 0, first) + 1
             found.invalid_bytes += len(bad)
+            found.has_text = found.has_text or bool(text.strip())
             lines_before += text.count("\n")
             chunk = nxt
     return found
@@ -225,6 +228,10 @@ def _read_file_documents(path: str, text_field: str, gutenberg: bool, errors: st
         yield text
 
 
+class NoTextError(ValueError):
+    """Every document read was empty."""
+
+
 def tokenize_documents(docs, tokenizer, eos_id: int, batch_docs: int = 64) -> np.ndarray:
     """All documents tokenized (no special tokens added), each followed by ``eos_id``, concatenated
     into one int32 array."""
@@ -245,7 +252,7 @@ def tokenize_documents(docs, tokenizer, eos_id: int, batch_docs: int = 64) -> np
             flush()
     flush()
     if not parts:
-        raise ValueError("no text: every document was empty")
+        raise NoTextError("no text: every document was empty")
     return np.concatenate(parts)
 
 

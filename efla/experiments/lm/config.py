@@ -11,7 +11,8 @@ from efla.errors import UsageError
 
 from .. import arg_checks as check
 
-__all__ = ["SIZE_DEFAULTS", "TrainConfig", "check_train_config"]
+__all__ = ["SIZE_DEFAULTS", "TrainConfig", "check_train_config", "RESUME_FIXED", "RESUME_FREE", "check_resume_unchanged",
+           "stored_train_args"]
 
 # Per model size: (sequence length, batch size in tokens). 340m/1.3b: the paper's 2K x 512 = 1M tokens.
 SIZE_DEFAULTS = {"tiny": (256, 16 * 256), "340m": (2048, 1 << 20), "1.3b": (2048, 1 << 20)}
@@ -160,3 +161,83 @@ def _check_paths(cfg: TrainConfig) -> None:
 
 def _looks_local(name: str) -> bool:
     return os.path.exists(name) or name.startswith((".", "/", "~")) or os.sep + os.sep in name
+
+
+# Options a resumed run must keep (they shape the model, the data, its order or the batches): field -> option.
+RESUME_FIXED = {
+    "preset": "--preset", "config_file": "--config", "seed": "--seed", "data": "--data", "val_data": "--val-data",
+    "val_sequences": "--val-sequences", "text_field": "--text-field", "accept_invalid_utf8": "--accept-invalid-utf8",
+    "gutenberg_strip": "--no-gutenberg-strip", "seq_len": "--seq-len", "varlen": "--varlen",
+    "data_seed": "--data-seed", "tokenizer": "--tokenizer", "vocab_size": "--vocab-size",
+    "tokenizer_train_chars": "--tokenizer-train-chars", "batch_tokens": "--batch-tokens",
+}
+# Options a resumed run may change: how the same steps are computed, reported and kept.
+RESUME_FREE = {
+    "threads": "--threads", "progress": "--no-progress", "log_every": "--log-every", "val_every": "--val-every",
+    "save_every": "--save-every", "keep_checkpoints": "--keep-checkpoints", "cache_dir": "--cache-dir",
+    "device": "--device", "precision": "--precision", "fsdp": "--fsdp", "context_parallel": "--context-parallel",
+    "micro_batch_size": "--micro-batch-size", "grad_checkpointing": "--grad-checkpointing",
+    "on_nonfinite": "--on-nonfinite",
+}
+_FLAG_SET_WHEN = {"gutenberg_strip": False}  # flags that store False when given (--no-...)
+
+
+def stored_train_args(run_dir: str) -> dict | None:
+    """The run's ``train_args.json`` (``None`` when it has none).
+
+    Raises:
+        UsageError: the file is not readable JSON (--resume).
+    """
+    path = os.path.join(run_dir, "train_args.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            stored = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: unreadable ({e}) (--resume)") from None
+    if not isinstance(stored, dict):
+        raise UsageError(f"{path}: expected a JSON object of efla train options (--resume)")
+    return stored
+
+
+def check_resume_unchanged(stored: dict, given: dict) -> None:
+    """Refuses any option of :data:`RESUME_FIXED` in ``given`` whose value differs from the run's ``stored`` one.
+
+    Raises:
+        UsageError: naming the option, its stored value and the given one.
+    """
+    for name, option in RESUME_FIXED.items():
+        if name not in stored or name not in given:
+            continue
+        if _comparable(name, stored[name]) != _comparable(name, given[name]):
+            raise UsageError(f"{option} was {_shown(name, stored[name])} in this run, got {_shown(name, given[name])}; "
+                             f"--resume continues the run on disk ({option})")
+
+
+def _comparable(name: str, value):
+    if name in ("data", "val_data"):
+        return [_local_path(p) for p in value] if value else None
+    if name == "tokenizer":
+        return None if value in (None, "", "bpe") else _local_path(value)
+    if name == "config_file":
+        return _local_path(value) if value else None
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _local_path(path: str) -> str:
+    if path.startswith("hf:") or not _looks_local(path):
+        return path
+    return os.path.normpath(os.path.abspath(os.path.expanduser(path)))
+
+
+def _shown(name: str, value) -> str:
+    if name in _FLAG_SET_WHEN or isinstance(value, bool):
+        return "given" if value == _FLAG_SET_WHEN.get(name, True) else "not given"
+    if value is None:
+        return "not given"
+    if isinstance(value, (list, tuple)):
+        return " ".join(str(v) for v in value)
+    return str(value)

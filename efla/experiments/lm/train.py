@@ -55,7 +55,7 @@ import torch
 from efla.errors import UsageError
 
 from .. import harness
-from ..run_dir import check_out_dir, claim_run_dir
+from ..run_dir import LOCK_NAME, check_out_dir, claim_run_dir
 from .checkpoint import (
     CheckpointError,
     find_resume_checkpoint,
@@ -66,7 +66,7 @@ from .checkpoint import (
     verify_checkpoint,
     write_checkpoint,
 )
-from .config import SIZE_DEFAULTS, TrainConfig, check_train_config
+from .config import SIZE_DEFAULTS, TrainConfig, check_resume_unchanged, check_train_config, stored_train_args
 from .distributed import (
     Dist,
     full_model_state,
@@ -220,20 +220,44 @@ def _prepare_tokenizer(cfg: TrainConfig, dist: Dist, resuming: bool):
 
 
 def _load_data(cfg: TrainConfig, r: dict, tok, eos_id: int, dist: Dist):
-    from efla.data.text import load_token_stream, split_train_val
+    from efla.data.text import split_train_val
 
     cache = cfg.cache_dir or os.path.join(cfg.out, "cache")
     # rank 0 tokenizes (and fills the cache) first; the others then read the cache
     toks = val_toks = None
     for turn in ((True,), (False,)):
         if dist.main == turn[0]:
-            toks = load_token_stream(cfg.data, tok, eos_id, cache, cfg.text_field, cfg.gutenberg_strip,
-                                     cfg.accept_invalid_utf8)
+            toks = _token_stream(cfg, cfg.data, "--data", tok, eos_id, cache)
             if cfg.val_data:
-                val_toks = load_token_stream(cfg.val_data, tok, eos_id, cache, cfg.text_field, cfg.gutenberg_strip,
-                                             cfg.accept_invalid_utf8)
+                val_toks = _token_stream(cfg, cfg.val_data, "--val-data", tok, eos_id, cache)
         dist.barrier()
+    _check_fills_a_sequence(toks, r["seq_len"], cfg.data, "--data")
+    if val_toks is not None:
+        _check_fills_a_sequence(val_toks, r["seq_len"], cfg.val_data, "--val-data")
+    elif cfg.val_sequences >= len(toks) // r["seq_len"]:
+        raise UsageError(f"{_files_named(cfg.data)}: --val-sequences {cfg.val_sequences} would leave no training data "
+                         f"({len(toks) // r['seq_len']} sequences of {r['seq_len']} tokens in all) "
+                         "(--val-sequences, or more --data)")
     return split_train_val(toks, r["seq_len"], cfg.val_sequences, val_seed=1234, val_tokens=val_toks)
+
+
+def _check_fills_a_sequence(tokens, seq_len: int, paths: list, option: str) -> None:
+    if len(tokens) < seq_len:
+        raise UsageError(f"{_files_named(paths)}: {len(tokens)} tokens do not fill one sequence of {seq_len} tokens "
+                         f"(--seq-len, or more {option})")
+
+
+def _files_named(paths: list, shown: int = 3) -> str:
+    return ", ".join(paths[:shown]) + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
+
+
+def _token_stream(cfg: TrainConfig, paths: list, option: str, tok, eos_id: int, cache: str):
+    from efla.data.text import NoTextError, load_token_stream
+
+    try:
+        return load_token_stream(paths, tok, eos_id, cache, cfg.text_field, cfg.gutenberg_strip, cfg.accept_invalid_utf8)
+    except NoTextError:
+        raise UsageError(f"{_files_named(paths)}: no text to train on, every document is empty ({option})") from None
 
 
 def _evaluate(model, val, r: dict, dist: Dist, eos_id: int, varlen: bool, autocast) -> float | None:
@@ -279,8 +303,10 @@ def _check_text(cfg: TrainConfig, dist: Dist) -> None:
         if dist.main:
             print(f"efla train: warning: {message}", file=sys.stderr)
 
-    check_text_files(cfg.data, cfg.accept_invalid_utf8, warn, option="--data")
-    check_text_files(cfg.val_data or [], cfg.accept_invalid_utf8, warn, option="--val-data")
+    for paths, option in ((cfg.data, "--data"), (cfg.val_data or [], "--val-data")):
+        checks = check_text_files(paths, cfg.accept_invalid_utf8, warn, option=option)
+        if checks and not any(p.startswith("hf:") for p in paths) and not any(c.has_text for c in checks):
+            raise UsageError(f"{_files_named([c.path for c in checks])}: empty, no text to train on ({option})")
 
 
 def _choose_start(cfg: TrainConfig) -> str | None:
@@ -315,11 +341,12 @@ def _clear_for_fresh_start(cfg: TrainConfig) -> None:
 def _claim_and_choose_start(cfg: TrainConfig, dist: Dist):
     """Rank 0 checks ``out``, locks it and picks the checkpoint; every rank gets the outcome.
 
-    Returns ``(lock or None, checkpoint or None)``; on an error the lock is released and a directory
-    created here is removed again, so a refused run leaves nothing behind."""
-    lock, ckpt, error = None, None, None
+    Returns ``(lock or None, checkpoint or None, the names in out before or None)``; on an error the lock
+    is released and a lock file or directory created here is removed again, so a refused run leaves
+    nothing behind."""
+    lock, ckpt, error, before = None, None, None, None
     if dist.main:
-        existed = os.path.exists(cfg.out)
+        before = sorted(os.listdir(cfg.out)) if os.path.isdir(cfg.out) else None
         try:
             check_out_dir(cfg.out, cfg.overwrite)
             lock = claim_run_dir(cfg.out)
@@ -331,23 +358,23 @@ def _claim_and_choose_start(cfg: TrainConfig, dist: Dist):
                 _clear_for_fresh_start(cfg)
         except (UsageError, CheckpointError) as e:
             error = e
-            _undo_claim(cfg.out, lock, existed)
+            _undo_claim(cfg.out, lock, before)
             lock = None
     error, ckpt = dist.broadcast((error, ckpt))
     if error is not None:
         raise error
-    return lock, ckpt
+    return lock, ckpt, before
 
 
-def _undo_claim(out: str, lock, existed: bool) -> None:
-    from ..run_dir import LOCK_NAME
-
-    if lock is None:
+def _undo_claim(out: str, lock, before: list[str] | None) -> None:
+    """Releases ``lock`` and removes its file (and ``out``) where this run created them."""
+    if lock is None or lock.fd < 0:
         return
     lock.release()
-    if not existed:
-        with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError):
+        if before is None or LOCK_NAME not in before:
             os.remove(os.path.join(out, LOCK_NAME))
+        if before is None:
             os.rmdir(out)
 
 
@@ -379,6 +406,7 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
         NonFiniteLossError: a non-finite loss with ``on_nonfinite="stop"`` (the last good checkpoint stays).
     """
     check_train_config(cfg)
+    _check_resume_unchanged(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     dev_kind = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -393,12 +421,51 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
         cp = setup_context_parallel(cfg.context_parallel, fsdp=cfg.fsdp, grad_checkpointing=cfg.grad_checkpointing)
     r = _resolve(cfg, dist)
     _check_text(cfg, dist)
-    lock, ckpt = _claim_and_choose_start(cfg, dist)
+    lock, ckpt, before = _claim_and_choose_start(cfg, dist)
     try:
         return _train_from(cfg, dist, device, r, ckpt, on_step_end, cp)
+    except BaseException:
+        if dist.main:
+            _clean_after_failure(cfg.out, lock, before)
+        raise
     finally:
         if lock is not None:
             lock.release()
+
+
+def _run_dir_of(cfg: TrainConfig) -> str:
+    """The run whose settings a resume continues: ``out``, or the run holding ``resume_from``."""
+    if cfg.resume_from:
+        return os.path.dirname(os.path.dirname(os.path.abspath(cfg.resume_from)))
+    return cfg.out
+
+
+def _check_resume_unchanged(cfg: TrainConfig) -> None:
+    """A resume (of a run with a checkpoint) refuses settings that would change the run; read-only."""
+    if not (cfg.resume_from or ((cfg.resume or cfg.resume_or_start) and list_checkpoints(cfg.out))):
+        return
+    stored = stored_train_args(_run_dir_of(cfg))
+    if stored is not None:
+        check_resume_unchanged(stored, dataclasses.asdict(cfg))
+
+
+def _clean_after_failure(out: str, lock, before: list[str] | None) -> None:
+    """A run that fails leaves what a resume needs and nothing else: with no checkpoint in ``out`` that is
+    nothing, so ``out`` is as it was before (gone if this run made it); else unfinished checkpoint writes
+    are removed."""
+    if list_checkpoints(out):
+        for name in os.listdir(os.path.join(out, "checkpoints")):
+            if name.startswith(".tmp-"):
+                shutil.rmtree(os.path.join(out, "checkpoints", name), ignore_errors=True)
+        return
+    for name in set(os.listdir(out)) - set(before or []) - {LOCK_NAME}:
+        path = os.path.join(out, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+    _undo_claim(out, lock, before)
 
 
 @dataclass
@@ -497,7 +564,12 @@ def _build_model(run: _Session) -> None:
     if run.ckpt is not None:
         from safetensors.torch import load_file
 
-        run.model.load_state_dict(load_file(os.path.join(run.ckpt, "model.safetensors")))
+        try:
+            run.model.load_state_dict(load_file(os.path.join(run.ckpt, "model.safetensors")))
+        except RuntimeError as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CheckpointError(f"{run.ckpt}: the model differs from the checkpoint's ({first}); resume with the "
+                                  "run's --preset or --config") from None
     run.model.to(run.device).train()
     if cfg.grad_checkpointing:
         run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -561,7 +633,13 @@ def _restore_checkpoint(run: _Session) -> None:
 
 
 def _write_train_args(run: _Session) -> None:
+    """``train_args.json``: the run's settings. A resume keeps the saved file, updating only the length of
+    a run extended with ``extend_at_min_lr``."""
     if not run.dist.main:
+        return
+    stored = stored_train_args(run.cfg.out) if run.ckpt is not None else None
+    if stored is not None and "resolved" in stored:
+        _update_run_length(run, stored)
         return
     args = dataclasses.asdict(run.cfg)
     args["resolved"] = dict(run.r, schedule=run.schedule, world_size=run.dist.world, precision=run.precision,
@@ -570,6 +648,15 @@ def _write_train_args(run: _Session) -> None:
                             train_tokens_available=len(run.train_data) * run.r["seq_len"],
                             val_sequences=len(run.val_data) if run.val_data is not None else 0)
     harness.atomic_write_json(os.path.join(run.cfg.out, "train_args.json"), args, indent=2)
+
+
+def _update_run_length(run: _Session, stored: dict) -> None:
+    cfg = run.cfg
+    if stored["resolved"].get("max_steps") == run.r["max_steps"]:
+        return
+    stored = dict(stored, max_steps=cfg.max_steps, max_tokens=cfg.max_tokens, extend_at_min_lr=cfg.extend_at_min_lr,
+                  resolved=dict(stored["resolved"], max_steps=run.r["max_steps"], schedule=run.schedule))
+    harness.atomic_write_json(os.path.join(cfg.out, "train_args.json"), stored, indent=2)
 
 
 def _save_checkpoint(run: _Session, step: int, position: int) -> str | None:
