@@ -359,3 +359,17 @@ def test_lambada_task_yaml_is_lambada_openai(tmp_path):
     assert "doc_to_target: \"{{' '+text.split(' ')[-1]}}\"" in y
     assert "output_type: loglikelihood" in y and '"/data/x.jsonl"' in y
     assert os.path.basename(d) == tmp_path.name
+
+
+def test_compare_shows_no_spread_over_runs_of_one_seed():
+    def rec(variant, seed, wppl):
+        return dict(model=dict(name=f"{variant}-{wppl}", variant=variant, seed=seed, parameters=1_000_000),
+                    wikitext=dict(word_perplexity=wppl, token_perplexity=wppl / 2, bits_per_byte=1.0),
+                    lambada=dict(perplexity=100.0, accuracy=0.2))
+
+    md, summary = compare([rec("efla", 0, 30.0), rec("efla", 0, 32.0), rec("deltanet", 0, 31.0)])
+    assert "## Results (mean over runs)" in md and "±" not in md.split("## Per model")[0]
+    assert summary["variants"]["efla"]["wiki_word_ppl"]["mean"] == 31.0
+    assert summary["variants"]["efla"]["wiki_word_ppl"]["std"] is None
+    md, _ = compare([rec("efla", 0, 30.0), rec("efla", 1, 32.0), rec("deltanet", 0, 31.0)])
+    assert "## Results (mean ± sample std over seeds)" in md and "31.00 ± 1.41" in md

@@ -530,12 +530,17 @@ def _fmt(fmt: str, v: float) -> str:
     return fmt.format(v) if abs(v) < 1e5 else f"{v:.3e}"
 
 
-def _fmt_stats(vals: list[float], fmt: str) -> str:
+def _fmt_stats(vals: list[float], fmt: str, spread: bool = True) -> str:
+    """The mean, with ``± sample std`` when ``spread`` (runs of different seeds) and there are several."""
     if not vals:
         return "–"
-    if len(vals) == 1:
-        return _fmt(fmt, vals[0])
+    if len(vals) == 1 or not spread:
+        return _fmt(fmt, statistics.mean(vals))
     return _pm(fmt, statistics.mean(vals), statistics.stdev(vals))
+
+
+def _seeds_differ(seeds: list) -> bool:
+    return len({s for s in seeds if s is not None}) > 1
 
 
 def _pm(fmt: str, mean: float, std: float) -> str:
@@ -546,7 +551,8 @@ def _pm(fmt: str, mean: float, std: float) -> str:
 
 def compare(records: list[dict]) -> tuple[str, dict]:
     """Markdown and JSON summary of several ``evaluate_model`` records (see module doc).
-    Spread is the sample standard deviation over seeds (``±``), shown when a variant has >1 seed."""
+    Spread is the sample standard deviation over seeds (``±``), shown only for a variant whose runs
+    have different seeds (runs of one seed, or of unknown seeds, show their mean alone)."""
     cols = list(_COLUMNS)
     harness_keys = sorted({k for r in records for k in _metrics(r) if k.startswith("h:")})
     cols += [(k, f"{k[2:]} acc ↑", True, "{:.2f}") for k in harness_keys]
@@ -557,7 +563,8 @@ def compare(records: list[dict]) -> tuple[str, dict]:
     variants = [v for v in VARIANT_ORDER if v in groups] + sorted(v for v in groups if v not in VARIANT_ORDER)
 
     summary: dict = {"variants": {}, "models": [], "pairs": [], "paper": PAPER_TABLE1}
-    lines = ["## Results (mean ± sample std over seeds)", ""]
+    spread = {v: _seeds_differ([r["model"]["seed"] for r in groups[v]]) for v in variants}
+    lines = ["## Results (" + ("mean ± sample std over seeds" if any(spread.values()) else "mean over runs") + ")", ""]
     head = ["Model", "Params", "Seeds"] + [c[1] for c in present] + (["Avg. (harness) ↑"] if harness_keys else [])
     lines += ["| " + " | ".join(head) + " |", "|" + "|".join([":---"] + ["---:"] * (len(head) - 1)) + "|"]
     for v in variants:
@@ -570,14 +577,14 @@ def compare(records: list[dict]) -> tuple[str, dict]:
         for key, _, _, fmt in present:
             vals = [_metrics(r)[key] for r in rs if key in _metrics(r)]
             entry[key] = dict(values=vals, mean=statistics.mean(vals) if vals else None,
-                              std=statistics.stdev(vals) if len(vals) > 1 else None)
-            cells.append(_fmt_stats(vals, fmt))
+                              std=statistics.stdev(vals) if len(vals) > 1 and spread[v] else None)
+            cells.append(_fmt_stats(vals, fmt, spread[v]))
         if harness_keys:
             avg_keys = [k for k in harness_keys if not k.startswith("h:lambada")] or harness_keys
             avgs = [statistics.mean(_metrics(r)[k] for k in avg_keys) for r in rs
                     if all(k in _metrics(r) for k in avg_keys)]
             entry["harness_avg"] = dict(values=avgs, mean=statistics.mean(avgs) if avgs else None)
-            cells.append(_fmt_stats(avgs, "{:.2f}"))
+            cells.append(_fmt_stats(avgs, "{:.2f}", spread[v]))
         summary["variants"][v] = entry
         lines.append("| " + " | ".join(cells) + " |")
 
