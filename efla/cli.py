@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import importlib
 import importlib.metadata
+import itertools
 import os
 import sys
 
@@ -21,6 +22,28 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+class CommandParser(OneLineErrorParser):
+    """The parser of ``efla`` itself: an unknown option before the subcommand is its own mistake, reported
+    before the subcommand parses the rest (argparse would hand it on and report the subcommand's first
+    missing option)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        unknown = [a for a in self._arguments_before_the_command(args) if a.startswith("-") and not self._knows(a)]
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return super().parse_known_args(args, namespace)
+
+    def _arguments_before_the_command(self, args: list[str]) -> list[str]:
+        commands = {name for action in self._actions if isinstance(action, argparse._SubParsersAction)
+                    for name in action.choices}
+        return list(itertools.takewhile(lambda arg: arg not in commands, args))
+
+    def _knows(self, arg: str) -> bool:
+        option = arg.split("=", 1)[0]
+        return any(known.startswith(option) for known in self._option_string_actions)  # argparse takes prefixes
 
 
 class SubcommandParser(OneLineErrorParser):
@@ -76,8 +99,8 @@ def installed_version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineErrorParser(prog="efla", description="Exact Flow Linear Attention: ops, models and experiments.",
-                           epilog="Errors are reported in one line; EFLA_DEBUG=1 or --debug shows the traceback.")
+    p = CommandParser(prog="efla", description="Exact Flow Linear Attention: ops, models and experiments.",
+                      epilog="Errors are reported in one line; EFLA_DEBUG=1 or --debug shows the traceback.")
     p.add_argument("--version", action="version", version=f"efla {installed_version()}",
                    help="print the installed efla version and exit")
     sub = p.add_subparsers(dest="command", required=True, parser_class=SubcommandParser)

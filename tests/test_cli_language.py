@@ -85,3 +85,16 @@ def test_a_missing_argument_names_the_subcommand(name, capsys):
 
 def test_a_missing_subcommand_is_efla_s_own_mistake(capsys):
     assert _mistake([], capsys).startswith("efla: the following arguments are required: command")
+
+
+@pytest.mark.parametrize("name", WITH_REQUIRED_ARGUMENTS)
+def test_an_unknown_option_before_the_subcommand_is_efla_s_own_mistake(name, capsys):
+    line = _mistake(["--bogus", name], capsys)
+    assert line == "efla: unrecognized arguments: --bogus (see efla --help)", line
+
+
+def test_an_abbreviated_efla_option_before_the_subcommand_still_works(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--vers", "train"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith("efla ")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 
 _EPILOG = """\
 examples:
@@ -99,7 +100,8 @@ def add_parser(subparsers) -> None:
                    help="split each sequence into N contiguous parts over N ranks (under torchrun; N divides the "
                         "number of processes, data parallelism runs across the groups; default: %(default)s)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar and no lines for the long phases (tokenizer, tokenizing, checkpoints)")
     _record_given_options(p)
     p.set_defaults(func=cmd_train, given_options=())
 
@@ -124,7 +126,7 @@ def cmd_train(args) -> int:
     if args.config_file:
         cfg.preset = None
     try:
-        res = train(cfg)
+        res = train(cfg, log=_phase_lines(args.progress))
     except BaseException:
         main_ddp_cleanup()
         raise
@@ -138,6 +140,16 @@ def cmd_train(args) -> int:
                       + _peak_memory_text(res.get("peak_memory_gib_per_gpu"))
                       + f". Model directory: [bold]{res['out']}[/bold]")
     return 0
+
+
+def _phase_lines(progress: bool):
+    """What ``train`` tells of its long phases: one line each on stderr above the progress bar; nothing with
+    --no-progress."""
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return lambda message: tqdm.write(f"efla train: {message}", file=sys.stderr)
 
 
 def _peak_memory_text(per_gpu: list[float] | None) -> str:
@@ -184,8 +196,11 @@ def _given_options(args) -> dict:
         given = {**{k: v for k, v in saved.items() if k in fields}, **_run_length(explicit), "out": args.out,
                  "resume": args.resume, "resume_or_start": args.resume_or_start, "resume_from": args.resume_from,
                  "overwrite": False}
+    if not given.get("data") and resuming:
+        raise UsageError(f"{run_dir}: no run that saved its training text to resume; give the text to start one "
+                         "(--out, --data)")
     if not given.get("data"):
-        raise UsageError("give the training text (--data); only a resumed run that saved it can leave it out")
+        raise UsageError("give the training text (--data)")
     return given
 
 

@@ -271,20 +271,26 @@ def _fingerprint(paths: list[str], tokenizer, extra: dict) -> str:
 
 
 def load_token_stream(paths: list[str], tokenizer, eos_id: int, cache_dir: str | None = None,
-                      text_field: str = "text", gutenberg: bool = True, accept_invalid_utf8: bool = False) -> np.ndarray:
+                      text_field: str = "text", gutenberg: bool = True, accept_invalid_utf8: bool = False,
+                      log=None) -> np.ndarray:
     """:func:`tokenize_documents` of :func:`read_documents`, cached as ``.npy`` in ``cache_dir`` (keyed by
-    the files' paths, sizes and mtimes, the tokenizer and the options)."""
+    the files' paths, sizes and mtimes, the tokenizer and the options). ``log(message)``, if given, is
+    told before each step that may take a while: reading the cache, tokenizing, writing the cache."""
+    log = log or (lambda message: None)
     path = None
     if cache_dir is not None and not any(p.startswith("hf:") for p in paths):
         key = _fingerprint(paths, tokenizer, dict(eos=eos_id, field=text_field, gutenberg=gutenberg))
         path = os.path.join(cache_dir, f"tokens-{key}.npy")
         if os.path.exists(path):
+            log(f"reading the token cache {path}")
             try:
                 return np.load(path, allow_pickle=False)
             except (OSError, ValueError):
                 pass  # a damaged cache file is rebuilt
+    log("tokenizing")
     toks = tokenize_documents(read_documents(paths, text_field, gutenberg, accept_invalid_utf8), tokenizer, eos_id)
     if path is not None:
+        log(f"writing the token cache {path}, {len(toks):,} tokens")
         os.makedirs(cache_dir, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp.npy"
         np.save(tmp, toks)

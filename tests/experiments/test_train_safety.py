@@ -332,3 +332,20 @@ def test_old_checkpoints_with_numpy_rng_state_still_resume(corpus, tokenizer_dir
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     res = train(_cfg(corpus, tokenizer_dir, out, resume=True))
     assert res["steps"] == 6 and killed_at == {"step": 3}
+
+
+def test_each_long_phase_is_announced_in_order_before_the_bar(corpus, tmp_path, capsys):
+    args = [a for a in _args(corpus, "bpe", tmp_path / "run", "--vocab-size", "300") if a != "--no-progress"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    phases = ["efla train: training the tokenizer", "efla train: tokenizing (--data", "efla train: writing the token cache",
+              "efla train: training steps 1-6", "efla train: writing the checkpoint of step 3",
+              "efla train: writing the model directory"]
+    positions = [err.find(phase) for phase in phases]
+    assert -1 not in positions and positions == sorted(positions), err
+    assert err.find("train run") > positions[3]  # the bar comes after the line announcing it
+
+
+def test_no_progress_announces_nothing(corpus, tokenizer_dir, tmp_path, capsys):
+    assert main(_args(corpus, tokenizer_dir, tmp_path / "quiet", "--max-steps", "2")) == 0
+    assert "efla train: " not in capsys.readouterr().err

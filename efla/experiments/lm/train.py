@@ -200,12 +200,14 @@ def _resolve(cfg: TrainConfig, dist: Dist) -> dict:
                 micro=mb, accum=per_rank // mb, max_steps=max_steps, warmup=warmup)
 
 
-def _prepare_tokenizer(cfg: TrainConfig, dist: Dist, resuming: bool):
+def _prepare_tokenizer(cfg: TrainConfig, dist: Dist, resuming: bool, log):
     from efla.data.text import read_documents
     from efla.data.tokenizer import get_tokenizer, load_tokenizer
 
     have = os.path.exists(os.path.join(cfg.out, "tokenizer_config.json"))
     if not (resuming and have) and dist.main:
+        log(_tokenizer_phase(cfg))
+
         def texts():
             budget = cfg.tokenizer_train_chars
             for doc in read_documents(cfg.data, cfg.text_field, cfg.gutenberg_strip, cfg.accept_invalid_utf8):
@@ -219,7 +221,14 @@ def _prepare_tokenizer(cfg: TrainConfig, dist: Dist, resuming: bool):
     return load_tokenizer(cfg.out)
 
 
-def _load_data(cfg: TrainConfig, r: dict, tok, eos_id: int, dist: Dist):
+def _tokenizer_phase(cfg: TrainConfig) -> str:
+    if cfg.tokenizer not in (None, "", "bpe"):
+        return f"loading the tokenizer {cfg.tokenizer} (--tokenizer)"
+    return (f"training the tokenizer: byte-level BPE of {cfg.vocab_size:,} tokens on up to "
+            f"{cfg.tokenizer_train_chars:,} characters (--vocab-size, --tokenizer-train-chars)")
+
+
+def _load_data(cfg: TrainConfig, r: dict, tok, eos_id: int, dist: Dist, log):
     from efla.data.text import split_train_val
 
     cache = cfg.cache_dir or os.path.join(cfg.out, "cache")
@@ -227,9 +236,9 @@ def _load_data(cfg: TrainConfig, r: dict, tok, eos_id: int, dist: Dist):
     toks = val_toks = None
     for turn in ((True,), (False,)):
         if dist.main == turn[0]:
-            toks = _token_stream(cfg, cfg.data, "--data", tok, eos_id, cache)
+            toks = _token_stream(cfg, cfg.data, "--data", tok, eos_id, cache, log)
             if cfg.val_data:
-                val_toks = _token_stream(cfg, cfg.val_data, "--val-data", tok, eos_id, cache)
+                val_toks = _token_stream(cfg, cfg.val_data, "--val-data", tok, eos_id, cache, log)
         dist.barrier()
     _check_fills_a_sequence(toks, r["seq_len"], cfg.data, "--data")
     if val_toks is not None:
@@ -251,11 +260,15 @@ def _files_named(paths: list, shown: int = 3) -> str:
     return ", ".join(paths[:shown]) + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
 
 
-def _token_stream(cfg: TrainConfig, paths: list, option: str, tok, eos_id: int, cache: str):
+def _token_stream(cfg: TrainConfig, paths: list, option: str, tok, eos_id: int, cache: str, log):
     from efla.data.text import NoTextError, load_token_stream
 
+    def log_naming_the_files(message: str) -> None:
+        log(f"{message} ({option} {_files_named(paths)})")
+
     try:
-        return load_token_stream(paths, tok, eos_id, cache, cfg.text_field, cfg.gutenberg_strip, cfg.accept_invalid_utf8)
+        return load_token_stream(paths, tok, eos_id, cache, cfg.text_field, cfg.gutenberg_strip, cfg.accept_invalid_utf8,
+                                 log=log_naming_the_files)
     except NoTextError:
         raise UsageError(f"{_files_named(paths)}: no text to train on, every document is empty ({option})") from None
 
@@ -296,13 +309,14 @@ def _evaluate(model, val, r: dict, dist: Dist, eos_id: int, varlen: bool, autoca
     return float(tot[0] / tot[1]) if tot[1] > 0 else None
 
 
-def _check_text(cfg: TrainConfig, dist: Dist) -> None:
+def _check_text(cfg: TrainConfig, dist: Dist, log) -> None:
     from efla.data.text import check_text_files
 
     def warn(message: str) -> None:
         if dist.main:
             print(f"efla train: warning: {message}", file=sys.stderr)
 
+    log("checking the text files (--data" + (", --val-data)" if cfg.val_data else ")"))
     for paths, option in ((cfg.data, "--data"), (cfg.val_data or [], "--val-data")):
         checks = check_text_files(paths, cfg.accept_invalid_utf8, warn, option=option)
         if checks and not any(p.startswith("hf:") for p in paths) and not any(c.has_text for c in checks):
@@ -381,11 +395,14 @@ def _undo_claim(out: str, lock, before: list[str] | None) -> None:
 STEADY_STATE_WARMUP = 5
 
 
-def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = None) -> dict:
+def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = None,
+          log: Callable[[str], None] | None = None) -> dict:
     """Train (or resume) a language model; returns the run's summary (also ``out/train_summary.json``).
 
     ``on_step_end(step, entry)`` is called on every rank after each update (and after that step's
-    checkpoint, if any); an exception raised there ends the run as a crash would.
+    checkpoint, if any); an exception raised there ends the run as a crash would. ``log(message)`` is
+    called on rank 0 before each phase that may take a while (checking the text, the tokenizer,
+    tokenizing or the token cache, the first GPU step, each checkpoint, the model directory).
 
     Everything that can be checked before work starts is checked first (:func:`check_train_config`,
     the text files, the output directory, the checkpoint to resume); a refused run writes nothing.
@@ -420,10 +437,11 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
 
         cp = setup_context_parallel(cfg.context_parallel, fsdp=cfg.fsdp, grad_checkpointing=cfg.grad_checkpointing)
     r = _resolve(cfg, dist)
-    _check_text(cfg, dist)
+    log = log if (log is not None and dist.main) else _log_nothing
+    _check_text(cfg, dist, log)
     lock, ckpt, before = _claim_and_choose_start(cfg, dist)
     try:
-        return _train_from(cfg, dist, device, r, ckpt, on_step_end, cp)
+        return _train_from(cfg, dist, device, r, ckpt, on_step_end, cp, log)
     except BaseException:
         if dist.main:
             _clean_after_failure(cfg.out, lock, before)
@@ -431,6 +449,10 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
     finally:
         if lock is not None:
             lock.release()
+
+
+def _log_nothing(message: str) -> None:
+    pass
 
 
 def _run_dir_of(cfg: TrainConfig) -> str:
@@ -479,6 +501,7 @@ class _Session:
     r: dict  # the resolved sizes (:func:`_resolve`)
     ckpt: str | None  # the checkpoint resumed from
     cp: object = None  # the context-parallel setup, if any
+    log: Callable[[str], None] = _log_nothing  # told of each long phase (rank 0)
     precision: str = "fp32"
     schedule: dict = field(default_factory=dict)
     saved: dict | None = None  # the checkpoint's trainer_state.json
@@ -513,8 +536,9 @@ class _Progress:
     started: float = field(default_factory=time.perf_counter)
 
 
-def _train_from(cfg: TrainConfig, dist: Dist, device, r: dict, ckpt: str | None, on_step_end, cp=None) -> dict:
-    run = _Session(cfg, dist, device, r, ckpt, cp)
+def _train_from(cfg: TrainConfig, dist: Dist, device, r: dict, ckpt: str | None, on_step_end, cp=None,
+                log=_log_nothing) -> dict:
+    run = _Session(cfg, dist, device, r, ckpt, cp, log)
     _read_saved_schedule(run)
     _load_tokenizer_and_data(run)
     _build_model(run)
@@ -541,9 +565,9 @@ def _load_tokenizer_and_data(run: _Session) -> None:
     from efla.data.text import SequenceOrder
     from efla.data.tokenizer import tokenizer_eos_id
 
-    run.tok = _prepare_tokenizer(run.cfg, run.dist, resuming=run.ckpt is not None)
+    run.tok = _prepare_tokenizer(run.cfg, run.dist, resuming=run.ckpt is not None, log=run.log)
     run.eos_id = tokenizer_eos_id(run.tok)
-    run.train_data, run.val_data = _load_data(run.cfg, run.r, run.tok, run.eos_id, run.dist)
+    run.train_data, run.val_data = _load_data(run.cfg, run.r, run.tok, run.eos_id, run.dist, run.log)
     run.order = SequenceOrder(len(run.train_data), seed=run.cfg.data_seed)
     fingerprint = run.train_data.fingerprint()
     if run.saved is not None and run.saved["data"]["fingerprint"] != fingerprint:
@@ -560,6 +584,8 @@ def _build_model(run: _Session) -> None:
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     run.mconf = _model_config(cfg, run.tok, run.eos_id)
+    run.log(f"building the model ({run.mconf.variant}, {run.mconf.num_hidden_layers} layers"
+            + (f", from {run.ckpt})" if run.ckpt else ")"))
     run.model = EFLAForCausalLM(run.mconf)
     if run.ckpt is not None:
         from safetensors.torch import load_file
@@ -666,6 +692,7 @@ def _save_checkpoint(run: _Session, step: int, position: int) -> str | None:
     rngs = run.dist.all_gather(rng_state())
     path = None
     if run.dist.main:
+        run.log(f"writing the checkpoint of step {step}")
         r, cfg = run.r, run.cfg
         trainer_state = dict(step=step, tokens=step * r["batch_tokens"], max_steps=r["max_steps"],
                              world_size=run.dist.world, schedule=run.schedule, hyperparameters=hyperparameters(cfg),
@@ -683,6 +710,9 @@ def _save_checkpoint(run: _Session, step: int, position: int) -> str | None:
 def _train_loop(run: _Session, on_step_end) -> _Progress:
     cfg, r = run.cfg, run.r
     progress = _Progress(step=run.start_step, last_good=run.ckpt)
+    if progress.step < r["max_steps"]:
+        run.log(f"training steps {progress.step + 1}-{r['max_steps']}"
+                + ("; compiling GPU kernels (first step)" if run.device.type == "cuda" else ""))
     bar = None
     if run.dist.main and cfg.progress:
         bar = harness.progress_factory(leave=True, unit="step")(
@@ -847,6 +877,7 @@ def _save_final_model(run: _Session, progress: _Progress) -> dict:
     msd = full_model_state(run.wrapped, cfg.fsdp) if cfg.fsdp else None
     summary = None
     if dist.main:
+        run.log(f"writing the model directory {cfg.out}")
         core = unwrap(run.model)
         if msd is not None:
             core.save_pretrained(cfg.out, state_dict=msd)
