@@ -72,6 +72,7 @@ from efla.generation import generate, release
 from efla.generation.engine import engine_for
 from efla.layers.modules import mlp_intermediate_size
 from efla.models import EFLAForCausalLM, get_preset_config
+from gpu_model import build_fla  # the fla model the training benchmark compares against
 
 GIB, MIB = 2 ** 30, 2 ** 20
 DEVICE = "cuda"
@@ -211,19 +212,6 @@ def on_device(build):
 
 def build_ours(size: str):
     return on_device(lambda: EFLAForCausalLM(get_preset_config(f"{size}-efla")))
-
-
-def fla_model(size: str):
-    from fla.models import DeltaNetConfig, DeltaNetForCausalLM
-
-    ours = get_preset_config(f"{size}-efla")
-    cfg = DeltaNetConfig(
-        hidden_size=ours.hidden_size, num_hidden_layers=ours.num_hidden_layers, num_heads=ours.num_heads,
-        vocab_size=ours.vocab_size, hidden_ratio=ours.hidden_ratio, intermediate_size=ours.intermediate_size,
-        norm_eps=ours.norm_eps, conv_size=ours.conv_size, expand_k=1.0, expand_v=1.0, use_gate=False,
-        tie_word_embeddings=False,
-    )
-    return DeltaNetForCausalLM(cfg)
 
 
 def llama_model(size: str, max_positions: int):
@@ -373,7 +361,7 @@ def speed_methods(size: str, args, report: Report, models: list) -> dict[str, Me
         methods["fast-merged"] = fast_method("fast-merged", separate, merged=True)
     if any(wanted(args, "fla", b) for b in args.batches):
         try:
-            models.append(on_device(lambda: fla_model(size)))
+            models.append(on_device(lambda: build_fla(size)))
             methods["fla"] = hf_method("fla", models[-1])
         except Exception as e:  # fla missing or a build error: its rows are left out, not the table
             report.emit(f"- {size} fla: not built ({error_line(e)})")

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .coefficients import coefficients
-from .normalize import L2NORM_EPS
+from .normalize import l2_normalize
 
 __all__ = ["DecodeSpec", "fused_decode_available", "fused_decode_step"]
 
@@ -97,10 +97,6 @@ def _conv_push(x, weight, bias, pool, slots, silu: bool) -> torch.Tensor:
     return F.silu(y) if silu else y
 
 
-def _l2(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
-
-
 def _decode_step_torch(spec, q, k, v, beta, a, gate, conv, state, slots, A_log, dt_bias, norm_weight):
     """``fused_decode_step`` in PyTorch, in the state's precision (the same arithmetic as the
     layers' general path: coefficients from ``efla.ops.coefficients``)."""
@@ -114,8 +110,8 @@ def _decode_step_torch(spec, q, k, v, beta, a, gate, conv, state, slots, A_log, 
         v = _conv_push(v, wv, bv, cv, slots, True)
     else:
         q, k, v = (F.silu(q), F.silu(k), F.silu(v)) if spec.qk_silu else (q, k, F.silu(v))
-    q = (_l2(q.view(N, H, K)) * K ** -0.5).repeat_interleave(G, dim=1)  # [N, HV, K]
-    k = (_l2(k.view(N, H, K)) if spec.k_l2 else k.view(N, H, K)).repeat_interleave(G, dim=1)
+    q = (l2_normalize(q.view(N, H, K)) * K ** -0.5).repeat_interleave(G, dim=1)  # [N, HV, K]
+    k = (l2_normalize(k.view(N, H, K)) if spec.k_l2 else k.view(N, H, K)).repeat_interleave(G, dim=1)
     v = v.view(N, H * G, V)
     b = spec.beta_scale * torch.sigmoid(beta.to(cdt)) if beta is not None else torch.full((N, H * G), spec.beta_scale,
                                                                                             dtype=cdt)
