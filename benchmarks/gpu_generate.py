@@ -29,6 +29,9 @@ Stages (``--stages``):
    ``fast`` after a ``--prompt`` prompt making ``--new-tokens`` vs ``--long-generation`` tokens (the
    claim: the same peak).
 4. ``profile``: kernels per captured decoding step and their GPU time, at each of ``--batches``.
+5. ``kernel``: one token mixer's decoding step (input projections, the fused kernel, output
+   projection), captured 24 times in a row, by blocks of value columns per head (1, 2, 4, 8), beside
+   the state's read-and-write traffic at the H200's nominal bandwidth.
 
 Peak memory of a call is what the method would peak at alone in the process: its model's weights, plus
 what it keeps allocated between calls (on our model: the stacked projection weights of the decoding
@@ -69,7 +72,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import efla.layers.decode as decode
 from efla.generation import generate, release
-from efla.generation.engine import engine_for
+from efla.generation.engine import bucket_size, engine_for
 from efla.layers.modules import mlp_intermediate_size
 from efla.models import EFLAForCausalLM, get_preset_config
 from gpu_model import build_fla  # the fla model the training benchmark compares against
@@ -588,9 +591,72 @@ def profile_stage(size: str, args, report: Report) -> None:
         free(models)
 
 
+# -- stage: the fused decoding kernel alone, by blocks of value columns -------------------------------
+
+H200_BANDWIDTH = 4.8e12  # bytes/s, the H200's nominal memory bandwidth
+
+
+def decode_kernel_us(layer, batch: int, blocks: int, calls: int = 24) -> float:
+    """GPU microseconds per fused decoding step of ``layer`` for ``batch`` rows with ``blocks`` blocks
+    of value columns per head (``calls`` steps on distinct state pools, captured in one CUDA graph,
+    as a decoding step runs them one layer after the other)."""
+    from efla.models.cache import EFLACache
+    from efla.ops.cuda import decode as cuda_decode
+
+    hidden = torch.randn(calls, batch, 1, layer.hidden_size, device=DEVICE, dtype=torch.bfloat16)
+    caches = []
+    for _ in range(calls):
+        cache = EFLACache(1)
+        cache.states[0] = layer.empty_state(batch, DEVICE, torch.bfloat16)
+        caches.append(cache)
+
+    def steps():
+        for x, cache in zip(hidden, caches):
+            layer._fused_step(x, cache.states[0], cache)
+
+    with torch.no_grad(), cuda_decode.value_blocks(blocks):
+        steps()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            steps()
+        graph.replay()
+        sync()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+        sync()
+    return start.elapsed_time(end) * 1e3 / (10 * calls)
+
+
+def kernel_stage(size: str, args, report: Report) -> None:
+    """The input projections, the fused kernel(s) and the output projection of one token mixer of
+    ``size`` per step, at each batch and 1, 2, 4, 8 blocks of value columns; the state's traffic
+    (read and written once) at the H200's nominal bandwidth is the floor of the kernel alone."""
+    from efla.models.modeling_efla import build_token_mixer
+
+    cfg = get_preset_config(f"{size}-efla")
+    layer = build_token_mixer(cfg, 0).to(DEVICE, torch.bfloat16).eval()
+    spec = layer.decode_spec()
+    state_bytes = spec.num_heads * spec.groups * spec.head_k_dim * spec.head_v_dim * 4
+    report.emit(f"## {size}: one token mixer's decoding step (projections + fused kernel), us per step")
+    report.emit("")
+    report.emit("| batch | 1 block | 2 blocks | 4 blocks | 8 blocks | state traffic floor |")
+    report.emit("| --- | --- | --- | --- | --- | --- |")
+    for B in args.batches:
+        bucket = bucket_size(B)
+        times = [decode_kernel_us(layer, bucket, blocks) for blocks in (1, 2, 4, 8)]
+        floor = 2 * bucket * state_bytes / H200_BANDWIDTH * 1e6
+        report.record(dict(size=size, stage="kernel", batch=B, bucket=bucket, us=times, floor_us=floor))
+        report.emit(f"| {B} (bucket {bucket}) | " + " | ".join(f"{t:.1f}" for t in times) + f" | {floor:.1f} |")
+    report.emit("")
+
+
 # -- main ---------------------------------------------------------------------------------------------
 
-STAGES = {"speed": speed_stage, "long": long_stage, "memory": memory_stage, "profile": profile_stage}
+STAGES = {"speed": speed_stage, "long": long_stage, "memory": memory_stage, "profile": profile_stage,
+          "kernel": kernel_stage}
 
 
 def header(report: Report, args) -> None:

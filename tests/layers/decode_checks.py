@@ -8,8 +8,11 @@ the general path's output and leave every pool row as the general path leaves it
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -69,8 +72,9 @@ def _pool_tensors(cache: EFLACache) -> list[torch.Tensor]:
     return [state["recurrent_state"], *(state["conv_state"] or ())]
 
 
-def compare(name: str, device="cpu", dtype=torch.float32, stiff=False) -> list[float]:
-    """Relative errors (fused step vs general code) of the output and of each pool tensor."""
+def compare(name: str, device="cpu", dtype=torch.float32, stiff=False, blocks: int | None = None) -> list[float]:
+    """Relative errors (fused step vs general code) of the output and of each pool tensor; ``blocks``:
+    the GPU kernel's blocks of value columns per head (``None``: its own choice)."""
     layer = _layer(name, device, dtype, stiff)
     x = torch.randn(len(SLOTS), 1, layer.hidden_size, device=device, dtype=dtype)
     ref_cache, got_cache = _cache(layer, device, dtype), None
@@ -81,16 +85,34 @@ def compare(name: str, device="cpu", dtype=torch.float32, stiff=False) -> list[f
     with torch.no_grad():
         with fused.disabled():
             want = layer(x, past_key_values=ref_cache, use_cache=True)[0]
-        got = layer._fused_step(x, got_cache.states[0], got_cache)
+        with _value_blocks(device, blocks):
+            got = layer._fused_step(x, got_cache.states[0], got_cache)
     return [rel(got, want)] + [rel(a, b) for a, b in zip(_pool_tensors(got_cache), _pool_tensors(ref_cache))]
+
+
+@contextlib.contextmanager
+def _value_blocks(device, blocks):
+    """The Triton kernel with ``blocks`` value blocks per head: on a GPU, or on CPU tensors under
+    Triton's interpreter (where ``fused_decode_step`` itself would take its PyTorch form)."""
+    on_cpu = torch.device(device).type == "cpu"
+    if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    from efla.layers import decode as layer_decode
+    from efla.ops.cuda import decode
+
+    with decode.value_blocks(blocks), mock.patch.object(layer_decode, "fused_decode_step",
+                                                        decode.decode_step if on_cpu else layer_decode.fused_decode_step):
+        yield
 
 
 def main() -> int:
     """Under Triton's interpreter (TRITON_INTERPRET=1): every case in float32, one line per error."""
     for name in CASES:
         for stiff in (False, True):
-            for i, err in enumerate(compare(name, stiff=stiff)):
-                print(name, stiff, i, err, sep="\t")
+            for blocks in (1, 2):
+                for i, err in enumerate(compare(name, stiff=stiff, blocks=blocks)):
+                    print(name, stiff, blocks, i, err, sep="\t")
     return 0
 
 

@@ -32,7 +32,7 @@ def test_fused_decode_step_under_interpreter():
                        text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     errors = [line.split("\t") for line in r.stdout.strip().splitlines()]
-    assert len(errors) >= 2 * len(decode_checks.CASES) * 2, r.stdout
+    assert len(errors) >= 2 * 2 * len(decode_checks.CASES) * 2, r.stdout
     for *name, err in errors:
         assert float(err) < 1e-5, (name, err)
 
@@ -42,6 +42,7 @@ def test_fused_decode_step_under_interpreter():
 @pytest.mark.parametrize("name", list(decode_checks.CASES))
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("stiff", [False, True])
-def test_fused_decode_step_on_gpu(name, dtype, tol, stiff):
-    errors = decode_checks.compare(name, device="cuda", dtype=dtype, stiff=stiff)
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_fused_decode_step_on_gpu(name, dtype, tol, stiff, blocks):
+    errors = decode_checks.compare(name, device="cuda", dtype=dtype, stiff=stiff, blocks=blocks)
     assert max(errors) < tol, errors

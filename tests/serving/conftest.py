@@ -13,10 +13,13 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-pytest.importorskip("openai")
-pytest.importorskip("httpx")
+
+def http_stack() -> None:
+    """Skip (the module, or the test calling it) unless the serve extra and the HTTP test clients are
+    installed (the scheduler's own tests need neither)."""
+    for name in ("fastapi", "uvicorn", "openai", "httpx"):
+        pytest.importorskip(name)
+
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny"

@@ -10,12 +10,14 @@ import socket
 import subprocess
 import sys
 
-import httpx
 import pytest
 
 from efla.cli import main
 
-from .conftest import MODEL_NAME, REPO, error_of, serve
+from .conftest import MODEL_NAME, REPO, error_of, http_stack, serve
+
+http_stack()
+import httpx  # noqa: E402
 
 GOOD_BODY = {"model": MODEL_NAME, "prompt": "def main(", "max_tokens": 4, "temperature": 0}
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 
-from .conftest import MODEL_NAME, serve
+from .conftest import MODEL_NAME, http_stack, serve
+
+http_stack()
+import httpx  # noqa: E402
 
 PROMPTS = ["def main(", "import torch", "The model", "class EFLA", "return self", "for i in range(", "x = torch.",
            "if __name__", "    def forward(", "from efla", "raise ValueError(", "# the state", "with torch.no_grad():",

@@ -7,11 +7,13 @@ import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
-import openai
 import pytest
 
-from .conftest import MODEL_NAME, error_of, serve
+from .conftest import MODEL_NAME, error_of, http_stack, serve
+
+http_stack()
+import httpx  # noqa: E402
+import openai  # noqa: E402
 
 GOOD = {"model": MODEL_NAME, "prompt": "def main(", "max_tokens": 4, "temperature": 0}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from efla.serving import PrefixCache
 
-from .conftest import MODEL_NAME, serve
+from .conftest import MODEL_NAME, http_stack, serve
 
 
 class State:
@@ -66,6 +66,7 @@ def test_save_points_are_the_last_boundary_and_where_prompts_branch():
 def test_the_server_reuses_a_shared_prefix_with_the_same_tokens(loaded, reference):
     system = "You are a helpful assistant that answers questions about the efla library and its layers.\n"
     questions = ["What is EFLA?", "def forward(self, x):", "import torch", "Explain the state."]
+    http_stack()
     with serve(*loaded, prefix_cache=PrefixCache(block=8, max_bytes=1 << 20)) as served:
         client = served.client()
         texts = [client.completions.create(model=MODEL_NAME, prompt=system + q, max_tokens=10,

@@ -538,15 +538,23 @@ def recurrent_kernel(
 # update and the output norm, in place on the cache's slots
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _shifted_history(x_row, p_hist, m_c, o_w, W: tl.constexpr):
+    """A short convolution's history ``[BC, BW]`` at ``p_hist`` (oldest first) with ``x_row`` pushed in."""
+    older = tl.load(p_hist + 1, mask=m_c[:, None] & (o_w[None, :] + 1 < W), other=0.0).to(tl.float32)
+    return tl.where(o_w[None, :] == W - 1, x_row[:, None], older)
+
+
+@triton.jit
 def _conv_step(x_row, pool, row_base, o_c, m_c, weight, bias, o_w, W: tl.constexpr, HAS_BIAS: tl.constexpr,
-               SILU: tl.constexpr):
-    """Push ``x_row [BC]`` into a short convolution's history (``pool + row_base``, ``[C, W]``
-    row-major, oldest first), in place, and return the convolution's output (SiLU'd if asked)."""
+               SILU: tl.constexpr, PUSH: tl.constexpr):
+    """The short convolution's output for ``x_row [BC]`` (SiLU'd if asked) after its history
+    (``pool + row_base``, ``[C, W]`` row-major, oldest first); ``PUSH``: ``x_row`` also goes into
+    that history, in place."""
     m_cw = m_c[:, None] & (o_w[None, :] < W)
     p_hist = pool + row_base + o_c[:, None] * W + o_w[None, :]
-    older = tl.load(p_hist + 1, mask=m_c[:, None] & (o_w[None, :] + 1 < W), other=0.0).to(tl.float32)
-    hist = tl.where(o_w[None, :] == W - 1, x_row[:, None], older)
-    tl.store(p_hist, hist.to(pool.dtype.element_ty), mask=m_cw)
+    hist = _shifted_history(x_row, p_hist, m_c, o_w, W)
+    if PUSH:
+        tl.store(p_hist, hist.to(pool.dtype.element_ty), mask=m_cw)
     b_w = tl.load(weight + o_c[:, None] * W + o_w[None, :], mask=m_cw, other=0.0).to(tl.float32)
     y = tl.sum(hist * b_w, 1)
     if HAS_BIAS:
@@ -554,6 +562,28 @@ def _conv_step(x_row, pool, row_base, o_c, m_c, weight, bias, o_w, W: tl.constex
     if SILU:
         y = y / (1.0 + tl.exp(-y))
     return y
+
+
+@triton.jit
+def _push_history(x_row, pool, row_base, o_c, m_c, o_w, W: tl.constexpr):
+    """``_conv_step``'s push alone."""
+    p_hist = pool + row_base + o_c[:, None] * W + o_w[None, :]
+    hist = _shifted_history(x_row, p_hist, m_c, o_w, W)
+    tl.store(p_hist, hist.to(pool.dtype.element_ty), mask=m_c[:, None] & (o_w[None, :] < W))
+
+
+@triton.jit
+def _norm_gate(b_o, o_v, m_v, norm_w, xg, row_g, V: tl.constexpr, norm_eps, OUT_GATE: tl.constexpr):
+    """RMS-normalise a value head's output ``b_o [BV]`` over its ``V`` values (and gate it)."""
+    b_o = tl.where(m_v, b_o, 0.0)
+    b_o = b_o * tl.rsqrt(tl.sum(b_o * b_o) / V + norm_eps) * tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32)
+    if OUT_GATE > 0:
+        b_gate = tl.load(xg + row_g + o_v, mask=m_v, other=0.0).to(tl.float32)
+        if OUT_GATE == 1:
+            b_o = b_o * (b_gate / (1.0 + tl.exp(-b_gate)))
+        else:
+            b_o = b_o / (1.0 + tl.exp(-b_gate))
+    return b_o
 
 
 @triton.jit
@@ -565,14 +595,18 @@ def decode_step_kernel(
     W: tl.constexpr, BW: tl.constexpr, EXACT: tl.constexpr, GATED: tl.constexpr, HAS_CONV: tl.constexpr,
     HAS_CONV_BIAS: tl.constexpr, QK_SILU: tl.constexpr, USE_BETA: tl.constexpr, BETA_SCALE: tl.constexpr,
     K_L2: tl.constexpr, HAS_SLOTS: tl.constexpr, OUT_GATE: tl.constexpr, G_MIN: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """One program per (row, q/k head): its ``G`` value heads one after the other, so every
-    convolution history and state block has one writer."""
-    i_n, i_h = tl.program_id(0), tl.program_id(1)
+    """One program per (row, q/k head, block of ``BV`` value columns): its ``G`` value heads one
+    after the other, so every state block and value-convolution channel has one writer. Whole
+    value heads (not ``SPLIT``): the program also pushes the q/k convolution histories and writes
+    the normalised output; ``SPLIT``: it writes the raw float32 output to ``out`` and leaves the
+    pushes and the norm to ``decode_norm_kernel`` (the q/k histories are read by every block)."""
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n64 = i_n.to(tl.int64)
     slot = tl.load(slots + i_n).to(tl.int64) if HAS_SLOTS else i_n64
     o_k = tl.arange(0, BK)
-    o_v = tl.arange(0, BV)
+    o_v = i_v * BV + tl.arange(0, BV)
     o_w = tl.arange(0, BW)
     m_k = o_k < K
     m_v = o_v < V
@@ -581,8 +615,8 @@ def decode_step_kernel(
     b_q = tl.load(xq + i_n64 * sxq + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_k = tl.load(xk + i_n64 * sxk + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     if HAS_CONV:
-        b_q = _conv_step(b_q, cq, slot * HK * W, i_h * K + o_k, m_k, wq, bq, o_w, W, HAS_CONV_BIAS, QK_SILU)
-        b_k = _conv_step(b_k, ck, slot * HK * W, i_h * K + o_k, m_k, wk, bk, o_w, W, HAS_CONV_BIAS, QK_SILU)
+        b_q = _conv_step(b_q, cq, slot * HK * W, i_h * K + o_k, m_k, wq, bq, o_w, W, HAS_CONV_BIAS, QK_SILU, not SPLIT)
+        b_k = _conv_step(b_k, ck, slot * HK * W, i_h * K + o_k, m_k, wk, bk, o_w, W, HAS_CONV_BIAS, QK_SILU, not SPLIT)
     elif QK_SILU:
         b_q = b_q / (1.0 + tl.exp(-b_q))
         b_k = b_k / (1.0 + tl.exp(-b_k))
@@ -593,7 +627,7 @@ def decode_step_kernel(
         i_hv = i_h * G + j
         b_v = tl.load(xv + i_n64 * sxv + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         if HAS_CONV:
-            b_v = _conv_step(b_v, cv, slot * HVV * W, i_hv * V + o_v, m_v, wv, bv, o_w, W, HAS_CONV_BIAS, True)
+            b_v = _conv_step(b_v, cv, slot * HVV * W, i_hv * V + o_v, m_v, wv, bv, o_w, W, HAS_CONV_BIAS, True, True)
         else:
             b_v = b_v / (1.0 + tl.exp(-b_v))
         if USE_BETA:
@@ -611,12 +645,36 @@ def decode_step_kernel(
         b_s = _delta_step(b_s, b_k, b_v, b_b, b_g, EXACT, GATED, G_MIN)
         tl.store(p_s, b_s, mask=m_kv)
         b_o = tl.sum(b_s * b_q[:, None], 0)
-        b_o = tl.where(m_v, b_o, 0.0)
-        b_o = b_o * tl.rsqrt(tl.sum(b_o * b_o) / V + norm_eps) * tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32)
-        if OUT_GATE > 0:
-            b_gate = tl.load(xg + i_n64 * sxg + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-            if OUT_GATE == 1:
-                b_o = b_o * (b_gate / (1.0 + tl.exp(-b_gate)))
-            else:
-                b_o = b_o / (1.0 + tl.exp(-b_gate))
+        if not SPLIT:
+            b_o = _norm_gate(b_o, o_v, m_v, norm_w, xg, i_n64 * sxg + i_hv * V, V, norm_eps, OUT_GATE)
         tl.store(out + i_n64 * HVV + i_hv * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def decode_norm_kernel(
+    raw, xq, xk, xg, sxq, sxk, sxg, cq, ck, slots, norm_w, out, norm_eps,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    W: tl.constexpr, BW: tl.constexpr, HAS_CONV: tl.constexpr, HAS_SLOTS: tl.constexpr, OUT_GATE: tl.constexpr,
+):
+    """The rest of a ``SPLIT`` decoding step, one program per (row, q/k head): the output norm (and
+    gate) of its ``G`` value heads and the push of its q/k convolution histories."""
+    i_n, i_h = tl.program_id(0), tl.program_id(1)
+    i_n64 = i_n.to(tl.int64)
+    o_v = tl.arange(0, BV)
+    m_v = o_v < V
+    HVV: tl.constexpr = H * G * V
+    for j in range(G):
+        i_hv = i_h * G + j
+        b_o = tl.load(raw + i_n64 * HVV + i_hv * V + o_v, mask=m_v, other=0.0)
+        b_o = _norm_gate(b_o, o_v, m_v, norm_w, xg, i_n64 * sxg + i_hv * V, V, norm_eps, OUT_GATE)
+        tl.store(out + i_n64 * HVV + i_hv * V + o_v, b_o.to(out.dtype.element_ty), mask=m_v)
+    if HAS_CONV:
+        slot = tl.load(slots + i_n).to(tl.int64) if HAS_SLOTS else i_n64
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        o_w = tl.arange(0, BW)
+        HK: tl.constexpr = H * K
+        b_q = tl.load(xq + i_n64 * sxq + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(xk + i_n64 * sxk + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        _push_history(b_q, cq, slot * HK * W, i_h * K + o_k, m_k, o_w, W)
+        _push_history(b_k, ck, slot * HK * W, i_h * K + o_k, m_k, o_w, W)
