@@ -47,8 +47,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from efla.generation import generate, release  # noqa: E402
-from efla.serving import ErrorEvent, FinishEvent, SamplingParams, Scheduler, TokenEvent  # noqa: E402
+from efla.generation import generate, release
+from efla.serving import ErrorEvent, FinishEvent, SamplingParams, Scheduler, TokenEvent
 
 
 @dataclass
