@@ -205,12 +205,12 @@ def server_stages(model, tokenizer, args, rng: random.Random, concurrency_jobs: 
             reset_memory(args)
             seconds = OpenLoop(scheduler, jobs).run()
             rows.append(stage_row("server, Poisson arrivals", jobs, seconds, f"{rate:g}", peak_memory(args)))
-            log(rows[-1])
+            log(rows[-1], scheduler)
         reset_memory(args)
         seconds = ClosedLoop(scheduler, concurrency_jobs, args.concurrency).run()
         rows.append(stage_row(f"server, {args.concurrency} streams", concurrency_jobs, seconds, "closed loop",
                               peak_memory(args)))
-        log(rows[-1])
+        log(rows[-1], scheduler)
     finally:
         scheduler.close()
     return rows
@@ -268,8 +268,9 @@ def synchronize(args) -> None:
         torch.cuda.synchronize()
 
 
-def log(row: dict) -> None:
-    print(f"  {row['stage']} ({row['rate']}): {row['tokens_per_s']:,.0f} tokens/s", flush=True)
+def log(row: dict, scheduler: Scheduler | None = None) -> None:
+    loop = f"; scheduler loop seconds so far {scheduler.status()['loop_seconds']}" if scheduler else ""
+    print(f"  {row['stage']} ({row['rate']}): {row['tokens_per_s']:,.0f} tokens/s{loop}", flush=True)
 
 
 def pair(values, spec: str = ".1f") -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -134,6 +135,18 @@ class _Read:
     first_tokens: _HostCopy | None = None
 
 
+class _PhaseClock:
+    """Host seconds of the loop's phases, added to ``totals`` (waits for the device included)."""
+
+    def __init__(self, totals: dict[str, float]):
+        self.totals, self.last = totals, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.totals[phase] += now - self.last
+        self.last = now
+
+
 class Scheduler:
     """Continuous batching of generation requests over ``max_batch`` state slots (see the module's doc).
 
@@ -185,6 +198,7 @@ class Scheduler:
         self._bucket = None
         self._pending: _Read | None = None
         self._joined: tuple[list[Request], _HostCopy] | None = None
+        self.phase_seconds = dict.fromkeys(("decode", "deliver", "admit", "prefill", "rebuild"), 0.0)
         self.steps = self.peak_batch = self.served = self.cancelled = self.generated = self.prompt_tokens_prefilled = 0
         self._thread: threading.Thread | None = None
 
@@ -264,7 +278,8 @@ class Scheduler:
                 "max_queue": self.max_queue, "decoding": len(self._rows), "steps": self.steps,
                 "peak_batch": self.peak_batch, "requests_served": self.served,
                 "requests_cancelled": self.cancelled, "tokens_generated": self.generated,
-                "prompt_tokens_prefilled": self.prompt_tokens_prefilled, "prefix_cache": cache}
+                "prompt_tokens_prefilled": self.prompt_tokens_prefilled, "prefix_cache": cache,
+                "loop_seconds": {k: round(v, 3) for k, v in self.phase_seconds.items()}}
 
     # -- the loop -----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -285,15 +300,21 @@ class Scheduler:
             return not self._stopping
 
     def _iterate(self) -> None:
+        clock = _PhaseClock(self.phase_seconds)
         read = self._launch_step() if self._rows else None
+        clock.lap("decode")
         if self._pending is not None:
             self._deliver(self._pending)
         self._pending = read
+        clock.lap("deliver")
         self._drop_cancelled()
         self._admit()
+        clock.lap("admit")
         joined, first_tokens = self._prefill()
+        clock.lap("prefill")
         if joined or any(r.done for r in self._rows):
             self._rebuild(joined, first_tokens)
+        clock.lap("rebuild")
 
     def _launch_step(self) -> _Read:
         bucket, n = self._bucket, len(self._rows)
