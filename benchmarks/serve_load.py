@@ -184,6 +184,7 @@ def new_scheduler(model, tokenizer, args) -> Scheduler:
     scheduler = Scheduler(model, tokenizer, max_batch=args.max_batch or args.concurrency,
                           max_queue=max(args.requests, args.concurrency * args.waves),
                           max_context=args.prompt_max + args.output_max + 1, prefill_chunk=args.prefill_chunk,
+                          prefill_every=args.prefill_every,
                           stop_tokens=[], pad_token=0)
     scheduler.start()
     return scheduler
@@ -324,7 +325,9 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-max", type=int, default=1024)
     ap.add_argument("--output-min", type=int, default=32)
     ap.add_argument("--output-max", type=int, default=512)
-    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--prefill-chunk", type=int, default=16384, help="scheduler: prompt tokens per prefill call")
+    ap.add_argument("--prefill-every", type=int, default=128,
+                    help="scheduler: decoding steps between prefill calls while half the slots or more decode")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join("benchmarks", "results", "serve_load"))
@@ -354,6 +357,7 @@ def main(argv=None) -> int:
                 torch=torch.__version__, command=" ".join(sys.argv), model=args.model or args.preset,
                 dtype=args.dtype, prompt_tokens=[args.prompt_min, args.prompt_max],
                 output_tokens=[args.output_min, args.output_max], prefill_chunk=args.prefill_chunk,
+                prefill_every=args.prefill_every,
                 threads=torch.get_num_threads())
     lines = ["# Serving load", "", *(f"- {k}: {v}" for k, v in info.items()), "", *table(rows), "", *target_lines]
     print("\n".join(lines), flush=True)

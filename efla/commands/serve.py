@@ -41,6 +41,7 @@ def _check_options(args) -> None:
     check.at_least(args.max_queue, 0, "--max-queue")
     check.at_least(args.max_context, 2, "--max-context")
     check.at_least(args.prefill_chunk, 1, "--prefill-chunk")
+    check.at_least(args.prefill_every, 1, "--prefill-every")
     check.at_least(args.prefix_cache_mb, 0, "--prefix-cache-mb")
     check.at_least(args.prefix_block, 1, "--prefix-block")
     check.at_least(args.shutdown_timeout, 0, "--shutdown-timeout")
@@ -80,8 +81,8 @@ def _scheduler(model, tokenizer, args):
     cache = PrefixCache(block=args.prefix_block, max_bytes=args.prefix_cache_mb << 20) if args.prefix_cache_mb else None
     max_context = args.max_context or int(getattr(model.config, "max_position_embeddings", 0) or 2048)
     return Scheduler(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue, max_context=max_context,
-                     prefill_chunk=args.prefill_chunk, prefix_cache=cache, stop_tokens=stop_tokens,
-                     pad_token=tokenizer.pad_token_id, seed=args.seed)
+                     prefill_chunk=args.prefill_chunk, prefill_every=args.prefill_every, prefix_cache=cache,
+                     stop_tokens=stop_tokens, pad_token=tokenizer.pad_token_id, seed=args.seed)
 
 
 def _serve(app, sock: socket.socket, scheduler, args) -> None:
@@ -154,6 +155,9 @@ def add_parser(sub) -> None:
                         "max_position_embeddings)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
                    help="the most prompt tokens prefilled between two decoding steps (default: %(default)s)")
+    p.add_argument("--prefill-every", type=int, default=1, metavar="N",
+                   help="while half the slots or more decode, prefill once every N decoding steps: fewer, larger "
+                        "prefill calls, for throughput with many streams (default: %(default)s)")
     p.add_argument("--prefix-cache-mb", type=int, default=1024, metavar="MB",
                    help="memory for states after recent prompt prefixes, on the model's device (0: off; hybrid "
                         "models with attention layers go without; default: %(default)s)")

@@ -157,6 +157,10 @@ class Scheduler:
         max_queue: requests that may wait for a slot beyond those holding one (``QueueFull`` past it).
         max_context: the most tokens (prompt and new ones) of a request.
         prefill_chunk: the most prompt tokens prefilled between two decoding steps.
+        prefill_every: while at least half the slots decode, prefill only once every this many
+            decoding steps (a prefill call has a fixed cost, tens of milliseconds on a GPU, that every
+            decoding request waits through: spacing the calls keeps most gaps between tokens at one
+            step's time and lets one call take many prompts); 1: between every two steps.
         prefix_cache: states after recent prompt prefixes (``None``: off).
         stop_tokens / pad_token: tokens that end a request; what a finished row emits.
         seed: seeds the noise of unseeded sampling requests.
@@ -165,15 +169,17 @@ class Scheduler:
     """
 
     def __init__(self, model, tokenizer=None, *, max_batch: int = 64, max_queue: int = 256, max_context: int = 2048,
-                 prefill_chunk: int = 512, prefix_cache: PrefixCache | None = None, stop_tokens=(),
+                 prefill_chunk: int = 512, prefill_every: int = 1, prefix_cache: PrefixCache | None = None, stop_tokens=(),
                  pad_token: int | None = None, seed: int | None = None, use_cuda_graph: bool | None = None):
         for name, value, least in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0),
-                                   ("max_context", max_context, 2), ("prefill_chunk", prefill_chunk, 1)):
+                                   ("max_context", max_context, 2), ("prefill_chunk", prefill_chunk, 1),
+                                   ("prefill_every", prefill_every, 1)):
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"{name}: expected an int >= {least}, got {value!r}")
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_queue, self.max_context = max_batch, max_queue, max_context
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.prefill_every = prefill_chunk, prefill_every
+        self._last_prefill_step = 0
         self.engine = DecodeEngine(model, use_cuda_graph)
         self.engine.check_weights()
         self.engine.reserve(max_batch, max_context + 2)  # + 2: a finished row may step once more
@@ -199,6 +205,7 @@ class Scheduler:
         self._pending: _Read | None = None
         self._joined: tuple[list[Request], _HostCopy] | None = None
         self.phase_seconds = dict.fromkeys(("decode", "deliver", "admit", "prefill", "rebuild"), 0.0)
+        self.prefill_calls = 0
         self.steps = self.peak_batch = self.served = self.cancelled = self.generated = self.prompt_tokens_prefilled = 0
         self._thread: threading.Thread | None = None
 
@@ -278,7 +285,8 @@ class Scheduler:
                 "max_queue": self.max_queue, "decoding": len(self._rows), "steps": self.steps,
                 "peak_batch": self.peak_batch, "requests_served": self.served,
                 "requests_cancelled": self.cancelled, "tokens_generated": self.generated,
-                "prompt_tokens_prefilled": self.prompt_tokens_prefilled, "prefix_cache": cache,
+                "prompt_tokens_prefilled": self.prompt_tokens_prefilled, "prefill_calls": self.prefill_calls,
+                "prefix_cache": cache,
                 "loop_seconds": {k: round(v, 3) for k, v in self.phase_seconds.items()}}
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -310,7 +318,7 @@ class Scheduler:
         self._drop_cancelled()
         self._admit()
         clock.lap("admit")
-        joined, first_tokens = self._prefill()
+        joined, first_tokens = self._prefill() if self._prefill_due() else ([], None)
         clock.lap("prefill")
         if joined or any(r.done for r in self._rows):
             self._rebuild(joined, first_tokens)
@@ -429,6 +437,17 @@ class Scheduler:
             restore_row(self.engine.cache, request.slot, hit.state)
             request.prefilled = hit.length
         request.save_points = self.prefix_cache.save_points(request.block_keys, request.prefilled)
+
+    def _prefill_due(self) -> bool:
+        """Whether this iteration prefills: when prompts wait and nothing decodes, fewer than half the
+        slots decode, or ``prefill_every`` decoding steps passed since the last prefill."""
+        if not self._prefilling:
+            return False
+        if 2 * len(self._rows) < self.max_batch or self.steps - self._last_prefill_step >= self.prefill_every:
+            self._last_prefill_step = self.steps
+            self.prefill_calls += 1
+            return True
+        return False
 
     def _plan(self) -> list[list[_Piece]]:
         """This iteration's prefill: up to ``prefill_chunk`` tokens, first come first served, each

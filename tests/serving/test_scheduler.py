@@ -119,6 +119,29 @@ def test_a_long_prompt_is_prefilled_between_decoding_steps(loaded):
         scheduler.close()
 
 
+def test_prefill_every_spaces_the_prefill_calls_while_half_the_slots_decode(loaded):
+    """One of two slots decoding (half): a 40-token prompt prefilled 8 tokens per call, one call every 5
+    steps, so the running request gets 5 tokens per chunk; its tokens are still generate's."""
+    model = loaded[0]
+    expected = _generate_alone(model, list(range(3, 43)), 3)
+    scheduler = _scheduler(model, max_batch=2, prefill_chunk=8, prefill_every=5)
+    try:
+        collector = Collector(2)
+        running = scheduler.submit([[5, 6, 7]], SamplingParams(max_tokens=100), collector)[0]
+        while not any(r is running for r, _ in list(collector.events)):
+            threading.Event().wait(0.001)
+        submitted_at = len(collector.events)
+        calls_before = scheduler.status()["prefill_calls"]
+        spaced = scheduler.submit([list(range(3, 43))], SamplingParams(max_tokens=3), collector)[0]
+        collector.wait()
+        events = [r for r, _ in collector.events[submitted_at:]]
+        assert events[:events.index(spaced)].count(running) >= (40 // 8 - 1) * 5
+        assert scheduler.status()["prefill_calls"] - calls_before == 40 // 8
+        assert spaced.tokens == expected
+    finally:
+        scheduler.close()
+
+
 def test_a_failed_step_ends_its_requests_and_the_scheduler_goes_on(loaded, monkeypatch):
     model = loaded[0]
     scheduler = _scheduler(model)
