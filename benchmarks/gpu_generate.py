@@ -6,8 +6,10 @@ prompt tokens (ids 3..vocab), no early stop (every call makes exactly ``--new-to
 
 * ``fast``: ``efla.generation.generate`` on the ``<size>-efla`` preset (its engine is kept on the model:
   the warm-up call captures the batch's CUDA graph, the timed calls replay it);
-* ``fast-merged``: the same on a copy of the model under ``merged_projections(True)`` (one product over
-  stacked weights for the input projections and for the MLP's gate and up; batches 1 and 64 only, a control);
+  with its default settings (on the GPU: one product over a stacked copy of the input projections' weights,
+  and of the MLP's gate and up);
+* ``fast-separate``: the same on a copy of the model under ``merged_projections(False)`` (one product per
+  projection, no stacked copies; batches 1 and 64 only, a control);
 * ``hf``: ``EFLAForCausalLM.generate(do_sample=False, max_new_tokens=n, min_new_tokens=n)``;
 * ``fla``: ``fla.models.DeltaNetForCausalLM`` at our preset's sizes through the same ``.generate``.
 
@@ -16,7 +18,7 @@ Stages (``--stages``):
 1. ``speed``: batches ``--batches`` at prompt length ``--prompt``. Per batch every method first makes a
    warm-up call (not timed; ``hf`` and ``fla`` make 4 new tokens), then the methods take turns, round by
    round (A, B, C, A, B, C, ...), so they see the same machine state: ``--rounds`` rounds for ``fast``
-   and ``fast-merged``, ``--slow-rounds`` for ``hf`` and ``fla``. A round times the whole call
+   and ``fast-separate``, ``--slow-rounds`` for ``hf`` and ``fla``. A round times the whole call
    (``t_all``: prompt and n new tokens) and a prefill-only call (``t_pre``: one new token); from the
    medians: decode tokens/s ``B (n - 1) / (t_all - t_pre)``, ms/token ``1000 (t_all - t_pre) / (n - 1)``,
    prefill tokens/s ``B prompt / t_pre``, end-to-end new tokens/s ``B n / t_all``. Then the targets
@@ -79,8 +81,8 @@ from gpu_model import build_fla  # the fla model the training benchmark compares
 
 GIB, MIB = 2 ** 30, 2 ** 20
 DEVICE = "cuda"
-METHODS = ("fast", "fast-merged", "hf", "fla")
-MERGED_BATCHES = (1, 64)  # fast-merged runs only at these batches
+METHODS = ("fast", "fast-separate", "hf", "fla")
+CONTROL_BATCHES = (1, 64)  # fast-separate runs only at these batches
 SLOW_WARMUP_TOKENS = 4  # new tokens of an hf / fla warm-up call: every kernel runs, a fraction of the time
 START = time.perf_counter()
 TARGETS = {
@@ -190,8 +192,11 @@ class Method:
         return stacked_bytes(self.model, seen) + (engine_bytes(self.model, seen) if self.engine else 0)
 
 
-def fast_method(name: str, model, merged: bool = False) -> Method:
+def fast_method(name: str, model, merged: bool | None = None) -> Method:
+    """``generate`` on ``model``; ``merged``: stacked projections on or off (``None``: the default)."""
     def run(ids, n):
+        if merged is None:
+            return generate(model, ids, max_new_tokens=n, eos_token_id=[])
         with decode.merged_projections(merged):
             return generate(model, ids, max_new_tokens=n, eos_token_id=[])
 
@@ -350,18 +355,18 @@ def skipped(args, name: str, where) -> bool:
 
 
 def wanted(args, name: str, batch: int) -> bool:
-    return not skipped(args, name, batch) and (name != "fast-merged" or batch in MERGED_BATCHES)
+    return not skipped(args, name, batch) and (name != "fast-separate" or batch in CONTROL_BATCHES)
 
 
 def speed_methods(size: str, args, report: Report, models: list) -> dict[str, Method]:
     ours = build_ours(size)
     models.append(ours)
     methods = {"fast": fast_method("fast", ours), "hf": hf_method("hf", ours)}
-    if any(wanted(args, "fast-merged", b) for b in args.batches):
+    if any(wanted(args, "fast-separate", b) for b in args.batches):
         separate = build_ours(size)
         separate.load_state_dict(ours.state_dict())
         models.append(separate)
-        methods["fast-merged"] = fast_method("fast-merged", separate, merged=True)
+        methods["fast-separate"] = fast_method("fast-separate", separate, merged=False)
     if any(wanted(args, "fla", b) for b in args.batches):
         try:
             models.append(on_device(lambda: build_fla(size)))
@@ -695,10 +700,10 @@ def parse_args(argv=None):
     ap.add_argument("--batches", default="1,16,64,256", type=int_list, help="speed stage batches")
     ap.add_argument("--prompt", type=int, default=512, help="prompt length of the speed stage")
     ap.add_argument("--new-tokens", type=int, default=128, help="new tokens per call (at least 2)")
-    ap.add_argument("--rounds", type=int, default=2, help="timed rounds of fast and fast-merged")
+    ap.add_argument("--rounds", type=int, default=2, help="timed rounds of fast and fast-separate")
     ap.add_argument("--slow-rounds", type=int, default=1, help="timed rounds of hf and fla")
     ap.add_argument("--skip", default="", type=parse_skip,
-                    help="method:batch pairs (or whole methods) to leave out, e.g. fla:256,hf:long,fast-merged")
+                    help="method:batch pairs (or whole methods) to leave out, e.g. fla:256,hf:long,fast-separate")
     ap.add_argument("--long-prompt", type=int, default=32768, help="prompt length of the long stage")
     ap.add_argument("--curve", default="1024,4096,16384,32768", type=int_list, help="prompt lengths of the memory stage")
     ap.add_argument("--long-generation", type=int, default=8192,
