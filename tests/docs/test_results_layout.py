@@ -100,6 +100,31 @@ def test_every_experiment_has_a_summary_naming_the_command():
     assert summary_problems(ROOT) == []
 
 
+def uncited_benchmark_results(root: pathlib.Path) -> list[str]:
+    """Files under ``benchmarks/results/`` that neither ``benchmarks/RESULTS.md`` nor the README names."""
+    pages = "".join((root / page).read_text(encoding="utf-8") for page in ("benchmarks/RESULTS.md", "README.md")
+                    if (root / page).is_file())
+    return [str(p.relative_to(root)) for p in _files(root, "benchmarks/results") if p.name not in pages]
+
+
+def test_benchmark_results_are_the_raw_files_the_tables_cite():
+    assert uncited_benchmark_results(ROOT) == []
+    assert len(_files(ROOT, "benchmarks/results")) <= 30
+
+
+def test_scripts_hold_a_handful_of_general_tools():
+    tools = [p.name for p in _files(ROOT, "scripts") if "__pycache__" not in p.parts]
+    assert len(tools) <= 6, tools
+
+
+def test_an_uncited_benchmark_result_is_found(tmp_path):
+    (tmp_path / "benchmarks" / "results" / "x").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "x" / "cited.json").write_text("{}")
+    (tmp_path / "benchmarks" / "results" / "x" / "stray.json").write_text("{}")
+    (tmp_path / "benchmarks" / "RESULTS.md").write_text("raw: `x/cited.json`\n")
+    assert uncited_benchmark_results(tmp_path) == ["benchmarks/results/x/stray.json"]
+
+
 def test_the_checks_catch_a_raw_log(tmp_path):
     exp = tmp_path / "docs/results/exp"
     exp.mkdir(parents=True)

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Runs named phases of GPU work on a lent machine, one after the other, each under its own time limit,
+# and writes what they produce under $OUT (default /tmp/out). Carry .whl/ (flash-linear-attention's
+# pure-Python wheels): they are installed into /tmp/site first.
+#
+#   bash scripts/device.sh tests generate serve            # from the repository root
+#   LIMIT=300 bash scripts/device.sh ops
+#
+# Phases:
+#   tests     the GPU tests (pytest -m gpu)
+#   ops       benchmarks/gpu_ops.py: correctness, then the decode and chunk ops against fla
+#   stages    benchmarks/gpu_stages.py: where an op's time goes
+#   model     benchmarks/gpu_model.py: 340M and 1.3B training steps against fla's models
+#   generate  benchmarks/gpu_generate.py: generation speed (340M), then the kernel and profile stages
+#   serve     benchmarks/serve_load.py: the server's scheduler under load beside static batching
+#
+# The one-visit scripts that recorded earlier results (scripts/device_*.sh, named in docs/results)
+# are in git history up to commit a97566f.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+LIMIT=${LIMIT:-280}  # seconds per phase
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "device.sh: cannot install the carried wheels (.whl/)"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__)"
+
+run_phase() {
+  case $1 in
+    tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
+    ops) python3 benchmarks/gpu_ops.py --out "$OUT/ops" ;;
+    stages) python3 benchmarks/gpu_stages.py --out "$OUT/stages" ;;
+    model) python3 benchmarks/gpu_model.py --sizes 340m,1.3b --out "$OUT/model" ;;
+    generate) python3 benchmarks/gpu_generate.py --sizes 340m --stages speed,kernel,profile --out "$OUT/generate" ;;
+    serve) python3 benchmarks/serve_load.py --out "$OUT/serve" ;;
+    *) echo "device.sh: unknown phase $1 (tests, ops, stages, model, generate, serve)"; return 2 ;;
+  esac
+}
+
+for phase in "$@"; do
+  echo "== $phase at ${SECONDS}s"
+  timeout "$LIMIT" bash -c "$(declare -f run_phase); OUT=$OUT run_phase $phase" 2>&1 | grep -v Warning | tail -60
+done
+echo "== done in ${SECONDS}s"
