@@ -1,9 +1,12 @@
-"""CPU speed of the chunkwise EFLA op against transformers' pure-PyTorch chunked delta rule.
+"""CPU speed of the chunkwise EFLA and Gated EFLA ops against transformers' pure-PyTorch chunked delta rule.
 
-Baseline: ``torch_chunk_gated_delta_rule`` from ``transformers.models.qwen3_next`` run with
-``g = 0`` and ``beta = alpha`` (the exact-flow coefficient), i.e. the same recurrence, with
-autograd for its backward. Both are timed fwd+bwd in float32, alternating runs, medians.
-Also times ``recurrent_efla`` against ``chunk_efla`` at [1, 4096, 4, 64].
+Baseline: ``torch_chunk_gated_delta_rule`` from ``transformers.models.qwen3_next``, with autograd for
+its backward. For ``chunk_efla`` it runs with ``g = 0`` and ``beta = alpha`` (the exact-flow
+coefficient), i.e. the same recurrence (the table shows the outputs' difference). For
+``chunk_gated_efla`` it runs Gated DeltaNet with the same log gate ``g`` and ``beta``, what a user of
+a gated model would run instead; the rules differ (EFLA's exact step), so the table checks our
+``chunk_gated_delta_rule`` against it on the same inputs instead. Both timed fwd+bwd in float32,
+alternating runs, medians. Also times ``recurrent_efla`` against ``chunk_efla`` at [1, 4096, 4, 64].
 
 Usage: python benchmarks/cpu_ops.py [--reps 5] [--out benchmarks/results_cpu_ops.md]
 """
@@ -18,7 +21,7 @@ import time
 
 import torch
 
-from efla.ops import chunk_efla, efla_coefficient, recurrent_efla
+from efla.ops import chunk_efla, chunk_gated_delta_rule, chunk_gated_efla, efla_coefficient, recurrent_efla
 
 SHAPES = [(2, 1024, 4, 64), (1, 4096, 4, 64), (2, 2048, 8, 128)]
 
@@ -31,6 +34,24 @@ def _inputs(B, T, H, D, seed=0):
     v = torch.randn(B, T, H, D, generator=gen)
     beta = torch.rand(B, T, H, generator=gen)
     return [x.requires_grad_() for x in (q, k, v, beta)]
+
+
+def _gated_inputs(B, T, H, D, seed=0):
+    q, k, v, beta = (x.detach() for x in _inputs(B, T, H, D, seed))
+    g = -torch.rand(B, T, H, generator=torch.Generator().manual_seed(seed + 1)) * 0.1
+    return [x.requires_grad_() for x in (q, k, v, g, beta)]
+
+
+def _fwd_bwd_gated(q, k, v, g, beta, fn=chunk_gated_efla):
+    o, _ = fn(q, k, v, g, beta)
+    o.sum().backward()
+
+
+def _fwd_bwd_hf_gated(q, k, v, g, beta):
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    o, _ = torch_chunk_gated_delta_rule(q, k, v, g, beta)
+    o.sum().backward()
 
 
 def _fwd_bwd_efla(q, k, v, beta, fn=chunk_efla):
@@ -55,6 +76,36 @@ def _time(fn, args, reps):
     return time.perf_counter() - t0
 
 
+def _same_rule_difference(op: str, inp) -> float:
+    """Max relative difference between transformers' outputs and ours for the same recurrence
+    (``chunk_efla`` itself; for the gated op, our Gated DeltaNet op on the same inputs)."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    with torch.no_grad():
+        if op == "chunk_efla":
+            q, k, v, beta = inp
+            o_ref, _ = torch_chunk_gated_delta_rule(q, k, v, torch.zeros_like(beta), efla_coefficient(beta, k))
+            o_ours, _ = chunk_efla(q, k, v, beta)
+        else:
+            o_ref, _ = torch_chunk_gated_delta_rule(*inp)
+            o_ours, _ = chunk_gated_delta_rule(*inp)
+    return ((o_ref - o_ours).abs().max() / o_ref.abs().max()).item()
+
+
+def _compare(op, shape, inp, ours, theirs, reps):
+    err = _same_rule_difference(op, inp)
+    _time(ours, inp, 1)  # warm-up
+    _time(theirs, inp, 1)
+    t_ours, t_hf = [], []
+    for _ in range(reps):  # alternate the two
+        t_ours.append(_time(ours, inp, 1))
+        t_hf.append(_time(theirs, inp, 1))
+    mo, mh = statistics.median(t_ours), statistics.median(t_hf)
+    print(f"{op} {shape}: ours {mo*1e3:.1f} ms, transformers {mh*1e3:.1f} ms, speed-up {mh/mo:.2f}x, "
+          f"max rel diff {err:.1e}", flush=True)
+    return op, shape, mo, mh, mh / mo, err
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
@@ -62,28 +113,9 @@ def main(argv=None):
     ap.add_argument("--skip-recurrent", action="store_true")
     args = ap.parse_args(argv)
 
-    rows = []
-    for shape in SHAPES:
-        inp = _inputs(*shape)
-        # correctness of the comparison: same outputs
-        with torch.no_grad():
-            from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
-
-            o_ref, _ = torch_chunk_gated_delta_rule(
-                inp[0], inp[1], inp[2], torch.zeros_like(inp[3]), efla_coefficient(inp[3], inp[1])
-            )
-            o_ours, _ = chunk_efla(*inp)
-            err = ((o_ref - o_ours).abs().max() / o_ref.abs().max()).item()
-        _time(_fwd_bwd_efla, inp, 1)  # warm-up
-        _time(_fwd_bwd_hf, inp, 1)
-        t_ours, t_hf = [], []
-        for _ in range(args.reps):  # alternate the two
-            t_ours.append(_time(_fwd_bwd_efla, inp, 1))
-            t_hf.append(_time(_fwd_bwd_hf, inp, 1))
-        mo, mh = statistics.median(t_ours), statistics.median(t_hf)
-        rows.append((shape, mo, mh, mh / mo, err))
-        print(f"{shape}: chunk_efla {mo*1e3:.1f} ms, transformers {mh*1e3:.1f} ms, speed-up {mh/mo:.2f}x, "
-              f"max rel diff {err:.1e}", flush=True)
+    rows = [_compare("chunk_efla", shape, _inputs(*shape), _fwd_bwd_efla, _fwd_bwd_hf, args.reps) for shape in SHAPES]
+    rows += [_compare("chunk_gated_efla", shape, _gated_inputs(*shape), _fwd_bwd_gated, _fwd_bwd_hf_gated, args.reps)
+             for shape in SHAPES]
 
     rec_row = None
     if not args.skip_recurrent:
@@ -103,12 +135,14 @@ def main(argv=None):
         f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}; "
         f"transformers {__import__('transformers').__version__}; medians of {args.reps} alternating runs.",
         "",
-        "| [B, T, H, D] | `chunk_efla` | transformers `torch_chunk_gated_delta_rule` (g=0, beta=alpha) | speed-up "
-        "| max rel. diff of outputs |",
-        "| --- | --- | --- | --- | --- |",
+        "| op | [B, T, H, D] | ours | transformers `torch_chunk_gated_delta_rule` | speed-up "
+        "| max rel. diff, same rule |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
-    for shape, mo, mh, sp, err in rows:
-        lines.append(f"| {list(shape)} | {mo*1e3:.1f} ms | {mh*1e3:.1f} ms | {sp:.2f}x | {err:.1e} |")
+    for op, shape, mo, mh, sp, err in rows:
+        lines.append(f"| `{op}` | {list(shape)} | {mo*1e3:.1f} ms | {mh*1e3:.1f} ms | {sp:.2f}x | {err:.1e} |")
+    lines += ["", "Baseline: `g = 0, beta = alpha` (the same recurrence) for `chunk_efla`; Gated DeltaNet with the same "
+              "`g` and `beta` for `chunk_gated_efla` (its difference column: our `chunk_gated_delta_rule` vs it)."]
     if rec_row:
         mc, mr = rec_row
         lines += ["", f"`recurrent_efla` fwd+bwd at [1, 4096, 4, 64]: {mr*1e3:.0f} ms = {mr/mc:.1f}x "

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from efla.ops import efla_coefficient
-from efla.ops.validate import check_cu_seqlens, values_checked
+from efla.ops.validate import all_finite, check_cu_seqlens, values_checked
 
 UPDATE_RULES = ("exact", "euler")
 
@@ -90,7 +90,7 @@ def check_hidden_states(hidden_states: torch.Tensor, hidden_size: int,
             f"hidden_states: expected dtype {expected_dtype} (the layer's parameters), got {hidden_states.dtype}"
         )
     # checked here, not only by the op: a NaN or Inf would otherwise surface as a message about q or k
-    if values_checked(hidden_states) and not bool(torch.isfinite(hidden_states).all()):
+    if values_checked(hidden_states) and not all_finite(hidden_states):
         bad = (~torch.isfinite(hidden_states)).sum().item()
         raise ValueError(f"hidden_states: contains {bad} non-finite value(s) (NaN or Inf)")
     return B, T
