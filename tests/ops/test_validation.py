@@ -213,3 +213,20 @@ def test_compiled_op_traces_in_one_graph_and_skips_only_the_value_checks(gated):
         run(x, gated=gated)
     with pytest.raises(ValueError, match="^k: expected shape"):  # Dynamo hands the raise to eager
         torch.compile(run, backend="eager", dynamic=False)(dict(x, k=x["k"][:, :5]), gated=gated)
+
+
+def test_all_finite_sees_every_bad_value_and_no_false_alarm_from_an_overflowing_sum():
+    from efla.ops.validate import all_finite
+
+    x = torch.randn(4, 33, 7)
+    assert all_finite(x)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[2, 17, 3] = bad
+        assert not all_finite(y)
+    both = x.clone()
+    both[0, 0, 0], both[1, 1, 1] = float("inf"), -float("inf")  # their sum is NaN: still caught
+    assert not all_finite(both)
+    huge = torch.full((8,), 3e38)  # finite values whose float32 sum overflows
+    assert torch.isinf(huge.sum()) and all_finite(huge)
+    assert all_finite(torch.full((4,), 60000.0, dtype=torch.float16))
