@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from efla.ops.validate import immediate_key_checks
+from efla.ops.cuda.key_checks import immediate_key_checks
 
 __all__ = [
     "ShardLayout",

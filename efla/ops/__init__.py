@@ -32,7 +32,7 @@ from .coefficients import efla_coefficient, gated_efla_coefficients
 from .decode import DecodeSpec, fused_decode_available, fused_decode_step
 from .gates import raw_gates
 from .normalize import l2_normalize
-from .validate import check_keys, deferred_key_checks
+from .cuda.key_checks import check_keys, deferred_key_checks
 from ..variants import Variant
 
 __all__ = [

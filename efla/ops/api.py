@@ -9,7 +9,8 @@ from .coefficients import coefficients
 from .gates import RawGates, activate, check_gate_parameters
 from .normalize import l2_normalize
 from .recurrent import recurrent_generic
-from .validate import check_key_energy, check_result, compute_dtype, key_checks_enabled, validate, values_checked
+from .cuda.key_checks import key_checks_enabled
+from .validate import check_key_energy, check_result, compute_dtype, validate, values_checked
 from ..variants import Variant
 
 _cuda_backend = None  # False once the import failed; the module once it succeeded

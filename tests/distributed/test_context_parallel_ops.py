@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from efla import ops
 from efla.ops import deferred_key_checks
-from efla.ops.validate import defer_key_check
+from efla.ops.cuda.key_checks import defer_key_check
 from efla.distributed import context_parallel, conv_histories, shard, shard_layout
 from efla.layers.modules import ShortConvolution
 

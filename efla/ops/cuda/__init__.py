@@ -24,8 +24,8 @@ Design (measured: ``benchmarks/gpu_ops.py``, ``benchmarks/RESULTS.md``):
   Functions of ``chunk.py``. Varlen batches still break the graph here (the empty-sequence check
   reads ``cu_seqlens``).
 
-Nothing here is imported by ``import efla``; ``efla.ops`` imports this package lazily and treats
-any exception as "no GPU backend".
+``import efla`` imports only ``key_checks`` from here (torch alone: the overflowing-key switch); the
+kernels are imported lazily by ``efla.ops``, which treats any exception as "no GPU backend".
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def _refuse_overflowing_raw_keys(k) -> None:
     exact rules' chunk form flags raw keys in its coefficient pass instead, and their scan computes
     them exactly). Skipped where a sync is not allowed (compiled code, CUDA-graph capture), where
     validation has checked them and with ``EFLA_CHECK_KEYS=0``."""
-    from ..validate import check_key_energy, key_checks_enabled, values_checked
+    from ..validate import check_key_energy, values_checked
+    from .key_checks import key_checks_enabled
 
     if (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing() or values_checked(k)
             or not key_checks_enabled()):

@@ -25,8 +25,9 @@ import triton
 
 from . import kernels as kn
 from ..gates import RawGates
-from ..validate import (check_flag_later, defer_key_check, key_checks_enabled, key_energy_error, raise_earlier_overflows,
-                        read_each_call, reset_flag)
+from ..validate import key_energy_error
+from .key_checks import (check_flag_later, defer_key_check, key_checks_enabled, raise_earlier_overflows, read_each_call,
+                         reset_flag)
 
 CHUNK = 64
 COEF_DTYPE = {torch.bfloat16: torch.bfloat16}
