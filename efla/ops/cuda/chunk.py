@@ -61,14 +61,14 @@ def _fla():
     )
 
 
-F = None  # filled by load()
+FLA = None  # flash-linear-attention's functions by name, filled by load()
 
 
 def load():
-    global F
-    if F is None:
-        F = _fla()
-    return F
+    global FLA
+    if FLA is None:
+        FLA = _fla()
+    return FLA
 
 
 # ------------------------------------------------------------------ coefficient launches
@@ -200,18 +200,18 @@ def l2norm_inputs(q, k, q_l2norm, k_l2norm):
     """Normalised (q, k) and their inverse norms (``None`` where not normalised)."""
     q_rstd = k_rstd = None
     if q_l2norm:
-        q, q_rstd = F["l2norm_fwd"](q)
+        q, q_rstd = FLA["l2norm_fwd"](q)
     if k_l2norm:
-        k, k_rstd = F["l2norm_fwd"](k)
+        k, k_rstd = FLA["l2norm_fwd"](k)
     return q, q_rstd, k, k_rstd
 
 
 def l2norm_grads(q, q_rstd, dq, k, k_rstd, dk):
     """Chain (dq, dk) back through the normalisation done by ``l2norm_inputs``."""
     if q_rstd is not None:
-        dq = F["l2norm_bwd"](q, q_rstd, dq)
+        dq = FLA["l2norm_bwd"](q, q_rstd, dq)
     if k_rstd is not None:
-        dk = F["l2norm_bwd"](k, k_rstd, dk)
+        dk = FLA["l2norm_bwd"](k, k_rstd, dk)
     return dq, dk
 
 
@@ -267,7 +267,7 @@ def refuse_overflowing_keys(overflow, k):
 # Shared by the eager autograd Functions below and the custom ops of ``custom_ops.py`` (torch.compile).
 def chunk_indices(cu_seqlens):
     """fla's per-chunk (sequence, chunk) table of a varlen batch; memoised by fla on the tensor."""
-    return F["prepare_chunk_indices"](cu_seqlens, CHUNK) if cu_seqlens is not None else None
+    return FLA["prepare_chunk_indices"](cu_seqlens, CHUNK) if cu_seqlens is not None else None
 
 
 def delta_fwd(q, k, v, beta, h0, scale, output_final_state, cu_seqlens, exact, q_l2norm, k_l2norm):
@@ -285,7 +285,7 @@ def delta_fwd(q, k, v, beta, h0, scale, output_final_state, cu_seqlens, exact, q
         refuse_overflowing_keys(overflow, k)
     else:
         alpha = beta
-    o, A, ht = F["chunk_delta_rule_fwd"](
+    o, A, ht = FLA["chunk_delta_rule_fwd"](
         q=q, k=k, v=v, beta=alpha, scale=scale, initial_state=h0, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(cu_seqlens),
     )
@@ -294,7 +294,7 @@ def delta_fwd(q, k, v, beta, h0, scale, output_final_state, cu_seqlens, exact, q
 
 def delta_bwd(q, q_rstd, k, k_rstd, v, beta, alpha, A, h0, cu_seqlens, do, dht, scale, exact):
     """Gradients ``(dq, dk, dv, dbeta, dh0)`` of ``delta_fwd`` (its saved tensors as it returned them)."""
-    dq, dk, dv, dalpha, dh0 = F["chunk_delta_rule_bwd"](
+    dq, dk, dv, dalpha, dh0 = FLA["chunk_delta_rule_bwd"](
         q=q, k=k, v=v, beta=alpha, A=A, scale=scale, initial_state=h0,
         do=do.contiguous(), dht=dht.contiguous() if dht is not None else None,
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(cu_seqlens),
@@ -327,7 +327,7 @@ def gated_fwd(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact
         refuse_overflowing_keys(overflow, k)
     else:
         c, gl, vp = beta, g.float(), v
-    gcum, o, A, ht, _, _ = F["chunk_gated_delta_rule_fwd"](
+    gcum, o, A, ht, _, _ = FLA["chunk_gated_delta_rule_fwd"](
         q=q, k=k, v=vp, g=gl, beta=c, scale=scale, initial_state=h0, output_final_state=output_final_state,
         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(cu_seqlens), chunk_size=CHUNK,
     )
@@ -340,23 +340,23 @@ def gated_bwd(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens, 
     cu, ci = cu_seqlens, chunk_indices(cu_seqlens)
     do = do.contiguous()
     dht = dht.contiguous() if dht is not None else None
-    w, u = F["recompute_w_u_fwd"](k=k, v=vp, beta=c, A=A, g=gcum, cu_seqlens=cu, chunk_indices=ci)
-    h, v_new, _ = F["chunk_gated_delta_rule_fwd_h"](
+    w, u = FLA["recompute_w_u_fwd"](k=k, v=vp, beta=c, A=A, g=gcum, cu_seqlens=cu, chunk_indices=ci)
+    h, v_new, _ = FLA["chunk_gated_delta_rule_fwd_h"](
         k=k, w=w, u=u, g=gcum, initial_state=h0, output_final_state=False,
         cu_seqlens=cu, chunk_indices=ci, chunk_size=CHUNK,
     )
-    dv = F["chunk_bwd_dv_local"](q=q, k=k, do=do, g=gcum, scale=scale, cu_seqlens=cu,
+    dv = FLA["chunk_bwd_dv_local"](q=q, k=k, do=do, g=gcum, scale=scale, cu_seqlens=cu,
                                  chunk_indices=ci, chunk_size=CHUNK)
-    dh, dh0, dv = F["chunk_gated_delta_rule_bwd_dhu"](
+    dh, dh0, dv = FLA["chunk_gated_delta_rule_bwd_dhu"](
         q=q, k=k, w=w, do=do, dv=dv, g=gcum, h0=h0, dht=dht, scale=scale,
         cu_seqlens=cu, chunk_indices=ci, chunk_size=CHUNK,
     )
     dq, dk, dw, dgc = gated_dqkwg(q, k, v_new, gcum, h, do, dh, dv, scale, cu, ci)
-    dk2, dvp, dc, dg2 = F["prepare_wy_repr_bwd"](
+    dk2, dvp, dc, dg2 = FLA["prepare_wy_repr_bwd"](
         k=k, v=vp, beta=c, A=A, dw=dw, du=dv, g=gcum, cu_seqlens=cu, chunk_indices=ci,
     )
     dgc.add_(dg2)
-    dgl = F["chunk_local_cumsum"](dgc, chunk_size=CHUNK, reverse=True, cu_seqlens=cu, chunk_indices=ci)
+    dgl = FLA["chunk_local_cumsum"](dgc, chunk_size=CHUNK, reverse=True, cu_seqlens=cu, chunk_indices=ci)
     d_gate_params = ()
     if exact:  # the coefficient pass reads and writes dk anyway: dk2 joins it there, and dq's normalisation
         fold_q = _fold_q_norm(exact, q_rstd is not None, k_rstd is not None)
@@ -433,9 +433,9 @@ def eager_chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, c
 
         both = q_l2norm and k_l2norm
         if q_l2norm and not both:
-            q = F["l2norm"](q)
+            q = FLA["l2norm"](q)
         if k_l2norm and not both:
-            k = F["l2norm"](k)
+            k = FLA["l2norm"](k)
         o, ht = chunk_delta_rule(q, k, v, beta, scale=scale, initial_state=h0,
                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                  use_qk_l2norm_in_kernel=both)
