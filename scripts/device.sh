@@ -39,8 +39,10 @@ run_phase() {
   esac
 }
 
+export OUT
+export -f run_phase
 for phase in "$@"; do
   echo "== $phase at ${SECONDS}s"
-  timeout "$LIMIT" bash -c "$(declare -f run_phase); OUT=$OUT run_phase $phase" 2>&1 | grep -v Warning | tail -60
+  timeout "$LIMIT" bash -c 'run_phase "$0"' "$phase" 2>&1 | grep -v Warning | tail -60
 done
 echo "== done in ${SECONDS}s"

@@ -443,11 +443,7 @@ class Scheduler:
         slots decode, or ``prefill_every`` decoding steps passed since the last prefill."""
         if not self._prefilling:
             return False
-        if 2 * len(self._rows) < self.max_batch or self.steps - self._last_prefill_step >= self.prefill_every:
-            self._last_prefill_step = self.steps
-            self.prefill_calls += 1
-            return True
-        return False
+        return 2 * len(self._rows) < self.max_batch or self.steps - self._last_prefill_step >= self.prefill_every
 
     def _plan(self) -> list[list[_Piece]]:
         """This iteration's prefill: up to ``prefill_chunk`` tokens, first come first served, each
@@ -470,6 +466,7 @@ class Scheduler:
 
     def _prefill(self) -> tuple[list[Request], torch.Tensor | None]:
         """Run this iteration's prefill; the requests whose prompt is complete and their first tokens."""
+        self._last_prefill_step, self.prefill_calls = self.steps, self.prefill_calls + 1
         complete, logits = [], []
         for pieces in self._plan():
             for piece, piece_logits in zip(pieces, self._run_round(pieces)):

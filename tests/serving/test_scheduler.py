@@ -99,20 +99,30 @@ def test_seeded_requests_decoding_together_sample_as_if_alone(loaded):
         scheduler.close()
 
 
+def _running_request(scheduler: Scheduler, collector: Collector, max_tokens: int):
+    """A request that has made its first token, and the number of events until then."""
+    running = scheduler.submit([[5, 6, 7]], SamplingParams(max_tokens=max_tokens), collector)[0]
+    while not any(r is running for r, _ in list(collector.events)):
+        threading.Event().wait(0.001)
+    return running, len(collector.events)
+
+
+def _tokens_before(collector: Collector, start: int, request, running) -> int:
+    """Events of ``running`` after event ``start`` and before ``request``'s first one."""
+    events = [r for r, _ in collector.events[start:]]
+    return events[:events.index(request)].count(running)
+
+
 def test_a_long_prompt_is_prefilled_between_decoding_steps(loaded):
     """While a 200-token prompt is prefilled 8 tokens per step, a running request gets a token every step."""
     model = loaded[0]
     scheduler = _scheduler(model, prefill_chunk=8)
     try:
         collector = Collector(2)
-        running = scheduler.submit([[5, 6, 7]], SamplingParams(max_tokens=60), collector)[0]
-        while not any(r is running for r, _ in list(collector.events)):
-            threading.Event().wait(0.001)
-        submitted_at = len(collector.events)
+        running, submitted_at = _running_request(scheduler, collector, max_tokens=60)
         long_prompt = scheduler.submit([list(range(3, 203))], SamplingParams(max_tokens=1), collector)[0]
         collector.wait()
-        events = [r for r, _ in collector.events[submitted_at:]]
-        during_prefill = events[:events.index(long_prompt)].count(running)
+        during_prefill = _tokens_before(collector, submitted_at, long_prompt, running)
         assert during_prefill >= 200 // 8 - 1  # a token of the running request per prefill chunk, less the read lag
         assert collector.final(running).completion_tokens == 60
     finally:
@@ -127,15 +137,11 @@ def test_prefill_every_spaces_the_prefill_calls_while_half_the_slots_decode(load
     scheduler = _scheduler(model, max_batch=2, prefill_chunk=8, prefill_every=5)
     try:
         collector = Collector(2)
-        running = scheduler.submit([[5, 6, 7]], SamplingParams(max_tokens=100), collector)[0]
-        while not any(r is running for r, _ in list(collector.events)):
-            threading.Event().wait(0.001)
-        submitted_at = len(collector.events)
+        running, submitted_at = _running_request(scheduler, collector, max_tokens=100)
         calls_before = scheduler.status()["prefill_calls"]
         spaced = scheduler.submit([list(range(3, 43))], SamplingParams(max_tokens=3), collector)[0]
         collector.wait()
-        events = [r for r, _ in collector.events[submitted_at:]]
-        assert events[:events.index(spaced)].count(running) >= (40 // 8 - 1) * 5
+        assert _tokens_before(collector, submitted_at, spaced, running) >= (40 // 8 - 1) * 5
         assert scheduler.status()["prefill_calls"] - calls_before == 40 // 8
         assert spaced.tokens == expected
     finally:
