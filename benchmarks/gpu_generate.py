@@ -34,6 +34,9 @@ Stages (``--stages``):
 5. ``kernel``: one token mixer's decoding step (input projections, the fused kernel, output
    projection), captured 24 times in a row, by blocks of value columns per head (1, 2, 4, 8), beside
    the state's read-and-write traffic at the H200's nominal bandwidth.
+6. ``prefill``: one eager prefill call at a few shapes: wall time at a shape seen before and at new
+   lengths, kernels launched and their GPU time, host waits for the device, and the Python functions
+   with the most time of their own.
 
 Peak memory of a call is what the method would peak at alone in the process: its model's weights, plus
 what it keeps allocated between calls (on our model: the stacked projection weights of the decoding
@@ -658,10 +661,80 @@ def kernel_stage(size: str, args, report: Report) -> None:
     report.emit("")
 
 
+# -- stage: one eager prefill call, where its time goes -----------------------------------------------
+
+PREFILL_SHAPES = ((1, 32), (1, 512), (8, 512), (64, 512))
+
+
+def timed_prefill(engine, prompts: list[torch.Tensor]) -> float:
+    sync()
+    t0 = time.perf_counter()
+    engine.prefill(prompts, torch.arange(len(prompts), device=DEVICE))
+    sync()
+    return time.perf_counter() - t0
+
+
+def prefill_device_profile(engine, prompts: list[torch.Tensor]) -> tuple[int, float, int]:
+    """(kernels launched, their GPU ms, host waits for the device) of one prefill call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        timed_prefill(engine, prompts)
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    waits = sum(1 for e in prof.events() if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                       "aten::_local_scalar_dense"))
+    return len(kernels), sum(e.device_time for e in kernels) / 1e3, waits - 1  # less the timer's own sync
+
+
+def prefill_host_profile(engine, prompts: list[torch.Tensor], top: int = 12) -> list[tuple[str, int, float]]:
+    """The Python functions of one prefill call with the most time of their own: (where, calls, ms)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    timed_prefill(engine, prompts)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    rows = [(f"{os.path.basename(f)}:{line}:{name}", calls, own * 1e3)
+            for (f, line, name), (_, calls, own, _, _) in stats.items()]
+    return sorted(rows, key=lambda r: -r[2])[:top]
+
+
+def prefill_stage(size: str, args, report: Report) -> None:
+    """An eager prefill call (``DecodeEngine.prefill``: packed prompts through the chunk kernels, the
+    states written to pool rows) at a few shapes: wall ms at a shape seen before and at new total
+    lengths, the kernels it launches and their GPU time, host waits, and the Python functions with the
+    most time of their own (cProfile adds to the wall time of that call only)."""
+    models = [build_ours(size)]
+    try:
+        engine = engine_for(models[0])
+        engine.reserve(max(b for b, _ in PREFILL_SHAPES))
+        vocab = get_preset_config(f"{size}-efla").vocab_size
+        report.emit(f"## {size}: one eager prefill call")
+        report.emit("")
+        report.emit("| prompts x tokens | wall ms (seen shape) | wall ms (new lengths) | kernels | GPU ms | host waits |")
+        report.emit("| --- | --- | --- | --- | --- | --- |")
+        for batch, length in PREFILL_SHAPES:
+            prompts = list(prompt_ids(batch, length, vocab))
+            timed_prefill(engine, prompts)
+            seen = statistics.median(timed_prefill(engine, prompts) for _ in range(5))
+            fresh = statistics.median(timed_prefill(engine, [p[:length - 1 - i] for p in prompts]) for i in range(3))
+            kernels, gpu_ms, waits = prefill_device_profile(engine, prompts)
+            host = prefill_host_profile(engine, prompts)
+            report.record(dict(size=size, stage="prefill", batch=batch, prompt=length, seen_ms=seen * 1e3,
+                               new_lengths_ms=fresh * 1e3, kernels=kernels, gpu_ms=gpu_ms, host_waits=waits, host=host))
+            report.emit(f"| {batch} x {length} | {seen * 1e3:.1f} | {fresh * 1e3:.1f} | {kernels} | {gpu_ms:.2f} | {waits} |")
+            log("  own time: " + "; ".join(f"{w} {n} x = {ms:.1f} ms" for w, n, ms in host[:8]))
+        report.emit("")
+    finally:
+        free(models)
+
+
 # -- main ---------------------------------------------------------------------------------------------
 
 STAGES = {"speed": speed_stage, "long": long_stage, "memory": memory_stage, "profile": profile_stage,
-          "kernel": kernel_stage}
+          "kernel": kernel_stage, "prefill": prefill_stage}
 
 
 def header(report: Report, args) -> None:

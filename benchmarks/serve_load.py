@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from efla.generation import generate, release
-from efla.serving import ErrorEvent, FinishEvent, SamplingParams, Scheduler, TokenEvent
+from efla.serving import ErrorEvent, FinishEvent, SamplingParams, Scheduler, TokenEvent, prefill_defaults
 
 
 @dataclass
@@ -325,14 +325,19 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-max", type=int, default=1024)
     ap.add_argument("--output-min", type=int, default=32)
     ap.add_argument("--output-max", type=int, default=512)
-    ap.add_argument("--prefill-chunk", type=int, default=16384, help="scheduler: prompt tokens per prefill call")
-    ap.add_argument("--prefill-every", type=int, default=128,
-                    help="scheduler: decoding steps between prefill calls while half the slots or more decode")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="scheduler: prompt tokens per prefill call (default: efla.serving.prefill_defaults)")
+    ap.add_argument("--prefill-every", type=int, default=None,
+                    help="scheduler: decoding steps between prefill calls while half the slots or more decode "
+                         "(default: efla.serving.prefill_defaults)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join("benchmarks", "results", "serve_load"))
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    chunk, every = prefill_defaults(torch.device(args.device))
+    args.prefill_chunk = args.prefill_chunk or chunk
+    args.prefill_every = args.prefill_every or every
     if not 1 <= args.prompt_min <= args.prompt_max or not 1 <= args.output_min <= args.output_max:
         ap.error("expected 1 <= --prompt-min <= --prompt-max and 1 <= --output-min <= --output-max")
     return args

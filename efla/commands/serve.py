@@ -153,11 +153,12 @@ def add_parser(sub) -> None:
     p.add_argument("--max-context", type=int, default=None, metavar="N",
                    help="the most tokens of a request, prompt and completion (default: the model's "
                         "max_position_embeddings)")
-    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
-                   help="the most prompt tokens prefilled between two decoding steps (default: %(default)s)")
-    p.add_argument("--prefill-every", type=int, default=1, metavar="N",
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="the most prompt tokens prefilled between two decoding steps (default: 16384 on a GPU, "
+                        "512 on the CPU)")
+    p.add_argument("--prefill-every", type=int, default=None, metavar="N",
                    help="while half the slots or more decode, prefill once every N decoding steps: fewer, larger "
-                        "prefill calls, for throughput with many streams (default: %(default)s)")
+                        "prefill calls, for throughput with many streams (default: 128 on a GPU, 1 on the CPU)")
     p.add_argument("--prefix-cache-mb", type=int, default=1024, metavar="MB",
                    help="memory for states after recent prompt prefixes, on the model's device (0: off; hybrid "
                         "models with attention layers go without; default: %(default)s)")

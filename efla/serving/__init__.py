@@ -8,10 +8,10 @@ and ``/v1/models`` and a ``/health`` report in front of it (FastAPI; ``pip insta
 
 from .prefix_cache import PrefixCache
 from .scheduler import (ErrorEvent, FinishEvent, QueueFull, Request, SamplingParams, Scheduler, ShuttingDown,
-                        TokenEvent)
+                        TokenEvent, prefill_defaults)
 
 __all__ = ["Scheduler", "SamplingParams", "Request", "TokenEvent", "FinishEvent", "ErrorEvent", "QueueFull",
-           "ShuttingDown", "PrefixCache", "create_app"]
+           "ShuttingDown", "PrefixCache", "create_app", "prefill_defaults"]
 
 
 def __getattr__(name):

@@ -19,10 +19,10 @@ def small(preset, dtype, trained=False):
     torch.manual_seed(0)
     overrides = dict(SMALL, attn={"layers": [1], "num_heads": 2}) if preset == "hybrid" else SMALL
     name = "tiny-efla" if preset == "hybrid" else f"tiny-{preset}"
-    model = EFLAForCausalLM(get_preset_config(name, **overrides)).cuda()
+    model = EFLAForCausalLM(get_preset_config(name, **overrides))
     if trained:
         learn_a_sequence_rule(model)
-    return model.to(dtype).eval()
+    return model.cuda().to(dtype).eval()
 
 
 def rule_sequences(batch, length, generator):
@@ -37,13 +37,14 @@ def rule_sequences(batch, length, generator):
 
 
 def learn_a_sequence_rule(model, steps=100):
+    """Trained on the CPU in float32 (seconds there; on a fresh GPU machine the backward kernels'
+    compilation alone takes minutes)."""
     g = torch.Generator().manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for _ in range(steps):
-        ids = rule_sequences(16, 64, g).cuda()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(ids, labels=ids).loss
+        ids = rule_sequences(16, 64, g)
+        loss = model(ids, labels=ids).loss
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -205,3 +205,17 @@ def test_closing_ends_queued_and_running_requests_with_an_error(loaded):
     collector.wait()
     assert not scheduler.running
     assert [e.message for _, e in collector.events if isinstance(e, ErrorEvent)] == ["the server is shutting down"] * 2
+
+
+def test_prefill_settings_default_by_device_and_give_way_to_the_callers(loaded):
+    """On the CPU small prefill calls between every two steps; a GPU's defaults are few large calls
+    (an eager call there has a fixed cost of tens of ms); settings passed in win."""
+    from efla.serving import prefill_defaults
+
+    assert prefill_defaults(torch.device("cpu")) == (512, 1)
+    chunk, every = prefill_defaults(torch.device("cuda"))
+    assert chunk >= 8192 and every > 1
+    by_default = Scheduler(loaded[0], None, max_batch=2, max_context=64)
+    chosen = Scheduler(loaded[0], None, max_batch=2, max_context=64, prefill_chunk=7, prefill_every=3)
+    assert (by_default.prefill_chunk, by_default.prefill_every) == (512, 1)
+    assert (chosen.prefill_chunk, chosen.prefill_every) == (7, 3)
