@@ -121,11 +121,30 @@ class _GatedWrite(torch.autograd.Function):
         return grad * d_b, grad * d_g, grad * d_lam
 
 
+class _KeyEnergy(torch.autograd.Function):
+    """``||k||^2`` in float64, clamped at ``LAMBDA_MIN``. The backward, ``2 k grad`` (0 where
+    clamped, as ``clamp_min``'s), runs at the keys' size in their compute dtype: no float64 copy
+    of the keys is kept for it or formed in it."""
+
+    @staticmethod
+    def forward(ctx, k):
+        k64 = k.to(COEF_DTYPE)
+        energy = (k64 * k64).sum(-1)
+        ctx.save_for_backward(k, energy >= LAMBDA_MIN)
+        return energy.clamp_min(LAMBDA_MIN)
+
+    @staticmethod
+    def backward(ctx, grad):
+        k, unclamped = ctx.saved_tensors
+        dtype = compute_dtype(k.dtype)
+        scale = (2.0 * grad * unclamped).to(dtype)
+        return (k.to(dtype) * scale[..., None]).to(k.dtype)
+
+
 def key_energy(k: torch.Tensor) -> torch.Tensor:
     """``lambda = ||k||^2`` over the last dim in float64 (no overflow for any float32 key),
     clamped at ``LAMBDA_MIN``; shape ``k.shape[:-1]``."""
-    k64 = k.to(COEF_DTYPE)
-    return (k64 * k64).sum(-1).clamp_min(LAMBDA_MIN)
+    return _KeyEnergy.apply(k)
 
 
 def exact_erase(beta: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
