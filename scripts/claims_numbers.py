@@ -18,6 +18,8 @@ import pathlib
 import statistics
 from collections import defaultdict
 
+from efla.experiments.harness import read_records
+
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
@@ -90,7 +92,7 @@ def _lm_table(title: str, paths: list) -> None:
 
 
 def mad_memorization() -> None:
-    runs = [json.loads(p.read_text()) for p in (RESULTS / "mad" / "memorization-protocol" / "runs").glob("*.json")]
+    runs = read_records(str(RESULTS / "mad" / "memorization-protocol" / "runs.jsonl"))
     by_setting = defaultdict(dict)
     best_per_setting = defaultdict(list)
     for run in runs:

@@ -1,7 +1,8 @@
 """Regenerate docs/results/mad/baseline-grid from its recorded runs, any newer runs stored in
 .devmad/baseline/runs (git-ignored, where CPU and device runs land) and the memorization protocol's
-V = 256 runs: runs/, runs.csv, mad_scores.png and results.json (its runs as paths relative to the
-record). summary.md is written by hand. Usage: python scripts/record_mad_baseline.py [--command-as-run TEXT]"""
+V = 256 runs: runs.jsonl (its runs, one line each), runs.csv, mad_scores.png and results.json (its
+runs as references ``FILE#KEY`` relative to the record). summary.md is written by hand.
+Usage: python scripts/record_mad_baseline.py [--command-as-run TEXT]"""
 
 from __future__ import annotations
 
@@ -14,27 +15,31 @@ import subprocess
 import sys
 import tempfile
 
+from efla.experiments import harness
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = os.path.join(REPO, "docs", "results", "mad", "baseline-grid")
-MEMORIZATION = os.path.join(REPO, "docs", "results", "mad", "memorization-protocol", "runs")
+MEMORIZATION = os.path.join(REPO, "docs", "results", "mad", "memorization-protocol", "runs.jsonl")
 NEW_RUNS = os.path.join(REPO, ".devmad", "baseline", "runs")
-REPORT_COMMAND = ("python -m efla mad --preset baseline --report-only --out DIR (DIR: a copy of runs/ here and of "
-                  "the V = 256 runs of ../memorization-protocol/runs/)")
+REPORT_COMMAND = ("python -m efla mad --preset baseline --report-only --out DIR (DIR/runs.jsonl: runs.jsonl here and "
+                  "the V = 256 lines of ../memorization-protocol/runs.jsonl)")
 
 
 def gather_runs(into: str) -> None:
+    """Every run of the record as ``into/<key>.json`` (a run stored since the record replaces its line)."""
     os.makedirs(into)
-    sources = [os.path.join(RECORD, "runs", "*.json"), os.path.join(NEW_RUNS, "*.json"),
-               os.path.join(MEMORIZATION, "M-v256-*.json")]
-    for pattern in sources:  # later sources win: a run stored since the record replaces its copy
-        for path in glob.glob(pattern):
-            shutil.copy(path, into)
+    recorded = harness.read_records(os.path.join(RECORD, "runs.jsonl"))
+    protocol = [r for r in harness.read_records(MEMORIZATION) if r["key"].startswith("M-v256-")]
+    for run in recorded + protocol:
+        harness.atomic_write_json(os.path.join(into, run["key"] + ".json"), run)
+    for path in glob.glob(os.path.join(NEW_RUNS, "*.json")):
+        shutil.copy(path, into)
 
 
-def relative_run_path(key: str) -> str:
+def reference(key: str) -> str:
     if key.startswith("M-"):
-        return f"../memorization-protocol/runs/{key}.json"
-    return f"runs/{key}.json"
+        return f"../memorization-protocol/runs.jsonl#{key}"
+    return f"runs.jsonl#{key}"
 
 
 def write_record(report_dir: str, command_as_run: str | None) -> dict:
@@ -42,13 +47,12 @@ def write_record(report_dir: str, command_as_run: str | None) -> dict:
         previous = json.load(f)
     with open(os.path.join(report_dir, "results.json")) as f:
         results = json.load(f)
-    for path in glob.glob(os.path.join(report_dir, "runs", "*.json")):
-        if not os.path.basename(path).startswith("M-"):
-            shutil.copy(path, os.path.join(RECORD, "runs"))
+    own = [r for r in results["runs"] if not r["key"].startswith("M-")]
+    harness.write_records(os.path.join(RECORD, "runs.jsonl"), sorted(own, key=lambda r: r["key"]))
     for name in ("runs.csv", "mad_scores.png"):
         shutil.copy(os.path.join(report_dir, name), RECORD)
     stored, missing = len(results["runs"]), len(results["missing"])
-    results["runs"] = [relative_run_path(r["key"]) for r in results["runs"]]
+    results["runs"] = [reference(r["key"]) for r in results["runs"]]
     results["command"] = REPORT_COMMAND
     results["command_as_run"] = command_as_run or previous["command_as_run"]
     if missing:

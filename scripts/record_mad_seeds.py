@@ -1,18 +1,19 @@
 """Record MAD's fuzzy recall over seeds at its baseline setting's lr 1e-3 cells (wd 0 and 0.1), where
-seed 12345's grid found its best cells: docs/results/mad/fuzzy-recall-seeds/ gets runs/ (the runs of
-the other seeds, copied from .devmad/fr-seeds*/runs, git-ignored), runs.csv, results.json (per cell
-and rule each seed's accuracy, mean and sample std, and the paired EFLA - DeltaNet difference) and
-seeds.png. Seed 12345's runs stay in ../baseline-grid/runs and are listed by their path there.
+seed 12345's grid found its best cells: docs/results/mad/fuzzy-recall-seeds/ gets runs.jsonl (the runs
+of the other seeds, one line each, from .devmad/fr-seeds*/runs, git-ignored), runs.csv, results.json
+(per cell and rule each seed's accuracy, mean and sample std, and the paired EFLA - DeltaNet
+difference) and seeds.png. Seed 12345's runs stay in ../baseline-grid/runs.jsonl and are listed by
+their reference there.
 summary.md is written by hand. Usage: python scripts/record_mad_seeds.py [--command-as-run TEXT]"""
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import glob
 import json
 import math
 import os
-import shutil
 import statistics
 
 from efla.experiments import harness
@@ -21,7 +22,7 @@ from efla.variants import colour, label
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = os.path.join(REPO, "docs", "results", "mad", "fuzzy-recall-seeds")
-BASELINE_RUNS = os.path.join(REPO, "docs", "results", "mad", "baseline-grid", "runs")
+BASELINE = os.path.join(REPO, "docs", "results", "mad", "baseline-grid")
 NEW_RUNS = os.path.join(REPO, ".devmad", "fr-seeds*", "runs")
 RUN_PATTERN = "FR-v16-l128-n12800-m33__*__lr0.001-*-e200-*-s{seed}-fp32.json"
 SEEDS = (12345, 1, 2)
@@ -29,31 +30,38 @@ RULES = ("exact", "euler")
 WEIGHT_DECAYS = (0.0, 0.1)
 
 
+def _wanted(run: dict, seed: int) -> bool:
+    return fnmatch.fnmatch(run["key"] + ".json", RUN_PATTERN.format(seed=seed))
+
+
 def copy_new_runs() -> None:
-    """The other seeds' finished runs from the git-ignored stores into the record (a key in several
-    stores: the one trained last)."""
-    os.makedirs(os.path.join(RECORD, "runs"), exist_ok=True)
+    """The other seeds' finished runs from the git-ignored stores into the record's runs.jsonl (a key
+    in several stores: the one trained last)."""
+    path = os.path.join(RECORD, "runs.jsonl")
+    runs = {r["key"]: r for r in harness.read_records(path)} if os.path.exists(path) else {}
     for seed in SEEDS[1:]:
-        paths = glob.glob(os.path.join(NEW_RUNS, RUN_PATTERN.format(seed=seed)))
-        for path in sorted(paths, key=os.path.getmtime):
-            shutil.copy(path, os.path.join(RECORD, "runs"))
+        for stored in sorted(glob.glob(os.path.join(NEW_RUNS, RUN_PATTERN.format(seed=seed))), key=os.path.getmtime):
+            with open(stored) as f:
+                run = json.load(f)
+            runs[run["key"]] = run
+    harness.write_records(path, [runs[key] for key in sorted(runs)])
 
 
 def gather() -> list[tuple[str, dict]]:
-    """(path relative to the record, run) for every seed's lr 1e-3 runs: each rule and weight decay,
-    trained to its epoch budget."""
+    """(reference relative to the record, run) for every seed's lr 1e-3 runs: each rule and weight
+    decay, trained to its epoch budget."""
     found = []
     for seed in SEEDS:
         in_grid = seed == 12345
-        where = BASELINE_RUNS if in_grid else os.path.join(RECORD, "runs")
-        rel = "../baseline-grid/runs" if in_grid else "runs"
-        for path in sorted(glob.glob(os.path.join(where, RUN_PATTERN.format(seed=seed)))):
-            with open(path) as f:
-                run = json.load(f)
+        where = BASELINE if in_grid else RECORD
+        rel = "../baseline-grid/runs.jsonl" if in_grid else "runs.jsonl"
+        runs = sorted((r for r in harness.read_records(os.path.join(where, "runs.jsonl")) if _wanted(r, seed)),
+                      key=lambda r: r["key"])
+        for run in runs:
             stopped_short = run["epochs_run"] < run["config"]["epochs"] and not run["stopped_early"]
             if run["truncated"] or run["diverged"] or stopped_short:
-                raise SystemExit(f"record_mad_seeds: not a finished run ({path})")
-            found.append((f"{rel}/{os.path.basename(path)}", run))
+                raise SystemExit(f"record_mad_seeds: not a finished run ({rel}#{run['key']})")
+            found.append((f"{rel}#{run['key']}", run))
     have = {(r["config"]["seed"], r["rule"], r["weight_decay"]) for _, r in found}
     wanted = {(s, rule, wd) for s in SEEDS for rule in RULES for wd in WEIGHT_DECAYS}
     if have != wanted:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 __all__ = ["versions", "default_device", "command_line", "Provenance", "atomic_write", "atomic_write_json", "atomic_write_csv",
-           "atomic_save_figure", "progress_factory", "Table"]
+           "atomic_save_figure", "write_records", "read_records", "recorded", "progress_factory", "Table"]
 
 
 def versions(*extra_modules: str) -> dict:
@@ -105,6 +105,32 @@ def atomic_save_torch(path: str, obj) -> None:
 
 def atomic_write_json(path: str, obj, indent: int = 1) -> None:
     atomic_write(path, json.dumps(obj, indent=indent))
+
+
+def write_records(path: str, records: list[dict]) -> None:
+    """``records`` as JSON Lines (one object per line), atomically: a recorded experiment's runs in
+    one file rather than one file per run."""
+    atomic_write(path, "".join(json.dumps(record) + "\n" for record in records))
+
+
+def read_records(path: str) -> list[dict]:
+    """The objects of a JSON Lines file written by :func:`write_records`."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def recorded(record_dir: str, ref: str, key: str = "key") -> dict:
+    """The run a recorded result lists as ``ref``: ``FILE#NAME``, the object of JSON Lines ``FILE``
+    (relative to ``record_dir``) whose ``key`` is ``NAME``; or a JSON file's path."""
+    path, _, name = ref.partition("#")
+    path = os.path.join(record_dir, path)
+    if not name:
+        with open(path) as f:
+            return json.load(f)
+    found = [r for r in read_records(path) if r.get(key) == name]
+    if len(found) != 1:
+        raise KeyError(f"{ref}: {len(found)} records named {name!r} in {path}")
+    return found[0]
 
 
 def atomic_write_csv(path: str, header: list, rows) -> None:

@@ -10,12 +10,14 @@ import statistics
 
 import pytest
 
+from efla.experiments.harness import recorded
+
 RECORD = pathlib.Path(__file__).resolve().parents[2] / "docs/results/mad/fuzzy-recall-seeds"
 
 
 def _record():
     results = json.loads((RECORD / "results.json").read_text())
-    runs = [json.loads((RECORD / rel).read_text()) for rel in results["runs"]]
+    runs = [recorded(str(RECORD), ref) for ref in results["runs"]]
     return results, runs
 
 

@@ -623,6 +623,24 @@ def test_resume_skips_finished_runs(tmp_path, monkeypatch):
     assert report["runs"] == [] and len(report["missing"]) == 1
 
 
+def test_a_record_of_runs_in_one_file_counts_as_stored(tmp_path, monkeypatch):
+    """A recorded experiment keeps its runs as lines of runs.jsonl: --report-only over it gives the
+    report of the run files, nothing retrains, and a run file of its own wins over its line."""
+    from efla.experiments import harness
+
+    opts = R.MADOptions(preset="tiny", tasks=["memorization"], rules=["exact", "euler"], num_heads=2)
+    stored = R.run_mad(opts, str(tmp_path / "runs_dir"))
+    record = tmp_path / "record"
+    harness.write_records(str(record / "runs.jsonl"), stored["runs"])
+    monkeypatch.setattr(R, "MADRun", lambda *a, **kw: pytest.fail("a recorded run was trained again"))
+    shown = R.run_mad(R.MADOptions(**{**opts.__dict__, "train": False}), str(record))
+    assert shown["runs"] == stored["runs"] and shown["missing"] == []
+    assert R.run_mad(opts, str(record))["runs"] == stored["runs"]
+    own = dict(stored["runs"][0], test_acc=-1.0)
+    harness.atomic_write_json(str(record / "runs" / (own["key"] + ".json")), own)
+    assert R.run_mad(opts, str(record))["runs"][0]["test_acc"] == -1.0
+
+
 def test_quick_preset_plan():
     cfgs = R.plan(R.MADOptions(preset="quick"))
     assert len(cfgs) == 12 and {c.setting for c in cfgs} == {D.baseline_setting(t) for t in D.TASKS}

@@ -2,8 +2,10 @@
 output files are in :mod:`efla.experiments.mad.report`).
 
 Every finished run is stored as ``<out>/runs/<key>.json``; re-invoking with the same output
-directory skips those runs. A run in progress keeps its state in ``<out>/partial/<key>.pt`` (at
-most a minute old) and continues from there when re-invoked after a kill.
+directory skips those runs, and those of ``<out>/runs.jsonl`` (a recorded experiment's runs in one
+file, ``RECORDED_RUNS``: ``--report-only`` over a record reads them there). A run in progress keeps
+its state in ``<out>/partial/<key>.pt`` (at most a minute old) and continues from there when
+re-invoked after a kill.
 """
 
 from __future__ import annotations
@@ -152,14 +154,34 @@ def partial_path(out_dir: str, cfg: RunConfig) -> str:
     return os.path.join(out_dir, "partial", cfg.key + ".pt")
 
 
+RECORDED_RUNS = "runs.jsonl"
+_recorded_cache: dict[str, tuple[int, dict]] = {}
+
+
+def recorded_runs(out_dir: str) -> dict[str, dict]:
+    """``<out>/runs.jsonl``'s runs by key (read again only when the file changed)."""
+    path = os.path.join(out_dir, RECORDED_RUNS)
+    if not os.path.exists(path):
+        return {}
+    stamp = os.stat(path).st_mtime_ns
+    held = _recorded_cache.get(path)
+    if held is None or held[0] != stamp:
+        held = _recorded_cache[path] = (stamp, {run["key"]: run for run in harness.read_records(path)})
+    return held[1]
+
+
 def load_run(out_dir: str, cfg: RunConfig, time_limit: float | None = None, any_stored: bool = False) -> dict | None:
     """The stored result of ``cfg`` if it counts as finished: complete, or truncated by a time
-    limit at least as long as ``time_limit`` (``any_stored``: every stored result counts)."""
+    limit at least as long as ``time_limit`` (``any_stored``: every stored result counts). A run
+    file of its own wins over the record's line."""
     p = run_path(out_dir, cfg)
-    if not os.path.exists(p):
+    if os.path.exists(p):
+        with open(p) as f:
+            res = json.load(f)
+    else:
+        res = recorded_runs(out_dir).get(cfg.key)
+    if res is None:
         return None
-    with open(p) as f:
-        res = json.load(f)
     if res.get("truncated") and not any_stored and (time_limit is None or (res.get("time_limit") or 0) < time_limit):
         return None
     return res
