@@ -65,16 +65,17 @@ def lr_sweep() -> None:
 
 
 def language_model() -> None:
-    _lm_table("lm (CPU, 0.66M)", sorted((RESULTS / "lm" / "eval" / "models").glob("*/eval.json")))
-    _lm_table("lm (H200, 100M)", sorted((RESULTS / "lm_gpu_100m" / "runs").glob("*/eval/eval.json")))
+    cpu = [json.loads(p.read_text()) for p in sorted((RESULTS / "lm" / "eval" / "models").glob("*/eval.json"))]
+    _lm_table("lm (CPU, 0.66M)", cpu)
+    _lm_table("lm (H200, 100M)", [run["eval"] for run in read_records(str(RESULTS / "lm_gpu_100m" / "runs.jsonl"))])
 
 
-def _lm_table(title: str, paths: list) -> None:
+def _lm_table(title: str, evaluations: list[dict]) -> None:
     """Per variant, mean ± sample std over seeds of WikiText-2 bits per byte and the final
-    validation loss; each exact rule against its Euler counterpart in standard errors."""
+    validation loss (``efla eval``'s records); each exact rule against its Euler counterpart in
+    standard errors."""
     by_variant = defaultdict(list)
-    for path in paths:
-        record = json.loads(path.read_text())
+    for record in evaluations:
         by_variant[_find(record, "variant")].append(record)
     for variant, records in sorted(by_variant.items()):
         line = f"{title} {variant:15s}"

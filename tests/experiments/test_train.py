@@ -373,6 +373,12 @@ def test_lm_report_summarises_eval_results_with_sample_spread(corpus, tokenizer_
     # mean ± sample standard deviation of two runs: 105 ± 7.07, 2.0 ± 0.707, 0.30 ± 0.0707
     assert "| 105.0 ± 7.1 | 2.0000 ± 0.7071 | 0.3000 ± 0.0707 | 20.0 ± 0.0 |" in row
     assert "context 64 tokens; LAMBADA: 40 of 5,153 passages" in text and "WikiText: first" not in text
+    # a record keeps the runs as lines of one runs.jsonl: the same report from it
+    from efla.experiments import harness
+    from efla.experiments.lm.report import stored_run
+
+    harness.write_records(str(tmp_path / "runs.jsonl"), [stored_run(r) for r in runs])
+    assert summary_markdown(collect_runs([str(tmp_path / "runs.jsonl")]), "t", "", "") == text
 
 
 def test_resuming_a_finished_run_keeps_its_validation_loss_and_rate(corpus, tokenizer_dir, tmp_path):

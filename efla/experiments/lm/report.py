@@ -12,7 +12,7 @@ from efla.variants import VARIANTS, colour, label
 from .. import harness
 from .train import read_log, throughput
 
-__all__ = ["collect_runs", "write_lm_report"]
+__all__ = ["collect_runs", "stored_run", "write_lm_report"]
 
 # the model variants in report order, as ``EFLAConfig.variant`` names them
 LM_VARIANTS = tuple(v.preset_suffix.replace("-", "_") for v in VARIANTS)
@@ -34,14 +34,11 @@ EVAL_FIELDS = (("wikitext_word_ppl", "wikitext", "word_perplexity"), ("wikitext_
                ("lambada_ppl", "lambada", "perplexity"))
 
 
-def read_eval(run_dir: str) -> dict:
-    """``efla eval``'s numbers for a run (``<run>/eval/eval.json``; ``{}`` where it has none), plus
+def eval_numbers(ev: dict | None) -> dict:
+    """``efla eval``'s numbers for a run (from its ``eval.json``; ``{}`` where it has none), plus
     what limited them (``eval_limits``: a truncated WikiText or a LAMBADA subset)."""
-    path = os.path.join(run_dir, "eval", "eval.json")
-    if not os.path.exists(path):
+    if not ev:
         return {}
-    with open(path) as f:
-        ev = json.load(f)
     out = {key: (ev.get(section) or {}).get(field) for key, section, field in EVAL_FIELDS}
     limits = []
     wiki, lam = ev.get("wikitext") or {}, ev.get("lambada") or {}
@@ -55,29 +52,53 @@ def read_eval(run_dir: str) -> dict:
     return out
 
 
-def collect_runs(run_dirs: list[str], tail: int = 20) -> list[dict]:
-    """Per run: variant, seed, its loss and validation curves and the summary numbers
-    (``final_loss`` is the mean training loss of the last ``tail`` steps), and ``efla eval``'s
-    numbers where the run directory has them (:func:`read_eval`)."""
+def _read_json(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def stored_run(run_dir: str) -> dict | None:
+    """A finished ``efla train`` run's files as one record (``None`` while unfinished): its name,
+    ``train_summary``, ``train_args``, model ``config``, ``eval`` (``<run>/eval/eval.json``) and
+    ``log``: what a recorded experiment keeps per run as a line of its ``runs.jsonl``."""
+    summary = _read_json(os.path.join(run_dir, "train_summary.json"))
+    if summary is None:
+        return None
+    return dict(run=os.path.basename(os.path.normpath(run_dir)), train_summary=summary,
+                train_args=_read_json(os.path.join(run_dir, "train_args.json")),
+                config=_read_json(os.path.join(run_dir, "config.json")),
+                eval=_read_json(os.path.join(run_dir, "eval", "eval.json")), log=read_log(run_dir))
+
+
+def _stored_runs(source: str) -> list[dict]:
+    """The finished runs of ``source``: a run directory, or a record's ``runs.jsonl`` (one
+    :func:`stored_run` record per line)."""
+    if source.endswith(".jsonl"):
+        return [dict(record, dir=source) for record in harness.read_records(source)]
+    record = stored_run(source)
+    return [] if record is None else [dict(record, dir=source)]
+
+
+def collect_runs(sources: list[str], tail: int = 20) -> list[dict]:
+    """Per run (of run directories or records' ``runs.jsonl``): variant, seed, its loss and
+    validation curves and the summary numbers (``final_loss`` is the mean training loss of the
+    last ``tail`` steps), and ``efla eval``'s numbers where the run has them (:func:`eval_numbers`)."""
     rows = []
-    for d in run_dirs:
-        if not os.path.exists(os.path.join(d, "train_summary.json")):
-            continue  # unfinished run
-        with open(os.path.join(d, "train_summary.json")) as f:
-            summ = json.load(f)
-        with open(os.path.join(d, "train_args.json")) as f:
-            args = json.load(f)
-        log = [e for e in read_log(d) if "error" not in e]
+    for record in (r for source in sources for r in _stored_runs(source)):
+        summ, args = record["train_summary"], record["train_args"]
+        log = [e for e in record["log"] if "error" not in e]
         curve = [(e["step"], e["tokens"], e["loss"]) for e in log]
         val = [(e["step"], e["tokens"], e["val_loss"]) for e in log if "val_loss" in e]
         last = [c[2] for c in curve[-tail:]]
         tokens_per_s, train_seconds = _rate_and_seconds(summ, args, log)
-        rows.append(dict(run=os.path.basename(os.path.normpath(d)), dir=d, variant=summ["variant"], seed=args["seed"],
+        rows.append(dict(run=record["run"], dir=record["dir"], variant=summ["variant"], seed=args["seed"],
                          preset=args.get("preset"), config=args.get("config_file"), steps=summ["steps"], tokens=summ["tokens"],
                          n_params=summ["n_params"], final_loss=sum(last) / len(last) if last else None,
                          val_loss=summ["val_loss"], tokens_per_s=tokens_per_s, threads=summ.get("threads"),
                          train_seconds=train_seconds, resolved=args.get("resolved", {}),
-                         curve=curve, val_curve=val, **read_eval(d)))
+                         curve=curve, val_curve=val, **eval_numbers(record["eval"])))
     return rows
 
 
