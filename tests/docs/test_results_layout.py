@@ -112,6 +112,11 @@ def test_benchmark_results_are_the_raw_files_the_tables_cite():
     assert len(_files(ROOT, "benchmarks/results")) <= 30
 
 
+def test_the_lab_notebook_stays_small():
+    """Experiments keep their runs in one raw file each (``runs.jsonl``), not a file per run."""
+    assert len(_files(ROOT)) <= 120
+
+
 def test_scripts_hold_a_handful_of_general_tools():
     tools = [p.name for p in _files(ROOT, "scripts") if "__pycache__" not in p.parts]
     assert len(tools) <= 6, tools
