@@ -56,7 +56,7 @@ from efla.errors import UsageError
 
 from .. import harness
 from ..run_dir import LOCK_NAME, check_out_dir, claim_run_dir
-from .checkpoint import (
+from ..checkpoint import (
     CheckpointError,
     find_resume_checkpoint,
     list_checkpoints,

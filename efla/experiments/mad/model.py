@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from efla.data.mad_tasks import IGNORE, MADSetting, make_dataset
 from efla.experiments import harness
+from efla.experiments.checkpoint import load_checkpoint_state
 from efla.layers import EFLA, GatedEFLA, GatedMLP, RMSNorm
 from efla.variants import EXPERIMENT_KEYS, Variant
 
@@ -291,8 +292,6 @@ def _resume_state(path: str | None, cfg: RunConfig, model, opt, sched, gen) -> d
     or malformed one), in which case the objects may be half-loaded and must be built afresh."""
     if not path or not os.path.exists(path):
         return None
-    from efla.experiments.lm.checkpoint import load_checkpoint_state
-
     try:
         state = load_checkpoint_state(path)
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT or state.get("key") != cfg.key:

@@ -1,5 +1,6 @@
-"""``efla train`` checkpoints: written whole or not at all, verified before a resume, loaded without
-running code.
+"""Run state the experiments share: checkpoints written whole or not at all, verified before a
+resume, loaded without running code (``efla train``'s checkpoint directories; MAD's partial runs
+load through ``load_checkpoint_state``).
 
 A checkpoint ``out/checkpoints/step-NNNNNNN/`` holds ``model.safetensors``, ``optimizer.pt``,
 ``scheduler.pt``, ``rng.pt``, ``trainer_state.json`` and, written last, ``manifest.json`` (size and
@@ -19,7 +20,7 @@ import shutil
 import numpy as np
 import torch
 
-from .. import harness
+from . import harness
 
 __all__ = ["CKPT_FILES", "CheckpointError", "list_checkpoints", "verify_checkpoint", "find_resume_checkpoint",
            "load_checkpoint_state", "rng_state", "set_rng_state", "write_checkpoint"]
