@@ -116,8 +116,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from efla.experiments.lm.evaluate import (
-        check_model_dir, compare, evaluate_model, write_json, write_text)
+    from efla.experiments.lm.compare import compare
+    from efla.experiments.lm.evaluate import check_model_dir, evaluate_model, write_json, write_text
 
     _setup_threads(args)
     sources = list(args.models or []) + list(args.models_opt or [])

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from efla.data.eval_text import load_lambada
+from efla.experiments.lm.compare import compare
 from efla.experiments.lm.evaluate import (
-    compare,
     encode_pair,
     evaluate_lambada,
     evaluate_wikitext,
