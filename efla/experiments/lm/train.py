@@ -43,7 +43,6 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -55,7 +54,6 @@ import torch
 from efla.errors import UsageError
 
 from .. import harness
-from ..run_dir import LOCK_NAME, check_out_dir, claim_run_dir
 from ..checkpoint import (
     CheckpointError,
     find_resume_checkpoint,
@@ -66,7 +64,9 @@ from ..checkpoint import (
     verify_checkpoint,
     write_checkpoint,
 )
-from .config import SIZE_DEFAULTS, TrainConfig, check_resume_unchanged, check_train_config, stored_train_args
+from .data import check_text, load_data, prepare_tokenizer
+from .start import claim_and_choose_start, clean_after_failure, refuse_a_changed_resume
+from .config import SIZE_DEFAULTS, TrainConfig, check_train_config, stored_train_args
 from .distributed import (
     Dist,
     full_model_state,
@@ -200,79 +200,6 @@ def _resolve(cfg: TrainConfig, dist: Dist) -> dict:
                 micro=mb, accum=per_rank // mb, max_steps=max_steps, warmup=warmup)
 
 
-def _prepare_tokenizer(cfg: TrainConfig, dist: Dist, resuming: bool, log):
-    from efla.data.text import read_documents
-    from efla.data.tokenizer import get_tokenizer, load_tokenizer
-
-    have = os.path.exists(os.path.join(cfg.out, "tokenizer_config.json"))
-    if not (resuming and have) and dist.main:
-        log(_tokenizer_phase(cfg))
-
-        def texts():
-            budget = cfg.tokenizer_train_chars
-            for doc in read_documents(cfg.data, cfg.text_field, cfg.gutenberg_strip, cfg.accept_invalid_utf8):
-                if budget <= 0:
-                    return
-                yield doc[:budget]
-                budget -= len(doc)
-
-        get_tokenizer(cfg.tokenizer, texts_factory=texts, vocab_size=cfg.vocab_size, save_dir=cfg.out)
-    dist.barrier()
-    return load_tokenizer(cfg.out)
-
-
-def _tokenizer_phase(cfg: TrainConfig) -> str:
-    if cfg.tokenizer not in (None, "", "bpe"):
-        return f"loading the tokenizer {cfg.tokenizer} (--tokenizer)"
-    return (f"training the tokenizer: byte-level BPE of {cfg.vocab_size:,} tokens on up to "
-            f"{cfg.tokenizer_train_chars:,} characters (--vocab-size, --tokenizer-train-chars)")
-
-
-def _load_data(cfg: TrainConfig, r: dict, tok, eos_id: int, dist: Dist, log):
-    from efla.data.text import split_train_val
-
-    cache = cfg.cache_dir or os.path.join(cfg.out, "cache")
-    # rank 0 tokenizes (and fills the cache) first; the others then read the cache
-    toks = val_toks = None
-    for turn in ((True,), (False,)):
-        if dist.main == turn[0]:
-            toks = _token_stream(cfg, cfg.data, "--data", tok, eos_id, cache, log)
-            if cfg.val_data:
-                val_toks = _token_stream(cfg, cfg.val_data, "--val-data", tok, eos_id, cache, log)
-        dist.barrier()
-    _check_fills_a_sequence(toks, r["seq_len"], cfg.data, "--data")
-    if val_toks is not None:
-        _check_fills_a_sequence(val_toks, r["seq_len"], cfg.val_data, "--val-data")
-    elif cfg.val_sequences >= len(toks) // r["seq_len"]:
-        raise UsageError(f"{_files_named(cfg.data)}: --val-sequences {cfg.val_sequences} would leave no training data "
-                         f"({len(toks) // r['seq_len']} sequences of {r['seq_len']} tokens in all) "
-                         "(--val-sequences, or more --data)")
-    return split_train_val(toks, r["seq_len"], cfg.val_sequences, val_seed=1234, val_tokens=val_toks)
-
-
-def _check_fills_a_sequence(tokens, seq_len: int, paths: list, option: str) -> None:
-    if len(tokens) < seq_len:
-        raise UsageError(f"{_files_named(paths)}: {len(tokens)} tokens do not fill one sequence of {seq_len} tokens "
-                         f"(--seq-len, or more {option})")
-
-
-def _files_named(paths: list, shown: int = 3) -> str:
-    return ", ".join(paths[:shown]) + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
-
-
-def _token_stream(cfg: TrainConfig, paths: list, option: str, tok, eos_id: int, cache: str, log):
-    from efla.data.text import NoTextError, load_token_stream
-
-    def log_naming_the_files(message: str) -> None:
-        log(f"{message} ({option} {_files_named(paths)})")
-
-    try:
-        return load_token_stream(paths, tok, eos_id, cache, cfg.text_field, cfg.gutenberg_strip, cfg.accept_invalid_utf8,
-                                 log=log_naming_the_files)
-    except NoTextError:
-        raise UsageError(f"{_files_named(paths)}: no text to train on, every document is empty ({option})") from None
-
-
 def _evaluate(model, val, r: dict, dist: Dist, eos_id: int, varlen: bool, autocast) -> float | None:
     from efla.data.text import count_targets, make_batch
 
@@ -309,89 +236,6 @@ def _evaluate(model, val, r: dict, dist: Dist, eos_id: int, varlen: bool, autoca
     return float(tot[0] / tot[1]) if tot[1] > 0 else None
 
 
-def _check_text(cfg: TrainConfig, dist: Dist, log) -> None:
-    from efla.data.text import check_text_files
-
-    def warn(message: str) -> None:
-        if dist.main:
-            print(f"efla train: warning: {message}", file=sys.stderr)
-
-    log("checking the text files (--data" + (", --val-data)" if cfg.val_data else ")"))
-    for paths, option in ((cfg.data, "--data"), (cfg.val_data or [], "--val-data")):
-        checks = check_text_files(paths, cfg.accept_invalid_utf8, warn, option=option)
-        if checks and not any(p.startswith("hf:") for p in paths) and not any(c.has_text for c in checks):
-            raise UsageError(f"{_files_named([c.path for c in checks])}: empty, no text to train on ({option})")
-
-
-def _choose_start(cfg: TrainConfig) -> str | None:
-    """The checkpoint to resume from (``None``: a fresh start); read-only.
-
-    Raises:
-        CheckpointError: a damaged checkpoint. UsageError: nothing to resume, or a run that would be
-        clobbered.
-    """
-    if cfg.resume_from:
-        verify_checkpoint(cfg.resume_from)
-        return cfg.resume_from
-    if cfg.resume or cfg.resume_or_start:
-        ckpt = find_resume_checkpoint(cfg.out)
-        if ckpt is None and not cfg.resume_or_start:
-            raise UsageError(f"{cfg.out} has no checkpoint to resume from; pass --resume-or-start to start a new "
-                             "run when there is none (--resume)")
-        return ckpt
-    if list_checkpoints(cfg.out) and not cfg.overwrite:
-        raise UsageError(f"{cfg.out} already has checkpoints: pass --resume to continue that run, --overwrite to "
-                         "start again, or another --out (--out)")
-    return None
-
-
-def _clear_for_fresh_start(cfg: TrainConfig) -> None:
-    if cfg.overwrite:
-        shutil.rmtree(os.path.join(cfg.out, "checkpoints"), ignore_errors=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(cfg.out, "log.jsonl"))
-
-
-def _claim_and_choose_start(cfg: TrainConfig, dist: Dist):
-    """Rank 0 checks ``out``, locks it and picks the checkpoint; every rank gets the outcome.
-
-    Returns ``(lock or None, checkpoint or None, the names in out before or None)``; on an error the lock
-    is released and a lock file or directory created here is removed again, so a refused run leaves
-    nothing behind."""
-    lock, ckpt, error, before = None, None, None, None
-    if dist.main:
-        before = sorted(os.listdir(cfg.out)) if os.path.isdir(cfg.out) else None
-        try:
-            check_out_dir(cfg.out, cfg.overwrite)
-            lock = claim_run_dir(cfg.out)
-            if lock.stale_holder:
-                print(f"efla train: took over the lock of a run that is no longer running "
-                      f"(pid {lock.stale_holder.get('pid')}) in {cfg.out}", file=sys.stderr)
-            ckpt = _choose_start(cfg)
-            if ckpt is None:
-                _clear_for_fresh_start(cfg)
-        except (UsageError, CheckpointError) as e:
-            error = e
-            _undo_claim(cfg.out, lock, before)
-            lock = None
-    error, ckpt = dist.broadcast((error, ckpt))
-    if error is not None:
-        raise error
-    return lock, ckpt, before
-
-
-def _undo_claim(out: str, lock, before: list[str] | None) -> None:
-    """Releases ``lock`` and removes its file (and ``out``) where this run created them."""
-    if lock is None or lock.fd < 0:
-        return
-    lock.release()
-    with contextlib.suppress(OSError):
-        if before is None or LOCK_NAME not in before:
-            os.remove(os.path.join(out, LOCK_NAME))
-        if before is None:
-            os.rmdir(out)
-
-
 STEADY_STATE_WARMUP = 5
 
 
@@ -423,7 +267,7 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
         NonFiniteLossError: a non-finite loss with ``on_nonfinite="stop"`` (the last good checkpoint stays).
     """
     check_train_config(cfg)
-    _check_resume_unchanged(cfg)
+    refuse_a_changed_resume(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     dev_kind = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -438,13 +282,13 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
         cp = setup_context_parallel(cfg.context_parallel, fsdp=cfg.fsdp, grad_checkpointing=cfg.grad_checkpointing)
     r = _resolve(cfg, dist)
     log = log if (log is not None and dist.main) else _log_nothing
-    _check_text(cfg, dist, log)
-    lock, ckpt, before = _claim_and_choose_start(cfg, dist)
+    check_text(cfg, dist, log)
+    lock, ckpt, before = claim_and_choose_start(cfg, dist)
     try:
         return _train_from(cfg, dist, device, r, ckpt, on_step_end, cp, log)
     except BaseException:
         if dist.main:
-            _clean_after_failure(cfg.out, lock, before)
+            clean_after_failure(cfg.out, lock, before)
         raise
     finally:
         if lock is not None:
@@ -453,41 +297,6 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
 
 def _log_nothing(message: str) -> None:
     pass
-
-
-def _run_dir_of(cfg: TrainConfig) -> str:
-    """The run whose settings a resume continues: ``out``, or the run holding ``resume_from``."""
-    if cfg.resume_from:
-        return os.path.dirname(os.path.dirname(os.path.abspath(cfg.resume_from)))
-    return cfg.out
-
-
-def _check_resume_unchanged(cfg: TrainConfig) -> None:
-    """A resume (of a run with a checkpoint) refuses settings that would change the run; read-only."""
-    if not (cfg.resume_from or ((cfg.resume or cfg.resume_or_start) and list_checkpoints(cfg.out))):
-        return
-    stored = stored_train_args(_run_dir_of(cfg))
-    if stored is not None:
-        check_resume_unchanged(stored, dataclasses.asdict(cfg))
-
-
-def _clean_after_failure(out: str, lock, before: list[str] | None) -> None:
-    """A run that fails leaves what a resume needs and nothing else: with no checkpoint in ``out`` that is
-    nothing, so ``out`` is as it was before (gone if this run made it); else unfinished checkpoint writes
-    are removed."""
-    if list_checkpoints(out):
-        for name in os.listdir(os.path.join(out, "checkpoints")):
-            if name.startswith(".tmp-"):
-                shutil.rmtree(os.path.join(out, "checkpoints", name), ignore_errors=True)
-        return
-    for name in set(os.listdir(out)) - set(before or []) - {LOCK_NAME}:
-        path = os.path.join(out, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                os.remove(path)
-    _undo_claim(out, lock, before)
 
 
 @dataclass
@@ -565,9 +374,9 @@ def _load_tokenizer_and_data(run: _Session) -> None:
     from efla.data.text import SequenceOrder
     from efla.data.tokenizer import tokenizer_eos_id
 
-    run.tok = _prepare_tokenizer(run.cfg, run.dist, resuming=run.ckpt is not None, log=run.log)
+    run.tok = prepare_tokenizer(run.cfg, run.dist, resuming=run.ckpt is not None, log=run.log)
     run.eos_id = tokenizer_eos_id(run.tok)
-    run.train_data, run.val_data = _load_data(run.cfg, run.r, run.tok, run.eos_id, run.dist, run.log)
+    run.train_data, run.val_data = load_data(run.cfg, run.r, run.tok, run.eos_id, run.dist, run.log)
     run.order = SequenceOrder(len(run.train_data), seed=run.cfg.data_seed)
     fingerprint = run.train_data.fingerprint()
     if run.saved is not None and run.saved["data"]["fingerprint"] != fingerprint:
