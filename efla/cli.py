@@ -11,6 +11,7 @@ import itertools
 import os
 import sys
 
+from efla.errors import CheckpointError
 from efla.experiments.harness import command_line
 
 # the order of ``efla --help``: the tour first, then the experiments, then the model tools
@@ -132,7 +133,7 @@ def exit_status_and_message(error: BaseException) -> tuple[int, str]:
     """Exit status (2: the command cannot run as given, 1: the work failed) and the one-line message.
     A damaged checkpoint counts as a wrong input (2): the run did not start."""
     text = " ".join(str(error).split()) or type(error).__name__
-    if isinstance(error, _USAGE_ERRORS) or type(error).__name__ == "CheckpointError":
+    if isinstance(error, (*_USAGE_ERRORS, CheckpointError)):
         return 2, text
     if isinstance(error, _RUN_FAILURES):
         return 1, text

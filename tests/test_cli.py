@@ -255,3 +255,19 @@ def test_interrupted_demo_keeps_the_parts_it_finished(tmp_path, capsys, monkeypa
     assert (tmp_path / "one_step.png").stat().st_size > 200 and (tmp_path / "robustness.png").stat().st_size > 200
     out = " ".join(capsys.readouterr().out.split())
     assert re.search(r"\(b\) digits done at \d+ s; about \d+ s left", out), out
+
+
+def test_error_classes_choose_the_exit_status():
+    """By type, not by name: a damaged checkpoint is a wrong input (2), like a usage error; a failure
+    that began the work is 1; anything else is 1 with a hint at the traceback."""
+    from efla.cli import exit_status_and_message
+    from efla.errors import CheckpointError, NonFiniteValues, RunFailure, UsageError
+
+    assert exit_status_and_message(CheckpointError("ckpt: damaged"))[0] == 2
+    assert exit_status_and_message(UsageError("x (--y)")) == (2, "x (--y)")
+    assert exit_status_and_message(NonFiniteValues("q: contains 1 non-finite value(s)"))[0] == 2
+    assert exit_status_and_message(RunFailure("disk full"))[0] == 1
+
+    same_name_other_class = type("CheckpointError", (Exception,), {})
+    status, message = exit_status_and_message(same_name_other_class("?"))
+    assert status == 1 and "unexpected error" in message

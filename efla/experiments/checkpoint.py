@@ -20,16 +20,14 @@ import shutil
 import numpy as np
 import torch
 
+from efla.errors import CheckpointError
+
 from . import harness
 
 __all__ = ["CKPT_FILES", "CheckpointError", "list_checkpoints", "verify_checkpoint", "find_resume_checkpoint",
            "load_checkpoint_state", "rng_state", "set_rng_state", "write_checkpoint"]
 
 CKPT_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "trainer_state.json")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is incomplete or corrupted (or none can be resumed from)."""
 
 
 def _sha256(path: str) -> str:

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from efla.errors import NonFiniteValues
 from efla.ops import efla_coefficient
 from efla.ops.validate import all_finite, check_cu_seqlens, values_checked
 
@@ -92,7 +93,7 @@ def check_hidden_states(hidden_states: torch.Tensor, hidden_size: int,
     # checked here, not only by the op: a NaN or Inf would otherwise surface as a message about q or k
     if values_checked(hidden_states) and not all_finite(hidden_states):
         bad = (~torch.isfinite(hidden_states)).sum().item()
-        raise ValueError(f"hidden_states: contains {bad} non-finite value(s) (NaN or Inf)")
+        raise NonFiniteValues(f"hidden_states: contains {bad} non-finite value(s) (NaN or Inf)")
     return B, T
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from efla.errors import NonFiniteValues
+
 
 @dataclass(frozen=True)
 class Dims:
@@ -94,7 +96,7 @@ def all_finite(x: torch.Tensor) -> bool:
 def _check_finite(name: str, x: torch.Tensor) -> None:
     if not all_finite(x):
         bad = (~torch.isfinite(x)).sum().item()
-        raise ValueError(f"{name}: contains {bad} non-finite value(s) (NaN or Inf)")
+        raise NonFiniteValues(f"{name}: contains {bad} non-finite value(s) (NaN or Inf)")
 
 
 def validate(

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import efla.ops as ops
+from efla.errors import NonFiniteValues
 
 
 def good(B=2, T=10, H=3, K=4, V=5):
@@ -130,14 +131,15 @@ def test_efla_coefficient_rejects_non_tensors_and_bad_values():
         ops.efla_coefficient(x["beta"], x["k"].long())
     bad = x["beta"].clone()
     bad[0, 0, 0] = float("nan")
-    with pytest.raises(ValueError, match=r"^beta: contains 1 non-finite"):
+    with pytest.raises(NonFiniteValues, match=r"^beta: contains 1 non-finite"):  # a ValueError, caught by type
         ops.efla_coefficient(bad, x["k"])
     with pytest.raises(ValueError, match=r"^beta: the step size must be >= 0"):
         ops.efla_coefficient(-x["beta"] - 1.0, x["k"])
     k = x["k"].clone()
     k[0, 0, 0, 0] = float("inf")
-    with pytest.raises(ValueError, match=r"^k: contains 1 non-finite"):
+    with pytest.raises(NonFiniteValues, match=r"^k: contains 1 non-finite"):
         ops.efla_coefficient(x["beta"], k)
+    assert issubclass(NonFiniteValues, ValueError)
 
 
 def test_efla_coefficient_is_finite_for_any_finite_float32_key():

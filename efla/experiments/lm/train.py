@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from efla.errors import UsageError
+from efla.errors import NonFiniteValues, UsageError
 
 from .. import harness
 from ..checkpoint import (
@@ -221,9 +221,7 @@ def _evaluate(model, val, r: dict, dist: Dist, eos_id: int, varlen: bool, autoca
             try:
                 with autocast():
                     loss = core(**batch, use_cache=False).loss
-            except ValueError as e:  # non-finite weights (every rank has the same ones)
-                if "non-finite" not in str(e):
-                    raise
+            except NonFiniteValues:  # non-finite weights (every rank has the same ones)
                 core.train(was)
                 return float("nan")
             c = count_targets(batch)
@@ -606,9 +604,7 @@ def _forward_backward(run: _Session, step: int) -> tuple[float, str | None]:
                     loss = (context_parallel_lm_loss(run.wrapped, batch, cp) if cp
                             else run.wrapped(**batch, use_cache=False).loss)
                 (loss * (n_mb * dist.world / n_global)).backward()
-        except ValueError as e:  # the ops refuse non-finite inputs (always on CPU)
-            if "non-finite" not in str(e):
-                raise
+        except NonFiniteValues as e:  # the ops refuse non-finite inputs (always on CPU)
             forward_error = str(e)
             break
         loss_sum += loss.detach().double() * n_mb
