@@ -11,11 +11,26 @@ from efla.errors import UsageError
 
 from .. import arg_checks as check
 
-__all__ = ["SIZE_DEFAULTS", "TrainConfig", "check_train_config", "RESUME_FIXED", "RESUME_FREE", "check_resume_unchanged",
+__all__ = ["SIZE_DEFAULTS", "Sizes", "TrainConfig", "check_train_config", "RESUME_FIXED", "RESUME_FREE", "check_resume_unchanged",
            "stored_train_args"]
 
 # Per model size: (sequence length, batch size in tokens). 340m/1.3b: the paper's 2K x 512 = 1M tokens.
 SIZE_DEFAULTS = {"tiny": (256, 16 * 256), "340m": (2048, 1 << 20), "1.3b": (2048, 1 << 20)}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """A run's sizes resolved from its settings and the number of processes (``train_args.json``'s
+    ``resolved``)."""
+
+    seq_len: int  # tokens per sequence
+    batch_tokens: int  # tokens per optimizer step, all ranks together
+    global_seqs: int  # sequences per step, all ranks together
+    per_rank: int  # sequences per step on each rank taking its own data
+    micro: int  # sequences per forward
+    accum: int  # forwards per step and rank
+    max_steps: int
+    warmup: int  # warm-up steps of the learning-rate schedule
 
 
 @dataclass

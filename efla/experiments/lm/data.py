@@ -9,7 +9,7 @@ import sys
 
 from efla.errors import UsageError
 
-from .config import TrainConfig
+from .config import Sizes, TrainConfig
 from .distributed import Dist
 
 __all__ = ["check_text", "prepare_tokenizer", "load_data"]
@@ -43,7 +43,7 @@ def _tokenizer_phase(cfg: TrainConfig) -> str:
             f"{cfg.tokenizer_train_chars:,} characters (--vocab-size, --tokenizer-train-chars)")
 
 
-def load_data(cfg: TrainConfig, r: dict, tok, eos_id: int, dist: Dist, log):
+def load_data(cfg: TrainConfig, r: Sizes, tok, eos_id: int, dist: Dist, log):
     from efla.data.text import split_train_val
 
     cache = cfg.cache_dir or os.path.join(cfg.out, "cache")
@@ -55,14 +55,14 @@ def load_data(cfg: TrainConfig, r: dict, tok, eos_id: int, dist: Dist, log):
             if cfg.val_data:
                 val_toks = _token_stream(cfg, cfg.val_data, "--val-data", tok, eos_id, cache, log)
         dist.barrier()
-    _check_fills_a_sequence(toks, r["seq_len"], cfg.data, "--data")
+    _check_fills_a_sequence(toks, r.seq_len, cfg.data, "--data")
     if val_toks is not None:
-        _check_fills_a_sequence(val_toks, r["seq_len"], cfg.val_data, "--val-data")
-    elif cfg.val_sequences >= len(toks) // r["seq_len"]:
+        _check_fills_a_sequence(val_toks, r.seq_len, cfg.val_data, "--val-data")
+    elif cfg.val_sequences >= len(toks) // r.seq_len:
         raise UsageError(f"{_files_named(cfg.data)}: --val-sequences {cfg.val_sequences} would leave no training data "
-                         f"({len(toks) // r['seq_len']} sequences of {r['seq_len']} tokens in all) "
+                         f"({len(toks) // r.seq_len} sequences of {r.seq_len} tokens in all) "
                          "(--val-sequences, or more --data)")
-    return split_train_val(toks, r["seq_len"], cfg.val_sequences, val_seed=1234, val_tokens=val_toks)
+    return split_train_val(toks, r.seq_len, cfg.val_sequences, val_seed=1234, val_tokens=val_toks)
 
 
 def _check_fills_a_sequence(tokens, seq_len: int, paths: list, option: str) -> None:

@@ -9,7 +9,7 @@ import os
 
 from efla.errors import UsageError
 
-from .config import TrainConfig
+from .config import Sizes, TrainConfig
 
 __all__ = ["lr_at", "scheduled_lr", "schedule_of", "hyperparameters", "resumed_schedule"]
 
@@ -37,8 +37,8 @@ _OPTION_OF = {"planned_steps": "--max-steps", "warmup": "--warmup-steps", "lr": 
               "weight_decay": "--weight-decay", "betas": "betas", "eps": "eps", "grad_clip": "--grad-clip"}
 
 
-def schedule_of(cfg: TrainConfig, r: dict) -> dict:
-    return dict(planned_steps=r["max_steps"], warmup=r["warmup"], lr=cfg.lr, min_lr=cfg.min_lr)
+def schedule_of(cfg: TrainConfig, r: Sizes) -> dict:
+    return dict(planned_steps=r.max_steps, warmup=r.warmup, lr=cfg.lr, min_lr=cfg.min_lr)
 
 
 def hyperparameters(cfg: TrainConfig) -> dict:
@@ -61,7 +61,7 @@ def _saved_settings(ckpt: str, state: dict, out: str) -> dict:
     return {k: v for k, v in saved.items() if v is not None}
 
 
-def resumed_schedule(cfg: TrainConfig, r: dict, ckpt: str, state: dict) -> dict:
+def resumed_schedule(cfg: TrainConfig, r: Sizes, ckpt: str, state: dict) -> dict:
     """The schedule a resumed run continues: the checkpoint's own. A larger ``max_steps`` with
     ``extend_at_min_lr`` keeps it to its planned end and trains the extra steps at ``min_lr``.
 

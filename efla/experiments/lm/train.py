@@ -47,11 +47,19 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from efla.errors import NonFiniteValues, UsageError
+
+if TYPE_CHECKING:  # annotations only: these import transformers and the model at call time
+    from transformers import PreTrainedTokenizerBase
+
+    from efla.data.text import PackedData, SequenceOrder
+    from efla.distributed import ContextParallelTraining
+    from efla.models import EFLAConfig, EFLAForCausalLM
 
 from .. import harness
 from ..checkpoint import (
@@ -66,7 +74,7 @@ from ..checkpoint import (
 )
 from .data import check_text, load_data, prepare_tokenizer
 from .start import claim_and_choose_start, clean_after_failure, refuse_a_changed_resume
-from .config import SIZE_DEFAULTS, TrainConfig, check_train_config, stored_train_args
+from .config import SIZE_DEFAULTS, Sizes, TrainConfig, check_train_config, stored_train_args
 from .distributed import (
     Dist,
     full_model_state,
@@ -173,7 +181,7 @@ def _model_config(cfg: TrainConfig, tok, eos_id: int):
 
 # -- the loop ----------------------------------------------------------------------------------------
 
-def _resolve(cfg: TrainConfig, dist: Dist) -> dict:
+def _resolve(cfg: TrainConfig, dist: Dist) -> Sizes:
     size = _size_of(cfg.preset)
     seq_len = cfg.seq_len or SIZE_DEFAULTS[size][0]
     batch_tokens = cfg.batch_tokens or SIZE_DEFAULTS[size][1]
@@ -196,11 +204,11 @@ def _resolve(cfg: TrainConfig, dist: Dist) -> dict:
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max_steps // 8
     if cfg.on_nonfinite not in ("stop", "skip"):
         raise UsageError(f"expected 'stop' or 'skip', got {cfg.on_nonfinite!r} (--on-nonfinite)")
-    return dict(seq_len=seq_len, batch_tokens=batch_tokens, global_seqs=global_seqs, per_rank=per_rank,
-                micro=mb, accum=per_rank // mb, max_steps=max_steps, warmup=warmup)
+    return Sizes(seq_len=seq_len, batch_tokens=batch_tokens, global_seqs=global_seqs, per_rank=per_rank,
+                 micro=mb, accum=per_rank // mb, max_steps=max_steps, warmup=warmup)
 
 
-def _evaluate(model, val, r: dict, dist: Dist, eos_id: int, varlen: bool, autocast) -> float | None:
+def _evaluate(model, val, r: Sizes, dist: Dist, eos_id: int, varlen: bool, autocast) -> float | None:
     from efla.data.text import count_targets, make_batch
 
     if val is None or len(val) == 0:
@@ -215,8 +223,8 @@ def _evaluate(model, val, r: dict, dist: Dist, eos_id: int, varlen: bool, autoca
     tot = torch.zeros(2, dtype=torch.float64)
     dev = next(core.parameters()).device
     with torch.no_grad():
-        for s in range(0, len(idx), r["micro"]):
-            batch = make_batch(val.sequences(idx[s: s + r["micro"]]), eos_id, varlen)
+        for s in range(0, len(idx), r.micro):
+            batch = make_batch(val.sequences(idx[s: s + r.micro]), eos_id, varlen)
             batch = {k: v.to(dev) for k, v in batch.items()}
             try:
                 with autocast():
@@ -305,24 +313,24 @@ class _Session:
     cfg: TrainConfig
     dist: Dist
     device: torch.device
-    r: dict  # the resolved sizes (:func:`_resolve`)
+    r: Sizes
     ckpt: str | None  # the checkpoint resumed from
-    cp: object = None  # the context-parallel setup, if any
+    cp: ContextParallelTraining | None = None
     log: Callable[[str], None] = _log_nothing  # told of each long phase (rank 0)
     precision: str = "fp32"
     schedule: dict = field(default_factory=dict)
     saved: dict | None = None  # the checkpoint's trainer_state.json
-    tok: object = None
+    tok: PreTrainedTokenizerBase | None = None
     eos_id: int = 0
-    train_data: object = None
-    val_data: object = None
-    order: object = None
-    mconf: object = None
-    model: object = None
-    wrapped: object = None  # the model as DDP/FSDP wrap it (the model itself on one process)
+    train_data: PackedData | None = None
+    val_data: PackedData | None = None
+    order: SequenceOrder | None = None
+    mconf: EFLAConfig | None = None
+    model: EFLAForCausalLM | None = None
+    wrapped: torch.nn.Module | None = None  # the model as DDP/FSDP wrap it (the model itself on one process)
     n_params: int = 0
-    optimizer: object = None
-    scheduler: object = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     start_step: int = 0
 
     def autocast(self):
@@ -343,7 +351,7 @@ class _Progress:
     started: float = field(default_factory=time.perf_counter)
 
 
-def _train_from(cfg: TrainConfig, dist: Dist, device, r: dict, ckpt: str | None, on_step_end, cp=None,
+def _train_from(cfg: TrainConfig, dist: Dist, device, r: Sizes, ckpt: str | None, on_step_end, cp=None,
                 log=_log_nothing) -> dict:
     run = _Session(cfg, dist, device, r, ckpt, cp, log)
     _read_saved_schedule(run)
@@ -457,9 +465,9 @@ def _restore_checkpoint(run: _Session) -> None:
     # a different world size only loses bitwise equality with the original run, not correctness
     set_rng_state(rng[run.dist.rank] if len(rng) == run.dist.world else rng[0])
     run.start_step = state["step"]
-    if state["data"]["position"] != run.start_step * run.r["global_seqs"]:
+    if state["data"]["position"] != run.start_step * run.r.global_seqs:
         raise CheckpointError(f"{ckpt}: saved with {state['data']['position'] // max(1, run.start_step)} sequences "
-                              f"per step, resuming with {run.r['global_seqs']}: resume with the same --batch-tokens "
+                              f"per step, resuming with {run.r.global_seqs}: resume with the same --batch-tokens "
                               "and --seq-len")
     if run.dist.main:
         _truncate_log(run.cfg.out, run.start_step)
@@ -475,20 +483,20 @@ def _write_train_args(run: _Session) -> None:
         _update_run_length(run, stored)
         return
     args = dataclasses.asdict(run.cfg)
-    args["resolved"] = dict(run.r, schedule=run.schedule, world_size=run.dist.world, precision=run.precision,
+    args["resolved"] = dict(dataclasses.asdict(run.r), schedule=run.schedule, world_size=run.dist.world, precision=run.precision,
                             device=str(run.device), n_params=run.n_params, vocab_size=len(run.tok),
                             train_sequences=len(run.train_data),
-                            train_tokens_available=len(run.train_data) * run.r["seq_len"],
+                            train_tokens_available=len(run.train_data) * run.r.seq_len,
                             val_sequences=len(run.val_data) if run.val_data is not None else 0)
     harness.atomic_write_json(os.path.join(run.cfg.out, "train_args.json"), args, indent=2)
 
 
 def _update_run_length(run: _Session, stored: dict) -> None:
     cfg = run.cfg
-    if stored["resolved"].get("max_steps") == run.r["max_steps"]:
+    if stored["resolved"].get("max_steps") == run.r.max_steps:
         return
     stored = dict(stored, max_steps=cfg.max_steps, max_tokens=cfg.max_tokens, extend_at_min_lr=cfg.extend_at_min_lr,
-                  resolved=dict(stored["resolved"], max_steps=run.r["max_steps"], schedule=run.schedule))
+                  resolved=dict(stored["resolved"], max_steps=run.r.max_steps, schedule=run.schedule))
     harness.atomic_write_json(os.path.join(cfg.out, "train_args.json"), stored, indent=2)
 
 
@@ -501,9 +509,9 @@ def _save_checkpoint(run: _Session, step: int, position: int) -> str | None:
     if run.dist.main:
         run.log(f"writing the checkpoint of step {step}")
         r, cfg = run.r, run.cfg
-        trainer_state = dict(step=step, tokens=step * r["batch_tokens"], max_steps=r["max_steps"],
+        trainer_state = dict(step=step, tokens=step * r.batch_tokens, max_steps=r.max_steps,
                              world_size=run.dist.world, schedule=run.schedule, hyperparameters=hyperparameters(cfg),
-                             data=dict(position=position, seq_len=r["seq_len"], data_seed=cfg.data_seed,
+                             data=dict(position=position, seq_len=r.seq_len, data_seed=cfg.data_seed,
                                        n_sequences=len(run.train_data), fingerprint=run.train_data.fingerprint(),
                                        epoch=run.order.epoch_of(position)),
                              model_config=run.mconf.to_dict())
@@ -517,23 +525,23 @@ def _save_checkpoint(run: _Session, step: int, position: int) -> str | None:
 def _train_loop(run: _Session, on_step_end) -> _Progress:
     cfg, r = run.cfg, run.r
     progress = _Progress(step=run.start_step, last_good=run.ckpt)
-    if progress.step < r["max_steps"]:
-        run.log(f"training steps {progress.step + 1}-{r['max_steps']}"
+    if progress.step < r.max_steps:
+        run.log(f"training steps {progress.step + 1}-{r.max_steps}"
                 + ("; compiling GPU kernels (first step)" if run.device.type == "cuda" else ""))
     bar = None
     if run.dist.main and cfg.progress:
         bar = harness.progress_factory(leave=True, unit="step")(
-            r["max_steps"], f"train {os.path.basename(cfg.out.rstrip('/'))}", initial=run.start_step)
+            r.max_steps, f"train {os.path.basename(cfg.out.rstrip('/'))}", initial=run.start_step)
     log_f = open(os.path.join(cfg.out, "log.jsonl"), "a") if run.dist.main else None
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
     try:
-        while progress.step < r["max_steps"]:
+        while progress.step < r.max_steps:
             entry = _train_step(run, progress, log_f, bar)
             _log_step(run, entry, log_f, bar, progress.val_loss)
             step = progress.step
-            if (cfg.save_every and step % cfg.save_every == 0) or step == r["max_steps"]:
-                progress.last_good = _save_checkpoint(run, step, step * r["global_seqs"]) or progress.last_good
+            if (cfg.save_every and step % cfg.save_every == 0) or step == r.max_steps:
+                progress.last_good = _save_checkpoint(run, step, step * r.global_seqs) or progress.last_good
             if on_step_end is not None:
                 on_step_end(step, entry)
     finally:
@@ -558,16 +566,16 @@ def _train_step(run: _Session, progress: _Progress, log_f, bar) -> dict:
     dt = time.perf_counter() - t0
     progress.train_time += dt
     progress.step_seconds.append(dt)
-    entry = dict(step=step, loss=step_loss, lr=lr_used, grad_norm=gnorm, tokens=step * r["batch_tokens"],
-                 tokens_per_s=r["batch_tokens"] / dt if dt > 0 else 0.0, step_s=dt,
-                 epoch=run.order.epoch_of(step * r["global_seqs"]))
+    entry = dict(step=step, loss=step_loss, lr=lr_used, grad_norm=gnorm, tokens=step * r.batch_tokens,
+                 tokens_per_s=r.batch_tokens / dt if dt > 0 else 0.0, step_s=dt,
+                 epoch=run.order.epoch_of(step * r.global_seqs))
     if run.device.type == "cuda":
         entry["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.device) / 2 ** 30
     if skipped:
         entry["skipped"] = "non-finite"
         if bar is not None:
             bar.write(f"step {step}: non-finite loss/grad ({step_loss}, {gnorm}); batch skipped")
-    if (cfg.val_every and step % cfg.val_every == 0) or step == r["max_steps"]:
+    if (cfg.val_every and step % cfg.val_every == 0) or step == r.max_steps:
         progress.val_loss = _evaluate(run.wrapped if cfg.fsdp else run.model, run.val_data, r, run.dist, run.eos_id,
                                       cfg.varlen, run.autocast)
         if progress.val_loss is not None:
@@ -582,7 +590,7 @@ def _forward_backward(run: _Session, step: int) -> tuple[float, str | None]:
     from efla.distributed import context_parallel_lm_loss
 
     cfg, r, dist, cp = run.cfg, run.r, run.dist, run.cp
-    G, L = r["global_seqs"], r["seq_len"]
+    G, L = r.global_seqs, r.seq_len
     global_idx = run.order.take(step * G, G)
     if cfg.varlen:
         n_global = sum(count_targets(make_batch(run.train_data.sequences(global_idx[i: i + 1]), run.eos_id, True))
@@ -593,13 +601,13 @@ def _forward_backward(run: _Session, step: int) -> tuple[float, str | None]:
     mine = rank_slice(global_idx, data_rank, data_world)
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
     forward_error = None
-    for i in range(r["accum"]):
-        batch = make_batch(run.train_data.sequences(mine[i * r["micro"]: (i + 1) * r["micro"]]), run.eos_id,
+    for i in range(r.accum):
+        batch = make_batch(run.train_data.sequences(mine[i * r.micro: (i + 1) * r.micro]), run.eos_id,
                            cfg.varlen)
         n_mb = count_targets(batch)
         batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
         try:
-            with _gradient_sync(run, last=i == r["accum"] - 1):
+            with _gradient_sync(run, last=i == r.accum - 1):
                 with run.autocast():
                     loss = (context_parallel_lm_loss(run.wrapped, batch, cp) if cp
                             else run.wrapped(**batch, use_cache=False).loss)
@@ -662,7 +670,7 @@ def _apply_update(run: _Session, progress: _Progress, step_loss: float, gnorm: f
 
 
 def _log_step(run: _Session, entry: dict, log_f, bar, val_loss: float | None) -> None:
-    step, max_steps = entry["step"], run.r["max_steps"]
+    step, max_steps = entry["step"], run.r.max_steps
     if log_f and (step % run.cfg.log_every == 0 or step == max_steps or "val_loss" in entry or "skipped" in entry):
         log_f.write(json.dumps(entry) + "\n")
         log_f.flush()
@@ -694,9 +702,9 @@ def _save_final_model(run: _Session, progress: _Progress) -> dict:
         # a resumed process with nothing left to train measured no validation loss: the run's last one stands
         val_losses = [e["val_loss"] for e in log if "val_loss" in e]
         val_loss = progress.val_loss if progress.val_loss is not None else (val_losses[-1] if val_losses else None)
-        summary = dict(out=cfg.out, steps=step, tokens=step * r["batch_tokens"], max_steps=r["max_steps"],
+        summary = dict(out=cfg.out, steps=step, tokens=step * r.batch_tokens, max_steps=r.max_steps,
                        resumed_from=run.ckpt, final_loss=losses[-1] if losses else None, val_loss=val_loss,
-                       **throughput(progress.step_seconds, r["batch_tokens"]), peak_memory_gib_per_gpu=peak_per_gpu,
+                       **throughput(progress.step_seconds, r.batch_tokens), peak_memory_gib_per_gpu=peak_per_gpu,
                        train_seconds_this_process=progress.train_time,
                        wall_seconds_this_process=time.perf_counter() - progress.started,
                        n_params=run.n_params, world_size=dist.world, device=str(run.device), precision=run.precision,
