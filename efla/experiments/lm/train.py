@@ -37,29 +37,18 @@ schedule and trains the extra steps at ``min_lr`` (:func:`scheduled_lr`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import math
 import os
 import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from efla.errors import NonFiniteValues, UsageError
-
-if TYPE_CHECKING:  # annotations only: these import transformers and the model at call time
-    from transformers import PreTrainedTokenizerBase
-
-    from efla.data.text import PackedData, SequenceOrder
-    from efla.distributed import ContextParallelTraining
-    from efla.models import EFLAConfig, EFLAForCausalLM
+from efla.errors import UsageError
 
 from .. import harness
 from ..checkpoint import (
@@ -73,7 +62,9 @@ from ..checkpoint import (
     write_checkpoint,
 )
 from .data import check_text, load_data, prepare_tokenizer
+from .session import Progress, Session, log_nothing
 from .start import claim_and_choose_start, clean_after_failure, refuse_a_changed_resume
+from .step import NonFiniteLossError, train_step
 from .config import SIZE_DEFAULTS, Sizes, TrainConfig, check_train_config, stored_train_args
 from .distributed import (
     Dist,
@@ -108,10 +99,6 @@ __all__ = [
     "SIZE_DEFAULTS",
     "main_ddp_cleanup",
 ]
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss (or gradient norm) of a step was NaN or infinite; the step was not applied."""
 
 
 # -- model / state helpers ---------------------------------------------------------------------------
@@ -208,40 +195,6 @@ def _resolve(cfg: TrainConfig, dist: Dist) -> Sizes:
                  micro=mb, accum=per_rank // mb, max_steps=max_steps, warmup=warmup)
 
 
-def _evaluate(model, val, r: Sizes, dist: Dist, eos_id: int, varlen: bool, autocast) -> float | None:
-    from efla.data.text import count_targets, make_batch
-
-    if val is None or len(val) == 0:
-        return None
-    n = (len(val) // dist.world) * dist.world
-    if n == 0:
-        return None
-    idx = np.arange(n)[dist.rank * (n // dist.world): (dist.rank + 1) * (n // dist.world)]
-    core = model  # the bare model (DDP) or the FSDP root (every rank takes part in its all-gathers)
-    was = core.training
-    core.eval()
-    tot = torch.zeros(2, dtype=torch.float64)
-    dev = next(core.parameters()).device
-    with torch.no_grad():
-        for s in range(0, len(idx), r.micro):
-            batch = make_batch(val.sequences(idx[s: s + r.micro]), eos_id, varlen)
-            batch = {k: v.to(dev) for k, v in batch.items()}
-            try:
-                with autocast():
-                    loss = core(**batch, use_cache=False).loss
-            except NonFiniteValues:  # non-finite weights (every rank has the same ones)
-                core.train(was)
-                return float("nan")
-            c = count_targets(batch)
-            tot += torch.tensor([loss.double().item() * c, c], dtype=torch.float64)
-    if dist.enabled:
-        t = tot.to(dev) if dev.type == "cuda" else tot
-        torch.distributed.all_reduce(t)
-        tot = t.cpu()
-    core.train(was)
-    return float(tot[0] / tot[1]) if tot[1] > 0 else None
-
-
 STEADY_STATE_WARMUP = 5
 
 
@@ -287,7 +240,7 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
 
         cp = setup_context_parallel(cfg.context_parallel, fsdp=cfg.fsdp, grad_checkpointing=cfg.grad_checkpointing)
     r = _resolve(cfg, dist)
-    log = log if (log is not None and dist.main) else _log_nothing
+    log = log if (log is not None and dist.main) else log_nothing
     check_text(cfg, dist, log)
     lock, ckpt, before = claim_and_choose_start(cfg, dist)
     try:
@@ -301,59 +254,9 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
             lock.release()
 
 
-def _log_nothing(message: str) -> None:
-    pass
-
-
-@dataclass
-class _Session:
-    """What the phases of one training process share: the settings, the process group, and the
-    tokenizer, data, model and optimizer built for the run."""
-
-    cfg: TrainConfig
-    dist: Dist
-    device: torch.device
-    r: Sizes
-    ckpt: str | None  # the checkpoint resumed from
-    cp: ContextParallelTraining | None = None
-    log: Callable[[str], None] = _log_nothing  # told of each long phase (rank 0)
-    precision: str = "fp32"
-    schedule: dict = field(default_factory=dict)
-    saved: dict | None = None  # the checkpoint's trainer_state.json
-    tok: PreTrainedTokenizerBase | None = None
-    eos_id: int = 0
-    train_data: PackedData | None = None
-    val_data: PackedData | None = None
-    order: SequenceOrder | None = None
-    mconf: EFLAConfig | None = None
-    model: EFLAForCausalLM | None = None
-    wrapped: torch.nn.Module | None = None  # the model as DDP/FSDP wrap it (the model itself on one process)
-    n_params: int = 0
-    optimizer: torch.optim.Optimizer | None = None
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
-    start_step: int = 0
-
-    def autocast(self):
-        if self.precision == "bf16" and not self.cfg.fsdp:
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-
-@dataclass
-class _Progress:
-    """The loop's running totals."""
-
-    step: int
-    last_good: str | None  # the newest checkpoint written or resumed from
-    val_loss: float | None = None
-    train_time: float = 0.0
-    step_seconds: list = field(default_factory=list)
-    started: float = field(default_factory=time.perf_counter)
-
-
 def _train_from(cfg: TrainConfig, dist: Dist, device, r: Sizes, ckpt: str | None, on_step_end, cp=None,
-                log=_log_nothing) -> dict:
-    run = _Session(cfg, dist, device, r, ckpt, cp, log)
+                log=log_nothing) -> dict:
+    run = Session(cfg, dist, device, r, ckpt, cp, log)
     _read_saved_schedule(run)
     _load_tokenizer_and_data(run)
     _build_model(run)
@@ -366,7 +269,7 @@ def _train_from(cfg: TrainConfig, dist: Dist, device, r: Sizes, ckpt: str | None
     return _save_final_model(run, progress)
 
 
-def _read_saved_schedule(run: _Session) -> None:
+def _read_saved_schedule(run: Session) -> None:
     cfg = run.cfg
     run.precision = cfg.precision if cfg.precision != "auto" else ("bf16" if run.device.type == "cuda" else "fp32")
     run.schedule = schedule_of(cfg, run.r)
@@ -376,7 +279,7 @@ def _read_saved_schedule(run: _Session) -> None:
         run.schedule = resumed_schedule(cfg, run.r, run.ckpt, run.saved)
 
 
-def _load_tokenizer_and_data(run: _Session) -> None:
+def _load_tokenizer_and_data(run: Session) -> None:
     from efla.data.text import SequenceOrder
     from efla.data.tokenizer import tokenizer_eos_id
 
@@ -391,7 +294,7 @@ def _load_tokenizer_and_data(run: _Session) -> None:
                               "--data, tokenizer and --seq-len")
 
 
-def _build_model(run: _Session) -> None:
+def _build_model(run: Session) -> None:
     from efla.models import EFLAForCausalLM
 
     cfg = run.cfg
@@ -417,7 +320,7 @@ def _build_model(run: _Session) -> None:
     run.n_params = sum(p.numel() for p in run.model.parameters())
 
 
-def _wrap_for_parallel_training(run: _Session) -> None:
+def _wrap_for_parallel_training(run: Session) -> None:
     model = run.model
     if run.cfg.fsdp:
         if not run.dist.enabled:
@@ -438,7 +341,7 @@ def _wrap_for_parallel_training(run: _Session) -> None:
         run.wrapped = model
 
 
-def _build_optimizer(run: _Session) -> None:
+def _build_optimizer(run: Session) -> None:
     cfg = run.cfg
     run.optimizer = torch.optim.AdamW(_param_groups(run.model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
                                       eps=cfg.eps)
@@ -446,7 +349,7 @@ def _build_optimizer(run: _Session) -> None:
                                                       lambda s: scheduled_lr(s, run.schedule) / cfg.lr)
 
 
-def _restore_checkpoint(run: _Session) -> None:
+def _restore_checkpoint(run: Session) -> None:
     """Optimizer, scheduler, RNG states, step and data position of the checkpoint resumed from."""
     ckpt, state = run.ckpt, run.saved
     osd = load_checkpoint_state(os.path.join(ckpt, "optimizer.pt"))
@@ -473,7 +376,7 @@ def _restore_checkpoint(run: _Session) -> None:
         _truncate_log(run.cfg.out, run.start_step)
 
 
-def _write_train_args(run: _Session) -> None:
+def _write_train_args(run: Session) -> None:
     """``train_args.json``: the run's settings. A resume keeps the saved file, updating only the length of
     a run extended with ``extend_at_min_lr``."""
     if not run.dist.main:
@@ -491,7 +394,7 @@ def _write_train_args(run: _Session) -> None:
     harness.atomic_write_json(os.path.join(run.cfg.out, "train_args.json"), args, indent=2)
 
 
-def _update_run_length(run: _Session, stored: dict) -> None:
+def _update_run_length(run: Session, stored: dict) -> None:
     cfg = run.cfg
     if stored["resolved"].get("max_steps") == run.r.max_steps:
         return
@@ -500,7 +403,7 @@ def _update_run_length(run: _Session, stored: dict) -> None:
     harness.atomic_write_json(os.path.join(cfg.out, "train_args.json"), stored, indent=2)
 
 
-def _save_checkpoint(run: _Session, step: int, position: int) -> str | None:
+def _save_checkpoint(run: Session, step: int, position: int) -> str | None:
     """Every rank gathers its part of the states; rank 0 writes the checkpoint. Its path on rank 0."""
     msd = full_model_state(run.wrapped, run.cfg.fsdp)
     osd = full_optim_state(run.wrapped, run.optimizer, run.cfg.fsdp)
@@ -522,9 +425,9 @@ def _save_checkpoint(run: _Session, step: int, position: int) -> str | None:
     return path
 
 
-def _train_loop(run: _Session, on_step_end) -> _Progress:
+def _train_loop(run: Session, on_step_end) -> Progress:
     cfg, r = run.cfg, run.r
-    progress = _Progress(step=run.start_step, last_good=run.ckpt)
+    progress = Progress(step=run.start_step, last_good=run.ckpt)
     if progress.step < r.max_steps:
         run.log(f"training steps {progress.step + 1}-{r.max_steps}"
                 + ("; compiling GPU kernels (first step)" if run.device.type == "cuda" else ""))
@@ -537,7 +440,7 @@ def _train_loop(run: _Session, on_step_end) -> _Progress:
         torch.cuda.reset_peak_memory_stats(run.device)
     try:
         while progress.step < r.max_steps:
-            entry = _train_step(run, progress, log_f, bar)
+            entry = train_step(run, progress, log_f, bar)
             _log_step(run, entry, log_f, bar, progress.val_loss)
             step = progress.step
             if (cfg.save_every and step % cfg.save_every == 0) or step == r.max_steps:
@@ -552,124 +455,7 @@ def _train_loop(run: _Session, on_step_end) -> _Progress:
     return progress
 
 
-def _train_step(run: _Session, progress: _Progress, log_f, bar) -> dict:
-    """One update (or a skipped batch): its log entry; the validation loss when due."""
-    cfg, r = run.cfg, run.r
-    t0 = time.perf_counter()
-    step_loss, forward_error = _forward_backward(run, progress.step)
-    gnorm = _clip_gradients(run) if forward_error is None else float("nan")
-    lr_used = run.optimizer.param_groups[0]["lr"]
-    skipped = _apply_update(run, progress, step_loss, gnorm, forward_error, log_f)
-    run.scheduler.step()
-    progress.step += 1
-    step = progress.step
-    dt = time.perf_counter() - t0
-    progress.train_time += dt
-    progress.step_seconds.append(dt)
-    entry = dict(step=step, loss=step_loss, lr=lr_used, grad_norm=gnorm, tokens=step * r.batch_tokens,
-                 tokens_per_s=r.batch_tokens / dt if dt > 0 else 0.0, step_s=dt,
-                 epoch=run.order.epoch_of(step * r.global_seqs))
-    if run.device.type == "cuda":
-        entry["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.device) / 2 ** 30
-    if skipped:
-        entry["skipped"] = "non-finite"
-        if bar is not None:
-            bar.write(f"step {step}: non-finite loss/grad ({step_loss}, {gnorm}); batch skipped")
-    if (cfg.val_every and step % cfg.val_every == 0) or step == r.max_steps:
-        progress.val_loss = _evaluate(run.wrapped if cfg.fsdp else run.model, run.val_data, r, run.dist, run.eos_id,
-                                      cfg.varlen, run.autocast)
-        if progress.val_loss is not None:
-            entry["val_loss"] = progress.val_loss
-    return entry
-
-
-def _forward_backward(run: _Session, step: int) -> tuple[float, str | None]:
-    """Forward and backward over this rank's share of the global batch of ``step``, accumulated over
-    micro-batches. Returns the global mean loss and, if the ops refused a non-finite value, why."""
-    from efla.data.text import count_targets, make_batch, rank_slice
-    from efla.distributed import context_parallel_lm_loss
-
-    cfg, r, dist, cp = run.cfg, run.r, run.dist, run.cp
-    G, L = r.global_seqs, r.seq_len
-    global_idx = run.order.take(step * G, G)
-    if cfg.varlen:
-        n_global = sum(count_targets(make_batch(run.train_data.sequences(global_idx[i: i + 1]), run.eos_id, True))
-                       for i in range(G))
-    else:
-        n_global = G * (L - 1)
-    data_rank, data_world = (cp.data_rank, cp.data_world) if cp else (dist.rank, dist.world)
-    mine = rank_slice(global_idx, data_rank, data_world)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
-    forward_error = None
-    for i in range(r.accum):
-        batch = make_batch(run.train_data.sequences(mine[i * r.micro: (i + 1) * r.micro]), run.eos_id,
-                           cfg.varlen)
-        n_mb = count_targets(batch)
-        batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
-        try:
-            with _gradient_sync(run, last=i == r.accum - 1):
-                with run.autocast():
-                    loss = (context_parallel_lm_loss(run.wrapped, batch, cp) if cp
-                            else run.wrapped(**batch, use_cache=False).loss)
-                (loss * (n_mb * dist.world / n_global)).backward()
-        except NonFiniteValues as e:  # the ops refuse non-finite inputs (always on CPU)
-            forward_error = str(e)
-            break
-        loss_sum += loss.detach().double() * n_mb
-    if forward_error is not None:
-        loss_sum.fill_(float("nan"))
-        if dist.enabled and cfg.on_nonfinite == "skip":  # the other ranks wait in collectives: cannot skip
-            raise NonFiniteLossError(f"non-finite values in the forward at step {step + 1} on rank "
-                                     f"{dist.rank} ({forward_error}); --on-nonfinite skip needs the loss to "
-                                     "be the first non-finite value under torchrun")
-    elif dist.enabled:
-        torch.distributed.all_reduce(loss_sum)
-    return float(loss_sum.cpu() / n_global), forward_error
-
-
-def _gradient_sync(run: _Session, last: bool):
-    """Gradients are reduced across ranks on the last micro-batch of a step only."""
-    if run.cfg.fsdp:
-        run.wrapped.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
-    if run.dist.enabled and not last:
-        return run.wrapped.no_sync()
-    return contextlib.nullcontext()
-
-
-def _clip_gradients(run: _Session) -> float:
-    gnorm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.grad_clip)
-    if hasattr(gnorm, "full_tensor"):
-        gnorm = gnorm.full_tensor()
-    return float(gnorm)
-
-
-def _apply_update(run: _Session, progress: _Progress, step_loss: float, gnorm: float, forward_error: str | None,
-                  log_f) -> bool:
-    """Steps the optimizer; a non-finite loss or gradient norm skips the update (``skip``: returns
-    True) or ends the run (``stop``: :class:`NonFiniteLossError`, logged first)."""
-    if math.isfinite(step_loss) and math.isfinite(gnorm):
-        run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
-        return False
-    run.optimizer.zero_grad(set_to_none=True)
-    if run.cfg.on_nonfinite != "stop":
-        return True
-    step = progress.step + 1
-    last_good = progress.last_good
-    where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was written yet"
-    msg = (f"non-finite {'loss' if not math.isfinite(step_loss) else 'gradient norm'} at step "
-           f"{step} (loss {step_loss}, grad norm {gnorm}"
-           + (f"; in the forward: {forward_error}" if forward_error else "")
-           + f"); the update was not applied and the run stopped; {where}. Lower --lr, or pass "
-           "--on-nonfinite skip to skip such batches.")
-    if log_f:
-        log_f.write(json.dumps(dict(step=step, loss=step_loss, grad_norm=gnorm, error="non-finite")) + "\n")
-        log_f.flush()
-    raise NonFiniteLossError(msg)
-
-
-def _log_step(run: _Session, entry: dict, log_f, bar, val_loss: float | None) -> None:
+def _log_step(run: Session, entry: dict, log_f, bar, val_loss: float | None) -> None:
     step, max_steps = entry["step"], run.r.max_steps
     if log_f and (step % run.cfg.log_every == 0 or step == max_steps or "val_loss" in entry or "skipped" in entry):
         log_f.write(json.dumps(entry) + "\n")
@@ -682,7 +468,7 @@ def _log_step(run: _Session, entry: dict, log_f, bar, val_loss: float | None) ->
         bar.update(1)
 
 
-def _save_final_model(run: _Session, progress: _Progress) -> dict:
+def _save_final_model(run: Session, progress: Progress) -> dict:
     """The Hugging Face model directory and ``train_summary.json`` (rank 0); the run's summary."""
     cfg, r, dist = run.cfg, run.r, run.dist
     step = progress.step
