@@ -78,7 +78,7 @@ def run_mad_demo_task(quick: bool = False, epochs: int | None = None, progress_f
     DeltaNet with the MAD backbone (width 64, 4 heads) and the MAD recipe, on the CPU."""
     from efla.data.mad_tasks import MADSetting, make_dataset
 
-    from .mad.model import RunConfig, train_run
+    from .mad.training import RunConfig, train_run
 
     setting = MADSetting("in-context-recall", 16, 64, num_train_examples=1024, num_test_examples=256)
     dataset = make_dataset(setting)

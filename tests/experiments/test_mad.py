@@ -18,6 +18,7 @@ from efla.data import mad_tasks as D
 from efla.experiments.mad import model as E
 from efla.experiments.mad import report as P
 from efla.experiments.mad import run as R
+from efla.experiments.mad import training as T
 
 
 @pytest.fixture
@@ -311,8 +312,8 @@ def test_training_uses_chunked_ops(rule, monkeypatch):
     monkeypatch.setattr(ops_api, "chunk_generic", chunk_spy)
     monkeypatch.setattr(ops_api, "recurrent_generic", no_scan)
     s = D.MADSetting("selective-copying", 16, 512, 8, 8, num_tokens_to_copy=8)
-    cfg = E.RunConfig(setting=s, rule=rule, lr=1e-3, epochs=1, batch_size=8, width=32, num_heads=2)
-    res = E.train_run(cfg)
+    cfg = T.RunConfig(setting=s, rule=rule, lr=1e-3, epochs=1, batch_size=8, width=32, num_heads=2)
+    res = T.train_run(cfg)
     assert res["steps"] == 1 and calls and min(calls) == 512  # every mixer call ran the chunked form on T=512
     assert len(calls) == 2 * 2  # 2 mixers x (1 training step + 1 eval batch)
 
@@ -320,17 +321,17 @@ def test_training_uses_chunked_ops(rule, monkeypatch):
 def test_learns_memorization():
     """A small fixed table is learned in a few dozen steps (catches broken heads, targets, optimizers)."""
     s = D.MADSetting("memorization", 16, 16, 256, 64)  # 7 facts
-    cfg = E.RunConfig(setting=s, rule="exact", lr=3e-3, epochs=12, batch_size=32, width=32, num_heads=2)
-    res = E.train_run(cfg)
+    cfg = T.RunConfig(setting=s, rule="exact", lr=3e-3, epochs=12, batch_size=32, width=32, num_heads=2)
+    res = T.train_run(cfg)
     assert res["test_acc"] > 0.95, res["history"][-1]
     assert res["history"][-1]["train_loss"] < res["history"][0]["train_loss"] / 2
 
 
 def test_cuda_graph_steps_need_a_cuda_device():
-    cfg = E.RunConfig(setting=D.MADSetting("memorization", 16, 16, 256, 64), epochs=1, batch_size=32, width=32,
+    cfg = T.RunConfig(setting=D.MADSetting("memorization", 16, 16, 256, 64), epochs=1, batch_size=32, width=32,
                       num_heads=2)
     with pytest.raises(ValueError, match="cuda_graph: needs a CUDA device"):
-        E.train_run(cfg, cuda_graph=True)
+        T.train_run(cfg, cuda_graph=True)
 
 
 def test_a_resumed_optimizer_steps_in_the_form_of_the_run():
@@ -353,7 +354,7 @@ def test_a_resumed_optimizer_steps_in_the_form_of_the_run():
     train(w_ref, opt_ref, sched_ref, 4)
     w, opt, sched = fresh()
     train(w, opt, sched, 2)
-    E._set_step_form(opt, sched, True, torch.device("cpu"))  # as a graphed run holds it (and saves it)
+    T._set_step_form(opt, sched, True, torch.device("cpu"))  # as a graphed run holds it (and saves it)
     group = opt.param_groups[0]
     assert group["capturable"] and isinstance(group["lr"], torch.Tensor)
     w2, opt2, sched2 = fresh()
@@ -361,7 +362,7 @@ def test_a_resumed_optimizer_steps_in_the_form_of_the_run():
     sched2.load_state_dict(sched.state_dict())
     with torch.no_grad():
         w2.copy_(w)
-    E._set_step_form(opt2, sched2, False, torch.device("cpu"))
+    T._set_step_form(opt2, sched2, False, torch.device("cpu"))
     group = opt2.param_groups[0]
     assert not group["capturable"] and isinstance(group["lr"], float)
     assert all(isinstance(x, float) for x in sched2.base_lrs + sched2.get_last_lr())
@@ -378,10 +379,10 @@ def test_cuda_graph_steps_train_like_eager_steps(rule):
     # last batch stepping eagerly, the schedule's lr reaching the graph; test batches graphed too): the
     # same losses and accuracies
     s = D.MADSetting("fuzzy-in-context-recall", 16, 32, 200, 64, k_motif_size=3, v_motif_size=3)
-    cfg = E.RunConfig(setting=s, rule=rule, lr=3e-3, weight_decay=0.1, epochs=5, batch_size=32, width=32,
+    cfg = T.RunConfig(setting=s, rule=rule, lr=3e-3, weight_decay=0.1, epochs=5, batch_size=32, width=32,
                       num_heads=2, early_stop=None)
-    eager = E.train_run(cfg, device="cuda")
-    graphed = E.train_run(cfg, device="cuda", cuda_graph=True)
+    eager = T.train_run(cfg, device="cuda")
+    graphed = T.train_run(cfg, device="cuda", cuda_graph=True)
     assert graphed["cuda_graph"] and graphed["steps"] == eager["steps"] == 5 * 7
     for a, b in zip(eager["history"], graphed["history"]):
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-6)
@@ -396,31 +397,31 @@ def test_cuda_graph_steps_train_like_eager_steps(rule):
 def test_runs_side_by_side_on_a_gpu_train_as_alone(rule):
     # graphed runs of two settings (one the fuzzy-recall baseline, whose graphs once shared a cuBLAS
     # workspace and raced on it) and an eager run, each in its own stream: each as it trains alone
-    tiny = E.RunConfig(setting=D.MADSetting("fuzzy-in-context-recall", 16, 32, 200, 64, k_motif_size=3,
+    tiny = T.RunConfig(setting=D.MADSetting("fuzzy-in-context-recall", 16, 32, 200, 64, k_motif_size=3,
                                             v_motif_size=3), rule=rule, lr=3e-3, weight_decay=0.1, epochs=5,
                        batch_size=32, width=32, num_heads=2, early_stop=None)
-    full = E.RunConfig(setting=D.baseline_setting("fuzzy-in-context-recall"), rule=rule, lr=1e-3, epochs=1)
+    full = T.RunConfig(setting=D.baseline_setting("fuzzy-in-context-recall"), rule=rule, lr=1e-3, epochs=1)
     cases = [(tiny, True), (dataclasses.replace(tiny, lr=1e-3), True), (tiny, False), (full, True),
              (dataclasses.replace(full, lr=5e-4), True), (full, False)]
     data = {cfg.setting: D.make_dataset(cfg.setting, seed=cfg.seed) for cfg in (tiny, full)}  # made once
-    runs = [E.MADRun(cfg, data[cfg.setting], device="cuda", cuda_graph=graphed) for cfg, graphed in cases]
+    runs = [T.MADRun(cfg, data[cfg.setting], device="cuda", cuda_graph=graphed) for cfg, graphed in cases]
     captured_in = {}
-    real_capture = E.GraphedBatches._capture
+    real_capture = T.GraphedBatches._capture
 
     def capture(graphed, xb, yb):  # each graph (training step, test batch) captured in its run's stream
         captured_in[id(graphed)] = torch.cuda.current_stream()
         real_capture(graphed, xb, yb)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(E.GraphedBatches, "_capture", capture)
-        E.train_side_by_side(runs)
+        patch.setattr(T.GraphedBatches, "_capture", capture)
+        T.train_side_by_side(runs)
     graphed_runs = [r for r, (_, graphed) in zip(runs, cases) if graphed]
     for part in ("train_step", "test_batch"):
         assert [captured_in[id(getattr(r, part))] for r in graphed_runs] == [r.stream for r in graphed_runs]
         assert all(getattr(r, part).graph is None for r in graphed_runs)  # released as each run ended
     assert len({r.stream for r in runs}) == len(runs)
     for run, (cfg, graphed) in zip(runs, cases):
-        alone = E.train_run(cfg, data[cfg.setting], device="cuda", cuda_graph=graphed)
+        alone = T.train_run(cfg, data[cfg.setting], device="cuda", cuda_graph=graphed)
         assert len(alone["history"]) == len(run.result()["history"]) == cfg.epochs
         for a, b in zip(alone["history"], run.result()["history"]):
             assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4), (cfg.key, a, b)
@@ -433,8 +434,8 @@ def test_runs_side_by_side_on_a_gpu_train_as_alone(rule):
 
 def test_early_stop_and_best_checkpoint(monkeypatch):
     s = D.MADSetting("memorization", 16, 16, 256, 64)
-    cfg = E.RunConfig(setting=s, rule="euler", lr=3e-3, epochs=40, batch_size=32, width=32, num_heads=2)
-    res = E.train_run(cfg)
+    cfg = T.RunConfig(setting=s, rule="euler", lr=3e-3, epochs=40, batch_size=32, width=32, num_heads=2)
+    res = T.train_run(cfg)
     assert res["stopped_early"] and res["epochs_run"] < 40 and res["history"][-1]["test_acc"] > E.EARLY_STOP
     best = min(res["history"], key=lambda h: h["test_ppl"])
     assert res["test_acc"] == best["test_acc"] and res["best_epoch"] == best["epoch"]
@@ -446,8 +447,8 @@ def test_a_killed_run_resumes_to_the_same_result(tmp_path):
     """A run killed part-way continues from its last saved epoch (same weights, optimizer, schedule
     and data order): the result equals the uninterrupted run's."""
     s = D.MADSetting("memorization", 16, 16, 256, 64)
-    cfg = E.RunConfig(setting=s, rule="exact", lr=3e-3, epochs=6, batch_size=32, width=32, num_heads=2, early_stop=None)
-    whole = E.train_run(cfg)
+    cfg = T.RunConfig(setting=s, rule="exact", lr=3e-3, epochs=6, batch_size=32, width=32, num_heads=2, early_stop=None)
+    whole = T.train_run(cfg)
 
     class Kill(Exception):
         pass
@@ -466,24 +467,24 @@ def test_a_killed_run_resumes_to_the_same_result(tmp_path):
 
     ckpt = str(tmp_path / "partial" / "run.pt")
     with pytest.raises(Kill):
-        E.train_run(cfg, bar=KillingBar(), checkpoint=ckpt, checkpoint_every=0.0)
+        T.train_run(cfg, bar=KillingBar(), checkpoint=ckpt, checkpoint_every=0.0)
     assert os.path.exists(ckpt)
-    resumed = E.train_run(cfg, checkpoint=ckpt, checkpoint_every=0.0)
+    resumed = T.train_run(cfg, checkpoint=ckpt, checkpoint_every=0.0)
     for key in ("train_loss", "test_acc", "test_ppl", "lr"):
         assert [h[key] for h in resumed["history"]] == [h[key] for h in whole["history"]], key
     assert resumed["steps"] == whole["steps"] and resumed["test_acc"] == whole["test_acc"]
     other = dataclasses.replace(cfg, lr=1e-3)  # a state saved by another run is not used
-    E._save_state(ckpt, cfg, *_fresh(cfg), dict(history=[{"epoch": 1}], best=None, steps=1, seconds=0.0))
-    assert E._resume_state(ckpt, other, *_fresh(other)) is None
-    assert E._resume_state(ckpt, cfg, *_fresh(cfg))["steps"] == 1
+    T._save_state(ckpt, cfg, *_fresh(cfg), dict(history=[{"epoch": 1}], best=None, steps=1, seconds=0.0))
+    assert T._resume_state(ckpt, other, *_fresh(other)) is None
+    assert T._resume_state(ckpt, cfg, *_fresh(cfg))["steps"] == 1
     wrong_model = dataclasses.replace(cfg, width=16)  # same key format, other shapes: refused, not raised
-    E._save_state(ckpt, wrong_model, *_fresh(wrong_model), dict(history=[], best=None, steps=0, seconds=0.0))
+    T._save_state(ckpt, wrong_model, *_fresh(wrong_model), dict(history=[], best=None, steps=0, seconds=0.0))
     torch.save({**torch.load(ckpt, weights_only=True), "key": cfg.key}, ckpt)
-    assert E._resume_state(ckpt, cfg, *_fresh(cfg)) is None
+    assert T._resume_state(ckpt, cfg, *_fresh(cfg)) is None
     with open(ckpt, "w") as f:
         f.write("not a checkpoint")
-    assert E._resume_state(ckpt, cfg, *_fresh(cfg)) is None
-    again = E.train_run(cfg, checkpoint=ckpt)  # a damaged file: the run starts over, same result
+    assert T._resume_state(ckpt, cfg, *_fresh(cfg)) is None
+    again = T.train_run(cfg, checkpoint=ckpt)  # a damaged file: the run starts over, same result
     assert [h["train_loss"] for h in again["history"]] == [h["train_loss"] for h in whole["history"]]
 
 
@@ -507,13 +508,13 @@ def test_runs_side_by_side_equal_runs_alone():
     # gives exactly its result alone
     s = D.MADSetting("memorization", 16, 16, 200, 64)
     base = dict(setting=s, lr=3e-3, epochs=6, batch_size=32, width=32, num_heads=2)
-    cfgs = [E.RunConfig(rule="exact", early_stop=None, **base), E.RunConfig(rule="euler", **{**base, "epochs": 40}),
-            E.RunConfig(rule="exact", weight_decay=0.1, early_stop=None, **base)]
+    cfgs = [T.RunConfig(rule="exact", early_stop=None, **base), T.RunConfig(rule="euler", **{**base, "epochs": 40}),
+            T.RunConfig(rule="exact", weight_decay=0.1, early_stop=None, **base)]
     data = D.make_dataset(s, seed=12345)
-    alone = [E.train_run(c, data) for c in cfgs]
-    runs = [E.MADRun(c, data) for c in cfgs]
+    alone = [T.train_run(c, data) for c in cfgs]
+    runs = [T.MADRun(c, data) for c in cfgs]
     ended = []
-    E.train_side_by_side(runs, on_done=lambda run: ended.append((run, [r.done for r in runs])))
+    T.train_side_by_side(runs, on_done=lambda run: ended.append((run, [r.done for r in runs])))
     together = [r.result() for r in runs]
     assert alone[1]["stopped_early"] and alone[1]["epochs_run"] < 40
     # each run is handed over as it ends (the early stop while the others go on), timed to its own end
@@ -521,8 +522,8 @@ def test_runs_side_by_side_equal_runs_alone():
     assert together[1]["seconds"] == together[1]["history"][-1]["seconds"]
     for a, b in zip(alone, together):
         assert _without_times(a) == _without_times(b)
-    cut = E.MADRun(cfgs[0], data, time_limit=0.0)
-    E.train_side_by_side([cut, E.MADRun(cfgs[2], data)])
+    cut = T.MADRun(cfgs[0], data, time_limit=0.0)
+    T.train_side_by_side([cut, T.MADRun(cfgs[2], data)])
     assert cut.result()["truncated"] and cut.result()["steps"] == 1
 
 
@@ -552,8 +553,8 @@ def test_runs_side_by_side_need_streams_of_their_own():
 
     shared = object()
     with pytest.raises(ValueError, match="share CUDA streams; PyTorch lends at most 32"):
-        E.train_side_by_side([Run(shared), Run(object()), Run(shared)])
-    E.train_side_by_side([Run(object()), Run(object()), Run(None), Run(None)])  # CPU runs have none
+        T.train_side_by_side([Run(shared), Run(object()), Run(shared)])
+    T.train_side_by_side([Run(object()), Run(object()), Run(None), Run(None)])  # CPU runs have none
 
 
 def test_tiny_preset_all_tasks_two_rules(tmp_path):
@@ -683,8 +684,8 @@ def test_cli(tmp_path):
 
 def test_seed_sets_the_data_and_the_initialization():
     setting = R._TINY["fuzzy-in-context-recall"]
-    one, two = (E.MADRun(E.RunConfig(setting, epochs=1, width=32, num_heads=2, seed=s)) for s in (1, 2))
-    again = E.MADRun(E.RunConfig(setting, epochs=1, width=32, num_heads=2, seed=1))
+    one, two = (T.MADRun(T.RunConfig(setting, epochs=1, width=32, num_heads=2, seed=s)) for s in (1, 2))
+    again = T.MADRun(T.RunConfig(setting, epochs=1, width=32, num_heads=2, seed=1))
     assert not torch.equal(one.data.train_x, two.data.train_x)
     assert torch.equal(one.data.train_x, again.data.train_x) and torch.equal(one.data.test_y, again.data.test_y)
     params = [dict(r.model.named_parameters()) for r in (one, two, again)]

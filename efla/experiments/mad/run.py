@@ -20,7 +20,8 @@ from efla.data.mad_tasks import TASKS, MADSetting, baseline_setting, benchmark_s
 from efla.variants import label
 
 from .. import harness
-from .model import RULES, STREAMS_PER_DEVICE, MADRun, RunConfig, train_side_by_side
+from .model import RULES, STREAMS_PER_DEVICE
+from .training import MADRun, RunConfig, train_side_by_side
 
 GRID_LRS = (1e-4, 5e-4, 1e-3)
 GRID_WDS = (0.0, 0.1)
