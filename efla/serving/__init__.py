@@ -7,8 +7,8 @@ and ``/v1/models`` and a ``/health`` report in front of it (FastAPI; ``pip insta
 """
 
 from .prefix_cache import PrefixCache
-from .scheduler import (ErrorEvent, FinishEvent, QueueFull, Request, SamplingParams, Scheduler, ShuttingDown,
-                        TokenEvent, prefill_defaults)
+from .requests import ErrorEvent, FinishEvent, QueueFull, Request, SamplingParams, ShuttingDown, TokenEvent
+from .scheduler import Scheduler, prefill_defaults
 
 __all__ = ["Scheduler", "SamplingParams", "Request", "TokenEvent", "FinishEvent", "ErrorEvent", "QueueFull",
            "ShuttingDown", "PrefixCache", "create_app", "prefill_defaults"]

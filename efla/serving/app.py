@@ -25,7 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .protocol import (DEFAULTS_ONLY, APIError, CompletionRequest, choice, completion_object, error_body, model_list,
                        new_completion_id, usage)
-from .scheduler import ErrorEvent, FinishEvent, QueueFull, SamplingParams, Scheduler, ShuttingDown
+from .requests import ErrorEvent, FinishEvent, QueueFull, SamplingParams, ShuttingDown
+from .scheduler import Scheduler
 
 __all__ = ["create_app"]
 
