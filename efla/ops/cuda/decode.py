@@ -1,4 +1,4 @@
-"""The fused decoding step of a token mixer on the GPU (see ``kernels.decode_step_kernel``)."""
+"""The fused decoding step of a token mixer on the GPU (see ``step_kernels.decode_step_kernel``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 import triton
 
 from ..normalize import L2NORM_EPS
-from . import kernels as kn
+from . import step_kernels as kn
+from .kernels import G_FLOOR
 
 # the state block of one value head lives in registers: beyond this many float32 values it spills
 MAX_STATE_BLOCK = 128 * 128
@@ -73,7 +74,7 @@ def decode_step(spec, q, k, v, beta, a, gate, conv, state, slots, A_log, dt_bias
         H=H, G=G, K=K, V=V, BK=BK, BV=BV // blocks, W=W, BW=BW, EXACT=spec.exact, GATED=spec.gated,
         HAS_CONV=conv is not None, HAS_CONV_BIAS=biases[0] is not None, QK_SILU=spec.qk_silu,
         USE_BETA=beta is not None, BETA_SCALE=spec.beta_scale, K_L2=spec.k_l2, HAS_SLOTS=slots is not None,
-        OUT_GATE=_OUT_GATES[spec.out_gate], G_MIN=kn.G_FLOOR, SPLIT=split,
+        OUT_GATE=_OUT_GATES[spec.out_gate], G_MIN=G_FLOOR, SPLIT=split,
         num_warps=8 if BK * BV // blocks >= 128 * 128 else 4,
     )
     if split:

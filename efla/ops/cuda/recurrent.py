@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import kernels as kn
+from . import step_kernels as kn
+from .kernels import G_FLOOR
 
 _RULES = {"efla": (True, False), "gated_efla": (True, True),
           "delta_rule": (False, False), "gated_delta_rule": (False, True)}
@@ -28,7 +29,7 @@ def recurrent_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_
     kn.recurrent_kernel[(triton.cdiv(V, BV), N * H)](
         q, k, v, beta, g, h0, ht, o, cu_seqlens, scale, T,
         H=H, K=K, V=V, BK=BK, BV=BV, EXACT=exact, GATED=gated, HAS_H0=h0 is not None,
-        STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None, G_MIN=kn.G_FLOOR,
+        STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None, G_MIN=G_FLOOR,
         num_warps=4 if BK * BV <= 4096 else 8,
     )
     return o, ht
