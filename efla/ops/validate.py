@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+import torch.utils.weak
 
 from efla.errors import NonFiniteValues
 
@@ -176,6 +177,25 @@ def _check_scale(scale) -> None:
         raise ValueError(f"scale: expected a finite float or None, got {scale!r}")
 
 
+_host_copies = torch.utils.weak.WeakIdKeyDictionary()  # cu_seqlens tensor -> (its version, CPU copy)
+
+
+def _read_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    return cu_seqlens.detach().to("cpu", torch.int64)
+
+
+def host_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``cu_seqlens`` as a CPU int64 tensor, read from its device once per tensor (again only after
+    an in-place change): every layer of a packed forward checks the same offsets, and on a GPU each
+    read would wait for the device."""
+    if torch.compiler.is_compiling():
+        return _read_offsets(cu_seqlens)
+    held = _host_copies.get(cu_seqlens)
+    if held is None or held[0] != cu_seqlens._version:
+        held = _host_copies[cu_seqlens] = (cu_seqlens._version, _read_offsets(cu_seqlens))
+    return held[1]
+
+
 def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
     """Check varlen offsets into ``T`` packed tokens (``B == 1``); return the number of sequences."""
     if not isinstance(cu_seqlens, torch.Tensor):
@@ -186,7 +206,7 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
         raise ValueError(f"cu_seqlens: expected an integer dtype, got {cu_seqlens.dtype}")
     if B != 1:
         raise ValueError(f"cu_seqlens: varlen input needs batch size B == 1 (sequences packed along T), got B = {B}")
-    cs = cu_seqlens.detach().to("cpu", torch.int64)
+    cs = host_offsets(cu_seqlens)
     if int(cs[0]) != 0 or int(cs[-1]) != T:
         raise ValueError(
             f"cu_seqlens: expected to start at 0 and end at T = {T}, got first {int(cs[0])}, last {int(cs[-1])}"

@@ -232,3 +232,27 @@ def test_all_finite_sees_every_bad_value_and_no_false_alarm_from_an_overflowing_
     huge = torch.full((8,), 3e38)  # finite values whose float32 sum overflows
     assert torch.isinf(huge.sum()) and all_finite(huge)
     assert all_finite(torch.full((4,), 60000.0, dtype=torch.float16))
+
+
+def test_a_packed_forward_reads_its_offsets_to_the_host_once(monkeypatch):
+    """Every layer checks cu_seqlens; on a GPU each host read waits for the device, so the offsets
+    are read once per tensor (and again after an in-place change)."""
+    from efla.models import EFLAForCausalLM, get_preset_config
+    from efla.ops import validate
+
+    reads = []
+    real = validate._read_offsets
+    monkeypatch.setattr(validate, "_read_offsets", lambda cu: reads.append(1) or real(cu))
+    model = EFLAForCausalLM(get_preset_config("tiny-efla")).eval()
+    assert model.config.num_hidden_layers >= 2
+    cu_seqlens = torch.tensor([0, 5, 12])
+    with torch.no_grad():
+        model(torch.randint(3, 100, (1, 12)), cu_seqlens=cu_seqlens)
+    assert len(reads) == 1
+    cu_seqlens[1] = 6  # changed in place: read again, and checked again
+    with torch.no_grad():
+        model(torch.randint(3, 100, (1, 12)), cu_seqlens=cu_seqlens)
+    assert len(reads) == 2
+    cu_seqlens[1] = 13
+    with pytest.raises(ValueError, match="cu_seqlens: expected non-decreasing offsets"):
+        validate.check_cu_seqlens(cu_seqlens, 1, 12)

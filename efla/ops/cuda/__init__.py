@@ -122,7 +122,9 @@ def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_st
         raise ValueError(f"g: required for {kind}")
 
     if cu_seqlens is not None and cu_seqlens.numel() > 1:
-        cs = cu_seqlens.detach().to("cpu", torch.int64)
+        from ..validate import host_offsets
+
+        cs = host_offsets(cu_seqlens)
         if bool((cs[1:] == cs[:-1]).any()):
             # the chunk kernels assume every sequence has a token
             return fall_back("cu_seqlens holds an empty sequence")
