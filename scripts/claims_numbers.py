@@ -13,12 +13,12 @@ where its grid is complete, and every cell with the device that ran it.
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 import statistics
 from collections import defaultdict
 
 from efla.experiments.harness import read_records
+from efla.experiments.seeds import gap_in_standard_errors, sample_std
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results"
 
@@ -40,11 +40,10 @@ def _robustness_gaps(name: str, record: dict) -> None:
         if rule != "exact":
             continue
         euler = per_seed[setting, perturbation, "euler"]
-        gap = statistics.mean(values) - statistics.mean(euler)
-        se = math.sqrt(statistics.variance(values) / len(values) + statistics.variance(euler) / len(euler))
+        gap, in_errors = gap_in_standard_errors(values, euler)
         print(f"robustness {name}{setting:9s} {perturbation:8s} EFLA {statistics.mean(values):.3f} ± "
               f"{statistics.stdev(values):.3f}  DeltaNet {statistics.mean(euler):.3f} ± {statistics.stdev(euler):.3f}"
-              f"  gap {gap:+.3f} = {gap / se:.1f} standard errors (n = {len(values)}, {len(euler)})")
+              f"  gap {gap:+.3f} = {in_errors:.1f} standard errors (n = {len(values)}, {len(euler)})")
 
 
 def lr_sweep() -> None:
@@ -58,9 +57,8 @@ def lr_sweep() -> None:
         losses = [r["final_train_loss"] for r in rows]
         accs = [r["test_accuracy"] for r in rows]
         failed = [r["seed"] for r in rows if r["test_accuracy"] < 0.5]
-        spread = (lambda x: statistics.stdev(x)) if len(rows) > 1 else (lambda x: 0.0)
-        print(f"lr-sweep lr {lr:<6g} {rule:5s} loss {statistics.mean(losses):.3f} ± {spread(losses):.3f}"
-              f"  accuracy {statistics.mean(accs):.4f} ± {spread(accs):.4f}  min {min(accs):.4f}"
+        print(f"lr-sweep lr {lr:<6g} {rule:5s} loss {statistics.mean(losses):.3f} ± {sample_std(losses):.3f}"
+              f"  accuracy {statistics.mean(accs):.4f} ± {sample_std(accs):.4f}  min {min(accs):.4f}"
               f"  seeds below 0.5: {failed or 'none'} (n = {len(rows)})")
 
 
@@ -86,9 +84,8 @@ def _lm_table(title: str, evaluations: list[dict]) -> None:
             line += f" {key} {statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
             euler = [_find(r, key) for r in by_variant.get(variant.replace("efla", "deltanet"), [])]
             if "efla" in variant and euler and None not in euler:
-                gap = statistics.mean(values) - statistics.mean(euler)
-                se = math.sqrt(statistics.variance(values) / len(values) + statistics.variance(euler) / len(euler))
-                line += f" (vs Euler {gap:+.4f} = {gap / se:.1f} standard errors)"
+                gap, in_errors = gap_in_standard_errors(values, euler)
+                line += f" (vs Euler {gap:+.4f} = {in_errors:.1f} standard errors)"
         print(f"{line} (n = {len(records)})")
 
 

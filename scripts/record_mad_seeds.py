@@ -12,11 +12,10 @@ import argparse
 import fnmatch
 import glob
 import json
-import math
 import os
-import statistics
 
 from efla.experiments import harness
+from efla.experiments.seeds import paired_differences, spread
 from efla.experiments.mad.report import CSV_FIELDS, csv_row
 from efla.variants import colour, label
 
@@ -69,16 +68,10 @@ def gather() -> list[tuple[str, dict]]:
     return found
 
 
-def spread(values: list[float]) -> dict:
-    std = statistics.stdev(values)
-    return {"mean": statistics.mean(values), "std": std, "n": len(values),
-            "standard_error": std / math.sqrt(len(values))}
-
-
 def compared(by_rule: dict) -> dict:
     """Each rule's accuracies by seed with their spread, and the paired difference EFLA - DeltaNet."""
     out = {rule: {"by_seed": accs, **spread(list(accs.values()))} for rule, accs in by_rule.items()}
-    paired = {s: by_rule["exact"][s] - by_rule["euler"][s] for s in SEEDS}
+    paired = paired_differences(by_rule["exact"], by_rule["euler"])
     out["difference"] = {"by_seed": paired, **spread(list(paired.values()))}
     return out
 

@@ -10,6 +10,7 @@ import statistics
 from efla.variants import colour, label
 
 from .. import harness
+from ..seeds import sample_std
 
 KIND_LABEL = {"scale": "intensity scale (x)", "noise": "Gaussian noise std", "dropout": "pixel dropout p"}
 
@@ -32,13 +33,9 @@ def aggregate(results: dict) -> dict:
                 entry[kind] = dict(levels=results["levels"][kind], mean=[statistics.mean(c) for c in cols],
                                    min=[min(c) for c in cols], max=[max(c) for c in cols],
                                    area=statistics.mean(statistics.mean(a) for a in accs),
-                                   area_std=_sample_std([statistics.mean(a) for a in accs]))
+                                   area_std=sample_std([statistics.mean(a) for a in accs]))
             out[setting][rule] = entry
     return out
-
-
-def _sample_std(values: list[float]) -> float:
-    return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def write_robustness_outputs(results: dict, out_dir: str, command: str) -> list[str]:
@@ -188,10 +185,6 @@ def robustness_summary(results: dict, agg: dict, command: str) -> str:
     return "\n".join(lines)
 
 
-def _sample_std(values: list) -> float:
-    return statistics.stdev(values) if len(values) > 1 else 0.0
-
-
 def _lr_sweep_means(results: dict) -> dict:
     """``{rule: {lr: (mean final train loss, mean test accuracy, loss std, accuracy std, seeds)}}``
     over the seeds of each cell (sample standard deviations, 0 for one seed)."""
@@ -203,7 +196,7 @@ def _lr_sweep_means(results: dict) -> dict:
         losses = [x["final_train_loss"] for x in rows]
         accs = [x["test_accuracy"] for x in rows]
         seeds = len({x["seed"] for x in rows})
-        return statistics.mean(losses), statistics.mean(accs), _sample_std(losses), _sample_std(accs), seeds
+        return statistics.mean(losses), statistics.mean(accs), sample_std(losses), sample_std(accs), seeds
 
     return {rule: {lr: stats(rows) for lr, rows in sorted(by_lr.items())} for rule, by_lr in by_rule.items()}
 
