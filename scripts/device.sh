@@ -8,6 +8,8 @@
 #
 # Phases:
 #   tests     the GPU tests (pytest -m gpu)
+#   gentests  the generation and serving GPU tests only (tokens against transformers, no allocation
+#             after capture, 8K tokens at the memory of 128, the scheduler on the GPU)
 #   ops       benchmarks/gpu_ops.py: correctness, then the decode and chunk ops against fla
 #   stages    benchmarks/gpu_stages.py: where an op's time goes
 #   model     benchmarks/gpu_model.py: 340M and 1.3B training steps against fla's models
@@ -30,12 +32,14 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 run_phase() {
   case $1 in
     tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
+    gentests) python3 -m pytest -q -p no:cacheprovider tests/generation/test_generate_gpu.py \
+                tests/serving/test_scheduler_gpu.py ;;
     ops) python3 benchmarks/gpu_ops.py --out "$OUT/ops" ;;
     stages) python3 benchmarks/gpu_stages.py --out "$OUT/stages" ;;
     model) python3 benchmarks/gpu_model.py --sizes 340m,1.3b --out "$OUT/model" ;;
     generate) python3 benchmarks/gpu_generate.py --sizes 340m --stages speed,kernel,profile --out "$OUT/generate" ;;
     serve) python3 benchmarks/serve_load.py --out "$OUT/serve" ;;
-    *) echo "device.sh: unknown phase $1 (tests, ops, stages, model, generate, serve)"; return 2 ;;
+    *) echo "device.sh: unknown phase $1 (tests, gentests, ops, stages, model, generate, serve)"; return 2 ;;
   esac
 }
 
