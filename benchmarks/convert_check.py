@@ -121,7 +121,8 @@ def main(argv=None):
             if (args.only and name != args.only) or not os.path.isdir(d):
                 continue
             cfg_cls, cls = classes[name]
-            ecfg = json.load(open(os.path.join(d, "config.json")))
+            with open(os.path.join(d, "config.json")) as f:
+                ecfg = json.load(f)
             try:
                 fla_model = cls(fla_config_from_efla(ecfg, cfg_cls, mode))
                 fla_model.load_state_dict(load_file(os.path.join(d, "model.safetensors")), strict=True)

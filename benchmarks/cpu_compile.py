@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from efla.models import EFLAForCausalLM, get_preset_config
 
 
-def step_seconds(model, forward, opt, ids) -> float:
+def step_seconds(forward, opt, ids) -> float:
     start = time.perf_counter()
     forward(ids, labels=ids).loss.backward()
     opt.step()
@@ -45,15 +45,15 @@ def bench(preset: str, batch: int, seq: int, warmup: int, rounds: int) -> dict:
     twin = EFLAForCausalLM(get_preset_config(preset)).train()
     compiled = torch.compile(twin, dynamic=False)
     opts = {"eager": torch.optim.AdamW(eager.parameters()), "compiled": torch.optim.AdamW(twin.parameters())}
-    runs = {"eager": (eager, eager), "compiled": (twin, compiled)}
-    first = [step_seconds(twin, compiled, opts["compiled"], ids) for _ in range(warmup)]
+    runs = {"eager": eager, "compiled": compiled}
+    first = [step_seconds(compiled, opts["compiled"], ids) for _ in range(warmup)]
     for _ in range(warmup):
-        step_seconds(eager, eager, opts["eager"], ids)
+        step_seconds(eager, opts["eager"], ids)
     graphs_after_warmup = counters["stats"]["unique_graphs"]
     times = {name: [] for name in runs}
     for _ in range(rounds):
-        for name, (model, forward) in runs.items():
-            times[name].append(step_seconds(model, forward, opts[name], ids))
+        for name, forward in runs.items():
+            times[name].append(step_seconds(forward, opts[name], ids))
     rates = {name: batch * seq / statistics.median(t) for name, t in times.items()}
     return dict(preset=preset, batch=batch, seq=seq, tokens_per_s=rates,
                 speedup=rates["compiled"] / rates["eager"], compile_steps_s=first,

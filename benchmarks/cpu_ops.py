@@ -68,7 +68,7 @@ def _fwd_bwd_hf(q, k, v, beta):
     o.sum().backward()
 
 
-def _time(fn, args, reps):
+def _time(fn, args):
     for x in args:
         x.grad = None
     t0 = time.perf_counter()
@@ -94,12 +94,12 @@ def _same_rule_difference(op: str, inp) -> float:
 
 def _compare(op, shape, inp, ours, theirs, reps):
     err = _same_rule_difference(op, inp)
-    _time(ours, inp, 1)  # warm-up
-    _time(theirs, inp, 1)
+    _time(ours, inp)  # warm-up
+    _time(theirs, inp)
     t_ours, t_hf = [], []
     for _ in range(reps):  # alternate the two
-        t_ours.append(_time(ours, inp, 1))
-        t_hf.append(_time(theirs, inp, 1))
+        t_ours.append(_time(ours, inp))
+        t_hf.append(_time(theirs, inp))
     mo, mh = statistics.median(t_ours), statistics.median(t_hf)
     print(f"{op} {shape}: ours {mo*1e3:.1f} ms, transformers {mh*1e3:.1f} ms, speed-up {mh/mo:.2f}x, "
           f"max rel diff {err:.1e}", flush=True)
@@ -120,11 +120,11 @@ def main(argv=None):
     rec_row = None
     if not args.skip_recurrent:
         inp = _inputs(1, 4096, 4, 64)
-        _time(_fwd_bwd_efla, inp, 1)
+        _time(_fwd_bwd_efla, inp)
         tc, tr = [], []
         for _ in range(max(1, args.reps // 2)):
-            tc.append(_time(_fwd_bwd_efla, inp, 1))
-            tr.append(_time(lambda *a: _fwd_bwd_efla(*a, fn=recurrent_efla), inp, 1))
+            tc.append(_time(_fwd_bwd_efla, inp))
+            tr.append(_time(lambda *a: _fwd_bwd_efla(*a, fn=recurrent_efla), inp))
         mc, mr = statistics.median(tc), statistics.median(tr)
         rec_row = (mc, mr)
         print(f"[1, 4096, 4, 64]: recurrent_efla {mr*1e3:.0f} ms vs chunk_efla {mc*1e3:.0f} ms = {mr/mc:.1f}x", flush=True)

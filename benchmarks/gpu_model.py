@@ -430,6 +430,11 @@ def parse_shapes(text: str):
     return [tuple(int(x) for x in s.split("x")) for s in text.split(",") if s]
 
 
+def write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="340m")
@@ -458,7 +463,7 @@ def main() -> int:
 
         def save(rows, done=done):
             result["speed"] = done + rows
-            json.dump(result, open(json_path, "w"), indent=1)
+            write_json(json_path, result)
 
         try:
             bench_size(size, kinds, parse_shapes(args.shapes), args.warmup, args.steps, args.out, on_shape=save,
@@ -471,7 +476,7 @@ def main() -> int:
                                                args.loss_curve, args.loss_curve_steps, 2048, 8, args.out)
         except Exception:
             traceback.print_exc()
-    json.dump(result, open(json_path, "w"), indent=1)
+    write_json(json_path, result)
     return 0
 
 

@@ -132,7 +132,7 @@ def cmd_compare(args) -> int:
         if src.endswith(".json") and os.path.isfile(src):
             with open(src) as f:
                 obj = json.load(f)
-            recs = obj["records"] if "records" in obj else [obj]  # an earlier `efla compare` output, or one model
+            recs = obj.get("records", [obj])  # an earlier `efla compare` output, or one model
             records.extend(recs)
             console.print(f"{src}: using {len(recs)} recorded evaluation(s)")
             continue

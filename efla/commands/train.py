@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import pathlib
 import sys
 
 _EPILOG = """\
@@ -224,7 +225,7 @@ def cmd_lm_report(args) -> int:
             check.existing_dir(run, "--runs")
     check.existing_file(args.notes, "--notes")
     check.output_dir(args.out)
-    notes = open(args.notes).read() if args.notes else ""
+    notes = pathlib.Path(args.notes).read_text() if args.notes else ""
     files = write_lm_report(args.runs, args.out, title=args.title, notes=notes,
                             command_line=args.command_line)
     print("Wrote: " + ", ".join(files))

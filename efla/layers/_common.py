@@ -80,7 +80,7 @@ def check_hidden_states(hidden_states: torch.Tensor, hidden_size: int,
         shape = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states).__name__
         raise ValueError(f"hidden_states: expected a tensor [B, T, {hidden_size}], got {shape}")
     B, T, D = hidden_states.shape
-    if D != hidden_size:
+    if hidden_size != D:
         raise ValueError(f"hidden_states: expected last dim hidden_size = {hidden_size}, got shape {(B, T, D)}")
     if T < 1:
         raise ValueError(f"hidden_states: expected at least one token, got shape {(B, T, D)}")

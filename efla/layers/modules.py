@@ -75,7 +75,7 @@ class ShortConvolution(nn.Conv1d):
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, D = x.shape
         W = self.kernel_size[0]
-        if D != self.hidden_size:
+        if self.hidden_size != D:
             raise ValueError(f"x: expected last dim {self.hidden_size}, got shape {tuple(x.shape)}")
         fused = kernels_for(x)
         # fla's kernel drops the gradient that reaches x through the final state, so a final state

@@ -176,12 +176,10 @@ class EFLAPreTrainedModel(PreTrainedModel):
             _init.normal_(module.weight, mean=0.0, std=std)
             if module.padding_idx is not None and not _is_loaded(module.weight):
                 module.weight[module.padding_idx].zero_()
-        elif isinstance(module, RMSNorm):
-            if module.weight is not None:
-                _init.ones_(module.weight)
-        elif isinstance(module, GatedEFLA):
-            if not (_is_loaded(module.A_log) or _is_loaded(module.dt_bias)):
-                module.reset_gate_parameters()
+        elif isinstance(module, RMSNorm) and module.weight is not None:
+            _init.ones_(module.weight)
+        elif isinstance(module, GatedEFLA) and not (_is_loaded(module.A_log) or _is_loaded(module.dt_bias)):
+            module.reset_gate_parameters()
 
 
 class EFLAModel(EFLAPreTrainedModel):

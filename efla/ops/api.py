@@ -115,12 +115,11 @@ def _compute(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_st
             if out is not None:
                 return out
     g, beta = activate(g, beta, gates)
-    if q.is_cuda:
-        if not (values_checked(k) or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
-                or not key_checks_enabled()):
-            # the PyTorch engines form k k^T in float32 like the CPU, which always checks this
-            # (one device sync per call)
-            check_key_energy(k)
+    if q.is_cuda and not (values_checked(k) or torch.compiler.is_compiling()
+                          or torch.cuda.is_current_stream_capturing() or not key_checks_enabled()):
+        # the PyTorch engines form k k^T in float32 like the CPU, which always checks this
+        # (one device sync per call)
+        check_key_energy(k)
     return _compute_torch(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims,
                           norms)
 

@@ -15,7 +15,7 @@ import asyncio
 import json
 import secrets
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
@@ -116,10 +116,9 @@ class _Completion:
         loop = asyncio.get_running_loop()
 
         def on_event(request, event) -> None:  # called in the scheduler's thread
-            try:
+            # RuntimeError: the event loop has closed, nobody waits for this request any more
+            with suppress(RuntimeError):
                 loop.call_soon_threadsafe(self.events.put_nowait, (request.index, event))
-            except RuntimeError:  # the event loop has closed: nobody waits for this request any more
-                pass
 
         try:
             self.requests = scheduler.submit(prompts, params, on_event)

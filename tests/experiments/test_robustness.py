@@ -59,7 +59,7 @@ def test_perturbations():
 def test_digits_are_embedded():
     d = load_digits_sequences()
     assert d.x_train.shape[1] == 64 and len(d.x_train) + len(d.x_test) == 1797
-    assert 0.0 <= d.x_train.min() and d.x_train.max() <= 1.0
+    assert d.x_train.min() >= 0.0 and d.x_train.max() <= 1.0
     assert set(d.y_train.unique().tolist()) == set(range(10))
 
 
@@ -69,7 +69,7 @@ def test_mnist_idx_loader():
     assert d.x_train.shape == (60000, 784) and d.x_test.shape == (10000, 784)
     assert d.y_train[:5].tolist() == [5, 0, 4, 1, 9]  # the well-known first training labels
     assert d.y_test[:3].tolist() == [7, 2, 1]
-    assert 0.0 == d.x_train.min() and d.x_train.max() == 1.0
+    assert d.x_train.min() == 0.0 and d.x_train.max() == 1.0
 
 
 def test_mnist_loader_rejects_missing_folder(tmp_path):

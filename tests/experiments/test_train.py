@@ -142,7 +142,7 @@ def test_loss_decreases_and_model_dir_loads(corpus, tokenizer_dir, tmp_path):
     vals = [e["val_loss"] for e in res["log"] if "val_loss" in e]
     assert len(vals) == 2 and vals[1] < vals[0] and res["val_loss"] == vals[1]
 
-    summary = json.load(open(tmp_path / "run" / "train_summary.json"))
+    summary = json.loads((tmp_path / "run" / "train_summary.json").read_text())
     steady = [e["step_s"] for e in res["log"] if e["step"] > 5]  # every step is logged at log_every=1
     assert summary["steady_state_steps"] == 35 and len(steady) == 35
     batch = summary["tokens"] / 40
@@ -209,9 +209,9 @@ def test_corrupted_or_truncated_checkpoint_is_refused(corpus, tokenizer_dir, tmp
 
     # one flipped byte in the weights
     f = os.path.join(latest, "model.safetensors")
-    data = bytearray(open(f, "rb").read())
+    data = bytearray(pathlib.Path(f).read_bytes())
     data[len(data) // 2] ^= 0x10
-    open(f, "wb").write(bytes(data))
+    pathlib.Path(f).write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="model.safetensors does not match its SHA-256") as ei:
         train(_cfg(corpus, tokenizer_dir, out, resume=True))
     assert previous in str(ei.value) and "--resume-from" in str(ei.value)
@@ -221,7 +221,7 @@ def test_corrupted_or_truncated_checkpoint_is_refused(corpus, tokenizer_dir, tmp
     assert "refusing to resume" in capsys.readouterr().err
 
     data[len(data) // 2] ^= 0x10  # repaired; now a truncated optimizer state (as from a full disk)
-    open(f, "wb").write(bytes(data))
+    pathlib.Path(f).write_bytes(bytes(data))
     verify_checkpoint(latest)
     f = os.path.join(latest, "optimizer.pt")
     with open(f, "r+b") as fh:
@@ -296,7 +296,7 @@ def test_torchrun_two_processes_match_single_process(corpus, tokenizer_dir, tmp_
            "-m", "efla", "train", *common, "--micro-batch-size", "2", "--out", str(tmp_path / "ddp")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=str(REPO))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    args = json.load(open(tmp_path / "ddp" / "train_args.json"))
+    args = json.loads((tmp_path / "ddp" / "train_args.json").read_text())
     assert args["resolved"]["world_size"] == 2 and args["resolved"]["accum"] == 2
     ddp = [e["loss"] for e in read_log(str(tmp_path / "ddp"))]
     assert len(ddp) == 5

@@ -20,10 +20,9 @@ def test_outside_a_block_the_caller_reads_the_flag():
 def test_a_raised_flag_fails_the_block_at_its_end_and_is_reset():
     flag, clean = raised_flag(), torch.zeros(1, dtype=torch.int32)
     reached_end = False
-    with pytest.raises(ValueError, match=r"^k: a key's squared norm \|\|k\|\|\^2 overflows float32"):
-        with deferred_key_checks():
-            assert defer_key_check(clean) and defer_key_check(flag)
-            reached_end = True
+    with pytest.raises(ValueError, match=r"^k: a key's squared norm \|\|k\|\|\^2 overflows float32"), deferred_key_checks():
+        assert defer_key_check(clean) and defer_key_check(flag)
+        reached_end = True
     assert reached_end and flag.item() == 0 and clean.item() == 0
     assert defer_key_check(flag) is False  # the block is closed
 
@@ -36,29 +35,26 @@ def test_clean_flags_pass_and_blocks_repeat():
 
 def test_nested_blocks_leave_the_check_to_the_outermost():
     flag = raised_flag()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError), deferred_key_checks():
         with deferred_key_checks():
-            with deferred_key_checks():
-                defer_key_check(flag)
-            assert flag.item() == 1  # the inner block's end read nothing
+            defer_key_check(flag)
+        assert flag.item() == 1  # the inner block's end read nothing
     assert flag.item() == 0
 
 
 def test_a_block_failing_without_a_raised_flag_keeps_its_own_error():
-    with pytest.raises(KeyError, match="its own"):
-        with deferred_key_checks():
-            defer_key_check(torch.zeros(1, dtype=torch.int32))
-            raise KeyError("its own")
+    with pytest.raises(KeyError, match="its own"), deferred_key_checks():
+        defer_key_check(torch.zeros(1, dtype=torch.int32))
+        raise KeyError("its own")
 
 
 def test_a_block_failing_after_an_overflow_names_the_overflow_as_the_root():
     # the NaN of an overflowing key can make a later layer fail first: the key error is raised,
     # with that failure as its cause, and the flag is reset for later calls
     flag = raised_flag()
-    with pytest.raises(ValueError, match="overflows float32") as caught:
-        with deferred_key_checks():
-            defer_key_check(flag)
-            raise ValueError("hidden_states: contains 5 non-finite value(s) (NaN or Inf)")
+    with pytest.raises(ValueError, match="overflows float32") as caught, deferred_key_checks():
+        defer_key_check(flag)
+        raise ValueError("hidden_states: contains 5 non-finite value(s) (NaN or Inf)")
     assert "non-finite" in str(caught.value.__cause__)
     assert flag.item() == 0
     with deferred_key_checks():
@@ -121,9 +117,8 @@ def test_a_block_read_resets_the_later_copy_too():
     # raises once, not again at the next later read
     flag = raised_flag()
     check_flag_later(flag)
-    with pytest.raises(ValueError, match="overflows float32"):
-        with deferred_key_checks():
-            defer_key_check(flag)
+    with pytest.raises(ValueError, match="overflows float32"), deferred_key_checks():
+        defer_key_check(flag)
     raise_earlier_overflows()
 
 

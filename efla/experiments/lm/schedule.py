@@ -45,7 +45,7 @@ def hyperparameters(cfg: TrainConfig) -> dict:
     return dict(weight_decay=cfg.weight_decay, betas=list(cfg.betas), eps=cfg.eps, grad_clip=cfg.grad_clip)
 
 
-def _saved_settings(ckpt: str, state: dict, out: str) -> dict:
+def _saved_settings(state: dict, out: str) -> dict:
     """Schedule and optimizer settings the checkpoint was trained with (older checkpoints: from
     ``train_args.json`` beside it)."""
     if "schedule" in state:
@@ -68,7 +68,7 @@ def resumed_schedule(cfg: TrainConfig, r: Sizes, ckpt: str, state: dict) -> dict
     Raises:
         UsageError: any other change of the schedule or optimizer settings (named with both values).
     """
-    saved = _saved_settings(ckpt, state, cfg.out)
+    saved = _saved_settings(state, cfg.out)
     now = dict(schedule_of(cfg, r), **hyperparameters(cfg))
     if cfg.warmup_steps is None:  # derived from the length: the saved run's own
         now["warmup"] = saved.get("warmup", now["warmup"])

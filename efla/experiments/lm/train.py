@@ -435,7 +435,8 @@ def _train_loop(run: Session, on_step_end) -> Progress:
     if run.dist.main and cfg.progress:
         bar = harness.progress_factory(leave=True, unit="step")(
             r.max_steps, f"train {os.path.basename(cfg.out.rstrip('/'))}", initial=run.start_step)
-    log_f = open(os.path.join(cfg.out, "log.jsonl"), "a") if run.dist.main else None
+    # open for the whole loop (closed in the finally below): every logged step is appended and flushed
+    log_f = open(os.path.join(cfg.out, "log.jsonl"), "a") if run.dist.main else None  # noqa: SIM115
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
     try:

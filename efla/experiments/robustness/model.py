@@ -61,7 +61,7 @@ class PixelSequenceClassifier(nn.Module):
     def features(self, x: torch.Tensor):
         """x [B, L] pixels -> q, k, v [B, L, H, D], beta [B, L, H], g or None."""
         B, L = x.shape
-        if L > self.seq_len:
+        if self.seq_len < L:
             raise ValueError(f"x: sequence length {L} exceeds the model's {self.seq_len}")
         h = F.gelu(self.inp(x.unsqueeze(-1)) + self.pos[:L])
         H, D = self.num_heads, self.width // self.num_heads
