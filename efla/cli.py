@@ -10,8 +10,9 @@ import importlib.metadata
 import itertools
 import os
 import sys
+import warnings
 
-from efla.errors import CheckpointError
+from efla.errors import CheckpointError, RunWarning
 from efla.experiments.harness import command_line
 
 # the order of ``efla --help``: the tour first, then the experiments, then the model tools
@@ -140,13 +141,28 @@ def exit_status_and_message(error: BaseException) -> tuple[int, str]:
     return 1, f"{type(error).__name__}: {text} (an unexpected error; EFLA_DEBUG=1 or --debug shows the traceback)"
 
 
+def _one_line_warnings(command: str, show_others):
+    """``warnings.showwarning`` for a command: a ``RunWarning`` as ``efla <command>: warning: <text>``
+    on stderr, every other warning as Python shows it."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, RunWarning):
+            print(f"efla {command}: warning: {message}", file=sys.stderr)
+        else:
+            show_others(message, category, filename, lineno, file, line)
+
+    return show
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     _add_debug_option(parser)
     args = parser.parse_args(argv)
     args.command_line = command_line(argv)
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", RunWarning)
+            warnings.showwarning = _one_line_warnings(args.command, warnings.showwarning)
+            return args.func(args)
     except KeyboardInterrupt:
         if _debug_wanted(args):
             raise

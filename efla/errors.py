@@ -4,12 +4,13 @@
 exit status 2. ``CheckpointError``: a checkpoint to resume from is damaged or unsafe; exit status 2
 (the run did not start). ``RunFailure``: the work started and could not finish; exit status 1.
 ``NonFiniteValues``: an op's or a layer's input holds NaN or Inf (a ``ValueError``; training catches
-it by type to skip or stop at a non-finite step).
+it by type to skip or stop at a non-finite step). ``RunWarning``: something a user should know about
+a run that goes on; the library warns (``warnings.warn``), the command line prints it as one line.
 """
 
 from __future__ import annotations
 
-__all__ = ["UsageError", "RunFailure", "CheckpointError", "NonFiniteValues"]
+__all__ = ["UsageError", "RunFailure", "CheckpointError", "NonFiniteValues", "RunWarning"]
 
 
 class UsageError(ValueError):
@@ -26,3 +27,7 @@ class CheckpointError(RuntimeError):
 
 class NonFiniteValues(ValueError):
     """An input holds NaN or Inf; the message names it and counts the values."""
+
+
+class RunWarning(UserWarning):
+    """Something the user should know about a run that goes on (a lock taken over, text repaired)."""

@@ -271,3 +271,24 @@ def test_error_classes_choose_the_exit_status():
     same_name_other_class = type("CheckpointError", (Exception,), {})
     status, message = exit_status_and_message(same_name_other_class("?"))
     assert status == 1 and "unexpected error" in message
+
+
+def test_a_run_warning_is_one_line_from_the_command_and_a_warning_from_the_library(capsys):
+    """The training code warns (``RunWarning``); the command line prints ``efla <command>: warning: ...``
+    and leaves other warnings to Python."""
+    import warnings
+
+    from efla.cli import _one_line_warnings
+    from efla.errors import RunWarning
+
+    others = []
+    show = _one_line_warnings("train", lambda *a: others.append(a[0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        warnings.warn("took over the lock", RunWarning, stacklevel=1)
+        warnings.warn("something else", DeprecationWarning, stacklevel=1)
+    assert capsys.readouterr().err == "efla train: warning: took over the lock\n"
+    assert [str(w) for w in others] == ["something else"]
+    with pytest.warns(RunWarning, match="lock"):
+        warnings.warn("took over the lock", RunWarning, stacklevel=1)

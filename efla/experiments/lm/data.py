@@ -5,9 +5,9 @@ the train/validation split; a user's mistake is a ``UsageError`` naming the file
 from __future__ import annotations
 
 import os
-import sys
+import warnings
 
-from efla.errors import UsageError
+from efla.errors import RunWarning, UsageError
 
 from .config import Sizes, TrainConfig
 from .distributed import Dist
@@ -93,7 +93,7 @@ def check_text(cfg: TrainConfig, dist: Dist, log) -> None:
 
     def warn(message: str) -> None:
         if dist.main:
-            print(f"efla train: warning: {message}", file=sys.stderr)
+            warnings.warn(message, RunWarning, stacklevel=2)
 
     log("checking the text files (--data" + (", --val-data)" if cfg.val_data else ")"))
     for paths, option in ((cfg.data, "--data"), (cfg.val_data or [], "--val-data")):

@@ -8,9 +8,9 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import sys
+import warnings
 
-from efla.errors import UsageError
+from efla.errors import RunWarning, UsageError
 
 from ..checkpoint import CheckpointError, find_resume_checkpoint, list_checkpoints, verify_checkpoint
 from ..run_dir import LOCK_NAME, check_out_dir, claim_run_dir
@@ -62,8 +62,8 @@ def claim_and_choose_start(cfg: TrainConfig, dist: Dist):
             check_out_dir(cfg.out, cfg.overwrite)
             lock = claim_run_dir(cfg.out)
             if lock.stale_holder:
-                print(f"efla train: took over the lock of a run that is no longer running "
-                      f"(pid {lock.stale_holder.get('pid')}) in {cfg.out}", file=sys.stderr)
+                warnings.warn(f"took over the lock of a run that is no longer running "
+                              f"(pid {lock.stale_holder.get('pid')}) in {cfg.out}", RunWarning, stacklevel=2)
             ckpt = _choose_start(cfg)
             if ckpt is None:
                 _clear_for_fresh_start(cfg)
