@@ -10,7 +10,7 @@ from .gates import RawGates, activate, check_gate_parameters
 from .normalize import l2_normalize
 from .recurrent import recurrent_generic
 from .cuda.key_checks import key_checks_enabled
-from .validate import check_key_energy, check_result, compute_dtype, validate, values_checked
+from .validate import check_key_energy, check_result, compute_dtype, host_offsets, validate, values_checked
 from ..variants import Variant
 
 _cuda_backend = None  # False once the import failed; the module once it succeeded
@@ -147,7 +147,7 @@ def _engines(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_st
 
     cu = None
     if cu_seqlens is not None:
-        cu = [int(c) for c in cu_seqlens.detach().cpu().tolist()]
+        cu = host_offsets(cu_seqlens).tolist()
         qc, kc, vc, a, w = (_to_padded(x, cu) for x in (qc, kc, vc, a, w))
         if gamma is not None:
             gamma = _to_padded(gamma, cu)

@@ -118,10 +118,7 @@ def _param_groups(model, weight_decay: float):
 def read_log(out: str) -> list[dict]:
     """The entries of ``out/log.jsonl``."""
     path = os.path.join(out, "log.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return harness.read_records(path) if os.path.exists(path) else []
 
 
 def _truncate_log(out: str, step: int) -> None:
