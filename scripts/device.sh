@@ -38,7 +38,7 @@ run_phase() {
     stages) python3 benchmarks/gpu_stages.py --out "$OUT/stages" ;;
     model) python3 benchmarks/gpu_model.py --sizes 340m,1.3b --out "$OUT/model" ;;
     generate) python3 benchmarks/gpu_generate.py --sizes 340m --stages speed,kernel,profile --out "$OUT/generate" ;;
-    serve) python3 benchmarks/serve_load.py --out "$OUT/serve" ;;
+    serve) python3 benchmarks/serve_load.py --rates 64,inf --requests 512 --out "$OUT/serve" ;;
     *) echo "device.sh: unknown phase $1 (tests, gentests, ops, stages, model, generate, serve)"; return 2 ;;
   esac
 }

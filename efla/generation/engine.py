@@ -11,6 +11,11 @@ choice of the next token, the stop-token bookkeeping) reads and writes only the 
 tensors, so on CUDA it is captured once per bucket (greedy and sampling apart) and replayed:
 one launch per token instead of a few hundred, nothing allocated after capture, nothing read
 back to the host.
+
+A server prefills the same way: ``prefill_rows`` runs pieces of prompts as the rows of a
+``PrefillBucket`` (padded on the right, each row continuing its pool row's state or starting
+from zero), one CUDA graph per bucket shape, so a prefill call costs its GPU time instead of
+Python launching a few hundred kernels (tens of milliseconds that every decoding request waits).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from efla.ops.validate import unchecked_values
 
 from .sampling import choose_tokens
 
-__all__ = ["DecodeEngine", "Bucket", "bucket_size", "engine_for", "release"]
+__all__ = ["DecodeEngine", "Bucket", "PrefillBucket", "bucket_size", "engine_for", "release"]
 
 MAX_STOP_TOKENS = 16
 _POSITION_GRAIN = 1024  # attention buffers grow in steps of this many positions
@@ -63,6 +68,25 @@ class Bucket:
     first_rows: bool = False  # slots are 0 .. size-1: an eager step may use the pool's rows as views
 
 
+# Prefill buckets pad a piece to a power of two of at least this many tokens (fewer shapes to capture).
+SMALLEST_PREFILL_LENGTH = 32
+
+
+@dataclass
+class PrefillBucket:
+    """The static tensors of one prefill shape: ``rows`` pieces of prompts of at most ``length``
+    tokens each, padded on the right."""
+
+    rows: int
+    length: int
+    ids: torch.Tensor  # [rows, length] each row's tokens, then padding
+    lengths: torch.Tensor  # [rows] real tokens of each row (unused rows: 1, on the scratch slot)
+    slots: torch.Tensor  # [rows] pool row each row continues
+    fresh: torch.Tensor  # [rows] rows that start from a zero state (a prompt's first piece)
+    logits: torch.Tensor  # [rows, vocab] float32, each row's last real token's
+    graph: torch.cuda.CUDAGraph | None = None
+
+
 class DecodeEngine:
     """Decoding state and step of one model (see the module's doc). ``use_cuda_graph``: capture the
     step on CUDA (default: whenever the model is on CUDA); elsewhere the same step runs eagerly."""
@@ -81,6 +105,7 @@ class DecodeEngine:
         self.cache: EFLACache | None = None
         self.capacity, self.max_length = 0, None
         self.buckets: dict[int, Bucket] = {}
+        self.prefill_buckets: dict[tuple[int, int], PrefillBucket] = {}
         self.stop_tokens = torch.full((MAX_STOP_TOKENS,), -1, dtype=torch.long, device=self.device)
         self.pad_token = torch.zeros((), dtype=torch.long, device=self.device)
         self.memory_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -101,7 +126,7 @@ class DecodeEngine:
         capacity = max(slots, self.capacity)
         if length is not None:
             length = _POSITION_GRAIN * -(-max(length, self.max_length or 0) // _POSITION_GRAIN)
-        self.cache, self.buckets, self._views = None, {}, None
+        self.cache, self.buckets, self.prefill_buckets, self._views = None, {}, {}, None
         self._new_graph_pool()
         self.cache = EFLACache.for_model(self.model, capacity + 1, length)
         self.capacity, self.max_length = capacity, length
@@ -155,6 +180,8 @@ class DecodeEngine:
             self._weights = key
             for bucket in self.buckets.values():
                 bucket.graphs.clear()
+            for prefill_bucket in self.prefill_buckets.values():
+                prefill_bucket.graph = None
             self._new_graph_pool()
         refresh_stacked_weights(self.model)
 
@@ -165,7 +192,7 @@ class DecodeEngine:
     def _weights_key(self) -> tuple:
         return tuple(p.data_ptr() for p in self.model.parameters())
 
-    # -- prefill and decoding -----------------------------------------------------------------------
+    # -- prefill of whole prompts ----------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, prompts: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
         """Run the prompts (1-D token tensors) packed in one sequence (``cu_seqlens``: the chunk
@@ -179,6 +206,108 @@ class DecodeEngine:
         last = out.last_hidden_state[0, cu_seqlens[1:] - 1]
         return self.head(last).float()
 
+    # -- prefill of pieces of prompts into pool rows ---------------------------------------------------
+    def prefill_shape(self, rows: int, length: int) -> tuple[int, int]:
+        """The ``(rows, length)`` of the bucket that runs ``rows`` pieces of at most ``length`` tokens:
+        powers of two (length at least ``SMALLEST_PREFILL_LENGTH``) with graphs, exact without."""
+        if not self.use_graphs:
+            return rows, length
+        return 1 << (rows - 1).bit_length(), 1 << (max(length, SMALLEST_PREFILL_LENGTH) - 1).bit_length()
+
+    def prefill_bucket(self, rows: int, length: int) -> PrefillBucket:
+        """The bucket that runs ``rows`` pieces of at most ``length`` tokens (with graphs made on first
+        use and kept with its graph; without, made for the call)."""
+        if self.needs_positions:
+            raise ValueError("prefill_rows: a model with softmax-attention layers prefills through prefill()")
+        shape = self.prefill_shape(rows, length)
+        bucket = self.prefill_buckets.get(shape)
+        if bucket is None:
+            r, n, dev = *shape, self.device
+            bucket = PrefillBucket(r, n, ids=torch.zeros(r, n, dtype=torch.long, device=dev),
+                                   lengths=torch.ones(r, dtype=torch.long, device=dev),
+                                   slots=torch.full((r,), self.scratch_slot, dtype=torch.long, device=dev),
+                                   fresh=torch.ones(r, dtype=torch.bool, device=dev),
+                                   logits=torch.zeros(r, self.vocab, device=dev))
+            if self.use_graphs:
+                self.prefill_buckets[shape] = bucket
+        return bucket
+
+    @torch.no_grad()
+    def prefill_rows(self, pieces: list[list[int]], slots: list[int], fresh: list[bool]) -> torch.Tensor:
+        """Run ``pieces`` (token ids) as the rows of one prefill bucket: piece ``i`` continues the state
+        of pool row ``slots[i]`` (from zero where ``fresh[i]``) and leaves its new state there. Returns
+        the logits of each piece's last token, ``[len(pieces), vocab]`` float32."""
+        bucket = self.prefill_bucket(len(pieces), max(map(len, pieces)))
+        n, scratch = len(pieces), self.scratch_slot
+        ids = torch.zeros(bucket.rows, bucket.length, dtype=torch.long)
+        for row, piece in enumerate(pieces):
+            ids[row, :len(piece)] = torch.tensor(piece, dtype=torch.long)
+        padding_rows = bucket.rows - n
+        for static, values in ((bucket.ids, ids),
+                               (bucket.lengths, torch.tensor([len(p) for p in pieces] + [1] * padding_rows)),
+                               (bucket.slots, torch.tensor(list(slots) + [scratch] * padding_rows)),
+                               (bucket.fresh, torch.tensor(list(fresh) + [True] * padding_rows))):
+            static.copy_(values.pin_memory() if self.use_graphs else values, non_blocking=True)
+        if not self.use_graphs:
+            self._prefill_step(bucket)
+        else:
+            if bucket.graph is None:
+                bucket.graph = self._capture_prefill(bucket)
+            bucket.graph.replay()
+        return bucket.logits[:n].clone()
+
+    def capture_prefill(self, max_tokens: int, max_length: int) -> None:
+        """Capture every prefill bucket of at most ``max_tokens`` tokens (rows times length) and rows of
+        at most ``max_length`` tokens now; nothing without graphs."""
+        if not self.use_graphs or self.needs_positions:
+            return
+        length = SMALLEST_PREFILL_LENGTH
+        while length <= self.prefill_shape(1, max_length)[1]:
+            rows = 1
+            while rows == 1 or rows * length <= max_tokens:
+                bucket = self.prefill_bucket(rows, length)
+                if bucket.graph is None:
+                    bucket.graph = self._capture_prefill(bucket)
+                rows *= 2
+            length *= 2
+
+    def _prefill_step(self, bucket: PrefillBucket) -> None:
+        cache = self.cache
+        saved = cache.slots, cache.fresh_rows
+        cache.slots, cache.fresh_rows = bucket.slots, bucket.fresh
+        try:
+            with unchecked_values():  # the model's own inputs: no value read back (none can be while captured)
+                positions = torch.arange(bucket.length, device=self.device)
+                mask = (positions < bucket.lengths[:, None]).long()
+                hidden = self.decoder(input_ids=bucket.ids, attention_mask=mask, past_key_values=cache,
+                                      use_cache=True).last_hidden_state
+                rows = torch.arange(bucket.rows, device=self.device)
+                last = hidden[rows, (bucket.lengths - 1).clamp(min=0)]
+                bucket.logits.copy_(self.head(last).float())
+        finally:
+            cache.slots, cache.fresh_rows = saved
+
+    def _capture_prefill(self, bucket: PrefillBucket) -> torch.cuda.CUDAGraph:
+        """Warm the bucket's prefill up on a side stream with one token per row, every row on the
+        scratch slot (so no live state moves and the padding path runs), then capture it."""
+        bucket.slots.fill_(self.scratch_slot)
+        bucket.lengths.fill_(1)
+        bucket.fresh.fill_(True)
+        return self._captured(lambda: self._prefill_step(bucket))
+
+    def _captured(self, run: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph, pool=self.memory_pool):
+            run()
+        return graph
+
+    # -- decoding -------------------------------------------------------------------------------------
     @torch.no_grad()
     def start(self, bucket: Bucket, logits: torch.Tensor, generator: torch.Generator | None) -> None:
         """Choose the first new token of the bucket's first ``len(logits)`` rows from the prefill's
@@ -246,15 +375,7 @@ class DecodeEngine:
         scratch slot, so no live state moves, then capture it."""
         saved = [t.clone() for t in (bucket.slots, bucket.tokens, bucket.finished)]
         bucket.slots.fill_(self.scratch_slot)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.no_grad(), torch.cuda.stream(side):
-            for _ in range(2):
-                self._step(bucket, sampling)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, pool=self.memory_pool):
-            self._step(bucket, sampling)
+        graph = self._captured(lambda: self._step(bucket, sampling))
         for tensor, value in zip((bucket.slots, bucket.tokens, bucket.finished), saved):
             tensor.copy_(value)
         return graph

@@ -117,7 +117,8 @@ def per_value_head(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
 
 def padding_mask(attention_mask: torch.Tensor | None, B: int, T: int, cu_seqlens) -> torch.Tensor | None:
     """The last ``T`` columns of a 0/1 padding mask ``[B, L >= T]`` as ``[B, T, 1]`` (or ``None``
-    when absent or all ones). Padded positions become identity steps of the recurrence.
+    when absent or all ones; while a CUDA graph is captured, unchecked and never ``None``). Padded
+    positions become identity steps of the recurrence.
 
     Also checks ``cu_seqlens``: the layers call this before the short convolutions, which index
     with ``cu_seqlens`` and would fail on malformed offsets with an unrelated error."""
@@ -138,6 +139,8 @@ def padding_mask(attention_mask: torch.Tensor | None, B: int, T: int, cu_seqlens
     m = attention_mask[:, -T:]
     if m.dtype == torch.bool:
         m = m.long()
+    if m.is_cuda and torch.cuda.is_current_stream_capturing():  # no value can be read: taken as given
+        return m[..., None]
     if bool(((m != 0) & (m != 1)).any()):
         raise ValueError("attention_mask: expected only 0 and 1 values")
     if bool((m == 1).all()):

@@ -203,9 +203,10 @@ class EFLA(nn.Module):
             if last_state is not None and last_state.get("conv_state") is not None:
                 conv_state = last_state["conv_state"]
             conv_state = context_parallel_conv_states((q, k, v), self.conv_size) or conv_state
-            q, cq = self.q_conv1d(q, cache=conv_state[0], output_final_state=use_cache, cu_seqlens=cu_seqlens)
-            k, ck = self.k_conv1d(k, cache=conv_state[1], output_final_state=use_cache, cu_seqlens=cu_seqlens)
-            v, cv = self.v_conv1d(v, cache=conv_state[2], output_final_state=use_cache, cu_seqlens=cu_seqlens)
+            conv_args = {"output_final_state": use_cache, "cu_seqlens": cu_seqlens, "mask": mask}
+            q, cq = self.q_conv1d(q, cache=conv_state[0], **conv_args)
+            k, ck = self.k_conv1d(k, cache=conv_state[1], **conv_args)
+            v, cv = self.v_conv1d(v, cache=conv_state[2], **conv_args)
             conv_state = (cq, ck, cv)
         else:
             if self.qk_activation == "silu":

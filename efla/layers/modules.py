@@ -39,11 +39,13 @@ class ShortConvolution(nn.Conv1d):
     Parameters are ``weight: [D, 1, W]`` and optional ``bias: [D]`` (``nn.Conv1d``'s), as in
     flash-linear-attention's ``ShortConvolution``.
 
-    ``forward(x [B, T, D], cache=None, output_final_state=False, cu_seqlens=None)`` returns
-    ``(y [B, T, D], state)``. ``cache`` / ``state`` is ``[N, D, W]``: the last ``W`` inputs
-    of each sequence (oldest first, zeros before the sequence start); ``N = B``, or the number
-    of packed sequences when ``cu_seqlens`` (``B == 1``) is given. ``state`` is ``None`` unless
-    ``output_final_state``.
+    ``forward(x [B, T, D], cache=None, output_final_state=False, cu_seqlens=None, mask=None)``
+    returns ``(y [B, T, D], state)``. ``cache`` / ``state`` is ``[N, D, W]``: the last ``W``
+    inputs of each sequence (oldest first, zeros before the sequence start); ``N = B``, or the
+    number of packed sequences when ``cu_seqlens`` (``B == 1``) is given. ``state`` is ``None``
+    unless ``output_final_state``. ``mask [B, T, 1]`` (0 = padding, whose inputs the caller
+    zeroed) makes ``state`` end at each row's last real input, so a row padded on the right
+    leaves the state where its tokens end.
 
     Example:
         >>> import torch
@@ -72,7 +74,25 @@ class ShortConvolution(nn.Conv1d):
         return F.silu(y) if self.activation is not None else y
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, output_final_state: bool = False,
-                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                cu_seqlens: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        y, state = self._forward(x, cache, output_final_state, cu_seqlens)
+        if mask is not None and state is not None:
+            state = self.history_until_last_real(x, cache, mask)
+        return y, state
+
+    def history_until_last_real(self, x: torch.Tensor, cache: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+        """``[B, D, W]``: each row's last ``W`` inputs up to its last real position (``mask [B, T, 1]``),
+        the cache's before its first input; a row without real inputs keeps its cache."""
+        B, T, D = x.shape
+        W = self.kernel_size[0]
+        history = cache.to(x.dtype) if cache is not None else x.new_zeros(B, D, W)
+        full = torch.cat([history, x.transpose(1, 2)], dim=-1)  # input t at column W + t
+        ends = (mask[..., 0].to(torch.long) * torch.arange(1, T + 1, device=x.device)).amax(1)  # last real + 1
+        columns = ends[:, None] + torch.arange(W, device=x.device)
+        return full.gather(-1, columns[:, None, :].expand(B, D, W)).contiguous()
+
+    def _forward(self, x, cache, output_final_state, cu_seqlens):
         B, T, D = x.shape
         W = self.kernel_size[0]
         if self.hidden_size != D:

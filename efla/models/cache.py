@@ -66,7 +66,9 @@ class EFLACache(Cache):
     as a pool of ``num_slots`` rows (softmax-attention layers: a key/value buffer of ``max_length``
     positions per row); with ``cache.slots`` set to a ``[B]`` index tensor, batch row ``b`` reads
     and writes pool row ``slots[b]`` (the fast decoding loop and a server's request slots work
-    so). ``write_slots`` copies a prefilled cache's states into pool rows.
+    so), and with ``cache.fresh_rows`` (``[B]`` bool) set as well, the rows marked there start from a
+    zero state instead of their pool rows' (a prefill of new prompts into reused rows).
+    ``write_slots`` copies a prefilled cache's states into pool rows.
 
     Example:
         >>> cache = EFLACache()
@@ -85,6 +87,7 @@ class EFLACache(Cache):
         self.states: list[dict[str, Any] | None] = [None] * (num_layers or 0)
         self._seen_tokens: list[int] = [0] * (num_layers or 0)
         self.slots: torch.Tensor | None = None
+        self.fresh_rows: torch.Tensor | None = None
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, num_slots: int, max_length: int | None = None) -> EFLACache:
@@ -113,12 +116,16 @@ class EFLACache(Cache):
             self._seen_tokens.append(0)
 
     def get_layer_state(self, layer_idx: int) -> dict[str, Any] | None:
-        """The layer's state for the current batch rows: with ``slots`` set, a copy of those pool rows
-        (softmax-attention pools are returned whole: their layer indexes them itself)."""
+        """The layer's state for the current batch rows: with ``slots`` set, a copy of those pool rows,
+        zeros for the ``fresh_rows`` (softmax-attention pools are returned whole: their layer indexes
+        them itself)."""
         state = self.layer_pool(layer_idx)
         if state is None or self.slots is None or "kv_pool" in state:
             return state
-        return _map_tensors(state, lambda t: t.index_select(0, self.slots))
+        if self.fresh_rows is None:
+            return _map_tensors(state, lambda t: t.index_select(0, self.slots))
+        return _map_tensors(state, lambda t: t.index_select(0, self.slots).masked_fill_(
+            self.fresh_rows.view(-1, *(1,) * (t.dim() - 1)), 0))
 
     def layer_pool(self, layer_idx: int) -> dict[str, Any] | None:
         """The layer's stored state itself (all pool rows), or ``None``."""

@@ -234,6 +234,7 @@ class EFLAModel(EFLAPreTrainedModel):
         hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         T = hidden_states.shape[1]
         if (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.shape[1] >= T
+                and not (attention_mask.is_cuda and torch.cuda.is_current_stream_capturing())
                 and bool((attention_mask[:, -T:] == 1).all())):
             attention_mask = None  # no padding among these tokens: one check here instead of one per layer
         if use_cache and past_key_values is None:

@@ -11,7 +11,9 @@ its end. Every iteration of the loop
    starting from the prefix cache's state when it holds a prefix of the prompt;
 4. prefills at most ``prefill_chunk`` prompt tokens, continuing each prompt from its slot's state
    (so a long prompt delays the running requests by one chunk per step, never by all of it), and
-   picks the first token of every prompt that is complete;
+   picks the first token of every prompt that is complete. Pieces of up to ``ROW_TOKENS`` tokens
+   of several prompts run as the rows of one of the engine's prefill buckets (one CUDA graph per
+   shape on the GPU); a hybrid model's prompts run packed, eagerly;
 5. rebuilds the decoding batch when requests ended or joined: the bucket's rows point at their
    slots through ``bucket.slots``, so the same captured step serves any assignment.
 
@@ -90,12 +92,17 @@ class _PhaseClock:
         self.last = now
 
 
+# The most tokens of one prompt in one prefill call: a long prompt leaves room for others beside it,
+# and a GPU's prefill graphs cover rows up to this length.
+ROW_TOKENS = 256
+
+
 def prefill_defaults(device: torch.device) -> tuple[int, int]:
-    """``(prefill_chunk, prefill_every)`` for a model on ``device``. On a GPU an eager prefill call
-    costs about 90 ms whatever its size (Python launching some 900 kernels; an H200, 340M), so there
-    few large calls serve best: 256 streams then keep 0.97x static batching's tokens/s. On the CPU
-    the call's cost grows with its tokens, so small calls between every two steps keep the pauses short."""
-    return (16384, 128) if device.type == "cuda" else (512, 1)
+    """``(prefill_chunk, prefill_every)`` for a model on ``device``: small prefills between every two
+    decoding steps, so the running requests wait a short while often rather than long and seldom
+    (a captured 2,048-token prefill of a 340M model takes a few milliseconds on an H200; without
+    graphs, a hybrid model's eager call about 90 ms whatever its size)."""
+    return (2048, 1) if device.type == "cuda" else (512, 1)
 
 
 class Scheduler:
@@ -212,6 +219,8 @@ class Scheduler:
     def start(self) -> None:
         if self._thread is None:
             self.engine.capture_all(self.max_batch)
+            if not self.hybrid:
+                self.engine.capture_prefill(self.prefill_chunk, min(ROW_TOKENS, self.prefill_chunk))
             self._thread = threading.Thread(target=self._run, name="efla-scheduler", daemon=True)
             self._thread.start()
 
@@ -402,8 +411,31 @@ class Scheduler:
             return False
         return 2 * len(self._rows) < self.max_batch or self.steps - self._last_prefill_step >= self.prefill_every
 
+    def _plan_rows(self) -> list[_Piece]:
+        """This iteration's prefill, one piece per prompt, first come first served: up to ``ROW_TOKENS``
+        tokens each, cut at the next save point, as many as fit in ``prefill_chunk`` tokens once padded
+        (rows times the longest piece, as the engine's bucket rounds them)."""
+        pieces, longest = [], 0
+        for request in self._prefilling:
+            start = request.prefilled
+            end = min(len(request.prompt), start + min(ROW_TOKENS, self.prefill_chunk),
+                      *(p for p in request.save_points if p > start))
+            rows, length = self.engine.prefill_shape(len(pieces) + 1, max(longest, end - start))
+            if pieces and rows * length > self.prefill_chunk:
+                break
+            pieces.append(_Piece(request, start, end))
+            longest = max(longest, end - start)
+        return pieces
+
+    def _run_rows(self, pieces: list[_Piece]) -> list[torch.Tensor | None]:
+        """Prefill ``pieces`` as the rows of one engine prefill bucket; each piece's last-token logits
+        where it completes its prompt, else ``None``."""
+        logits = self.engine.prefill_rows([p.request.prompt[p.start:p.end] for p in pieces],
+                                          [p.request.slot for p in pieces], [p.start == 0 for p in pieces])
+        return [row if p.end == len(p.request.prompt) else None for p, row in zip(pieces, logits)]
+
     def _plan(self) -> list[list[_Piece]]:
-        """This iteration's prefill: up to ``prefill_chunk`` tokens, first come first served, each
+        """A hybrid model's prefill: up to ``prefill_chunk`` tokens, first come first served, each
         request's share cut at its save points (pieces of one request go to successive rounds)."""
         rounds: list[list[_Piece]] = []
         budget = self.prefill_chunk
@@ -425,8 +457,9 @@ class Scheduler:
         """Run this iteration's prefill; the requests whose prompt is complete and their first tokens."""
         self._last_prefill_step, self.prefill_calls = self.steps, self.prefill_calls + 1
         complete, logits = [], []
-        for pieces in self._plan():
-            for piece, piece_logits in zip(pieces, self._run_round(pieces)):
+        rounds, run = ([self._plan_rows()], self._run_rows) if not self.hybrid else (self._plan(), self._run_round)
+        for pieces in rounds:
+            for piece, piece_logits in zip(pieces, run(pieces)):
                 request = piece.request
                 request.prefilled = piece.end
                 self.prompt_tokens_prefilled += piece.end - piece.start
@@ -445,16 +478,15 @@ class Scheduler:
         self.prefix_cache.put(request.prompt[:length], key, snapshot_row(self.engine.cache, request.slot))
 
     def _run_round(self, pieces: list[_Piece]) -> list[torch.Tensor | None]:
-        """Prefill ``pieces`` (at most one per request) into their slots; each piece's last-token
-        logits where it completes its prompt, else ``None``. Prompts starting at their first token
-        run as ``generate`` prefills them (packed, no initial state); the others continue from their
-        slots' states (one by one in hybrid models, whose attention layers take no packed
-        continuation)."""
+        """Prefill a hybrid model's ``pieces`` (at most one per request) into their slots; each piece's
+        last-token logits where it completes its prompt, else ``None``. Prompts starting at their
+        first token run as ``generate`` prefills them (packed, no initial state); the others continue
+        from their slots' states one by one (attention layers take no packed continuation)."""
         num_layers = len(self.engine.cache.states)
         fresh = [p for p in pieces if p.start == 0]
         going_on = [p for p in pieces if p.start > 0]
         groups = [(fresh, EFLACache(num_layers))] if fresh else []
-        for group in ([[p] for p in going_on] if self.hybrid else [going_on] if going_on else []):
+        for group in [[p] for p in going_on]:
             groups.append((group, rows_cache(self.engine.cache, self._device_long([p.request.slot for p in group]),
                                              [p.start for p in group])))
         logits = {}
@@ -466,8 +498,7 @@ class Scheduler:
         lengths = [p.end - p.start for p in pieces]
         ids = self._device_long(list(itertools.chain.from_iterable(p.request.prompt[p.start:p.end] for p in pieces)))
         ends = list(itertools.accumulate(lengths))
-        packed = len(pieces) > 1 or not self.hybrid
-        cu_seqlens = self._device_long([0, *ends]) if packed else None
+        cu_seqlens = self._device_long([0, *ends]) if len(pieces) > 1 else None
         out = self.engine.decoder(input_ids=ids[None], cu_seqlens=cu_seqlens, past_key_values=cache, use_cache=True)
         self.engine.cache.write_slots(self._device_long([p.request.slot for p in pieces]), cache)
         complete = [i for i, p in enumerate(pieces) if p.end == len(p.request.prompt)]

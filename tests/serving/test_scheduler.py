@@ -208,13 +208,14 @@ def test_closing_ends_queued_and_running_requests_with_an_error(loaded):
 
 
 def test_prefill_settings_default_by_device_and_give_way_to_the_callers(loaded):
-    """On the CPU small prefill calls between every two steps; a GPU's defaults are few large calls
-    (an eager call there has a fixed cost of tens of ms); settings passed in win."""
+    """Small prefill calls between every two steps (a GPU's take several full rows: its captured
+    calls cost their GPU time); settings passed in win."""
     from efla.serving import prefill_defaults
+    from efla.serving.scheduler import ROW_TOKENS
 
     assert prefill_defaults(torch.device("cpu")) == (512, 1)
     chunk, every = prefill_defaults(torch.device("cuda"))
-    assert chunk >= 8192 and every > 1
+    assert chunk >= 4 * ROW_TOKENS and every == 1
     by_default = Scheduler(loaded[0], None, max_batch=2, max_context=64)
     chosen = Scheduler(loaded[0], None, max_batch=2, max_context=64, prefill_chunk=7, prefill_every=3)
     assert (by_default.prefill_chunk, by_default.prefill_every) == (512, 1)

@@ -1,6 +1,7 @@
-"""The scheduler on a GPU (captured decoding steps, pinned copies, one-step-late reads): concurrent greedy
-requests in float32 give generate's tokens one request at a time, with prompts prefilled in chunks,
-slots reused and a prefix cache on; every slot is free again afterwards."""
+"""The scheduler on a GPU (captured decoding steps and prefills, pinned copies, one-step-late reads):
+concurrent greedy requests in float32 give generate's tokens one request at a time, with prompts
+prefilled in chunks of one or several rows, slots reused and a prefix cache on; every slot is free
+again afterwards. Captured prefills of padded rows give the eager engine's states and logits."""
 
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ def _alone(model, prompt: list[int], max_tokens: int) -> list[int]:
     return new[:new.index(EOS) + 1] if EOS in new else new
 
 
-@pytest.mark.parametrize("preset", ["tiny-efla", "tiny-gated-deltanet"])
-def test_concurrent_greedy_requests_give_generates_tokens(preset):
+@pytest.mark.parametrize(("preset", "prefill_chunk"), [("tiny-efla", 32), ("tiny-efla", 256),
+                                                      ("tiny-gated-deltanet", 256)])
+def test_concurrent_greedy_requests_give_generates_tokens(preset, prefill_chunk):
     model = _model(preset)
     generator = torch.Generator().manual_seed(2)
     system = torch.randint(3, 512, (40,), generator=generator).tolist()
@@ -40,7 +42,7 @@ def test_concurrent_greedy_requests_give_generates_tokens(preset):
                for i, n in enumerate((5, 90, 33, 12, 64, 7, 150, 21, 48, 3, 77, 16))]
     lengths = [8 + 5 * i for i in range(len(prompts))]
     expected = [_alone(model, p, n) for p, n in zip(prompts, lengths)]
-    scheduler = Scheduler(model, None, stop_tokens=[EOS], max_batch=8, max_context=512, prefill_chunk=32,
+    scheduler = Scheduler(model, None, stop_tokens=[EOS], max_batch=8, max_context=512, prefill_chunk=prefill_chunk,
                           prefix_cache=PrefixCache(block=16))
     scheduler.start()
     try:
@@ -53,3 +55,27 @@ def test_concurrent_greedy_requests_give_generates_tokens(preset):
         assert status["prefix_cache"]["hits"] >= 1
     finally:
         scheduler.close()
+
+
+@pytest.mark.parametrize("preset", ["tiny-efla", "tiny-gated-efla"])
+def test_captured_prefill_rows_equal_the_eager_ones(preset):
+    from efla.generation.engine import DecodeEngine
+
+    from ..generation.test_prefill_rows import LENGTHS, ROUNDS, SLOTS, _states
+
+    model = _model(preset)
+    captured, eager = DecodeEngine(model, use_cuda_graph=True), DecodeEngine(model, use_cuda_graph=False)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in LENGTHS]
+    for engine in (captured, eager):
+        engine.reserve(4)
+        for state in engine.cache.states:
+            for tensor in (state["recurrent_state"], *state["conv_state"]):
+                tensor.normal_(generator=torch.Generator(device="cuda").manual_seed(5))
+    for pieces in ROUNDS:
+        args = ([prompts[i][a:b] for i, a, b in pieces], [SLOTS[i] for i, _, _ in pieces], [a == 0 for _, a, _ in pieces])
+        torch.testing.assert_close(captured.prefill_rows(*args), eager.prefill_rows(*args), rtol=1e-4, atol=1e-4)
+    assert captured.prefill_buckets and all(b.graph is not None for b in captured.prefill_buckets.values())
+    for slot in SLOTS:
+        for got, want in zip(_states(captured.cache, slot), _states(eager.cache, slot), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
