@@ -154,11 +154,10 @@ def add_parser(sub) -> None:
                    help="the most tokens of a request, prompt and completion (default: the model's "
                         "max_position_embeddings)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="the most prompt tokens prefilled between two decoding steps (default: 16384 on a GPU, "
+                   help="the most prompt tokens prefilled between two decoding steps (default: 2048 on a GPU, "
                         "512 on the CPU)")
     p.add_argument("--prefill-every", type=int, default=None, metavar="N",
-                   help="while half the slots or more decode, prefill once every N decoding steps: fewer, larger "
-                        "prefill calls, for throughput with many streams (default: 128 on a GPU, 1 on the CPU)")
+                   help="while half the slots or more decode, prefill once every N decoding steps (default: 1)")
     p.add_argument("--prefix-cache-mb", type=int, default=1024, metavar="MB",
                    help="memory for states after recent prompt prefixes, on the model's device (0: off; hybrid "
                         "models with attention layers go without; default: %(default)s)")
