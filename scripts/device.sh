@@ -9,7 +9,10 @@
 # Phases:
 #   tests     the GPU tests (pytest -m gpu)
 #   gentests  the generation and serving GPU tests only (tokens against transformers, no allocation
-#             after capture, 8K tokens at the memory of 128, the scheduler on the GPU)
+#             after capture, 8K tokens at the memory of 128, the scheduler on the GPU); PYTEST_K picks
+#             some (pytest -k): on a fresh machine Triton compiles and tunes fla's kernels for each
+#             variant and dtype first (the Gated EFLA bf16 test alone took over 110 s), so the whole
+#             set may need two calls on one warm machine
 #   ops       benchmarks/gpu_ops.py: correctness, then the decode and chunk ops against fla
 #   stages    benchmarks/gpu_stages.py: where an op's time goes
 #   model     benchmarks/gpu_model.py: 340M and 1.3B training steps against fla's models
@@ -32,8 +35,8 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 run_phase() {
   case $1 in
     tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-    gentests) python3 -m pytest -q -p no:cacheprovider tests/generation/test_generate_gpu.py \
-                tests/serving/test_scheduler_gpu.py ;;
+    gentests) python3 -m pytest -q -rfE -p no:cacheprovider --durations=0 ${PYTEST_K:+-k "$PYTEST_K"} \
+                tests/serving/test_scheduler_gpu.py tests/generation/test_generate_gpu.py ;;
     ops) python3 benchmarks/gpu_ops.py --out "$OUT/ops" ;;
     stages) python3 benchmarks/gpu_stages.py --out "$OUT/stages" ;;
     model) python3 benchmarks/gpu_model.py --sizes 340m,1.3b --out "$OUT/model" ;;

@@ -238,6 +238,8 @@ class DecodeEngine:
         of pool row ``slots[i]`` (from zero where ``fresh[i]``) and leaves its new state there. Returns
         the logits of each piece's last token, ``[len(pieces), vocab]`` float32."""
         bucket = self.prefill_bucket(len(pieces), max(map(len, pieces)))
+        if self.use_graphs and bucket.graph is None:  # before the inputs go in: capturing overwrites them
+            bucket.graph = self._capture_prefill(bucket)
         n, scratch = len(pieces), self.scratch_slot
         ids = torch.zeros(bucket.rows, bucket.length, dtype=torch.long)
         for row, piece in enumerate(pieces):
@@ -248,12 +250,10 @@ class DecodeEngine:
                                (bucket.slots, torch.tensor(list(slots) + [scratch] * padding_rows)),
                                (bucket.fresh, torch.tensor(list(fresh) + [True] * padding_rows))):
             static.copy_(values.pin_memory() if self.use_graphs else values, non_blocking=True)
-        if not self.use_graphs:
-            self._prefill_step(bucket)
-        else:
-            if bucket.graph is None:
-                bucket.graph = self._capture_prefill(bucket)
+        if self.use_graphs:
             bucket.graph.replay()
+        else:
+            self._prefill_step(bucket)
         return bucket.logits[:n].clone()
 
     def capture_prefill(self, max_tokens: int, max_length: int) -> None:
