@@ -249,7 +249,7 @@ class DecodeEngine:
                                (bucket.lengths, torch.tensor([len(p) for p in pieces] + [1] * padding_rows)),
                                (bucket.slots, torch.tensor(list(slots) + [scratch] * padding_rows)),
                                (bucket.fresh, torch.tensor(list(fresh) + [True] * padding_rows))):
-            static.copy_(values.pin_memory() if self.use_graphs else values, non_blocking=True)
+            static.copy_(values.pin_memory() if self.device.type == "cuda" else values, non_blocking=True)
         if self.use_graphs:
             bucket.graph.replay()
         else:

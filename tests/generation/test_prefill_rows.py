@@ -25,11 +25,26 @@ def _states(cache, row):
         yield from (c[row] for c in state["conv_state"])
 
 
-@pytest.mark.parametrize("preset", ["tiny-efla", "tiny-gated-efla", "tiny-deltanet"])
-def test_pieces_in_padded_rows_equal_whole_prompts(preset):
+class _EagerGraph:
+    """Stands in for a CUDA graph on the CPU: capturing runs the step once, a replay runs it again
+    (on whatever the bucket's tensors then hold, as a graph would)."""
+
+    def __init__(self, run):
+        run()
+        self.replay = run
+
+
+@pytest.mark.parametrize(("preset", "graphs"), [("tiny-efla", False), ("tiny-gated-efla", False),
+                                                ("tiny-deltanet", False), ("tiny-efla", True)])
+def test_pieces_in_padded_rows_equal_whole_prompts(preset, graphs, monkeypatch):
+    """With ``graphs`` the engine pads to its bucket shapes and captures each bucket on first use
+    (through a stand-in for CUDA graphs)."""
     model = tiny(preset).double()
     engine = DecodeEngine(model, use_cuda_graph=False)
     engine.reserve(4)
+    if graphs:
+        engine.use_graphs = True
+        monkeypatch.setattr(engine, "_captured", _EagerGraph)
     for state in engine.cache.states:  # rows that held other sequences: a fresh piece must not read them
         for tensor in (state["recurrent_state"], *state["conv_state"]):
             tensor.normal_()
@@ -42,6 +57,7 @@ def test_pieces_in_padded_rows_equal_whole_prompts(preset):
         assert logits.shape == (len(pieces), 256) and logits.dtype == torch.float32
         last_logits.update({i: row for (i, _, b), row in zip(pieces, logits) if b == LENGTHS[i]})
     assert sorted(last_logits) == [0, 1, 2, 3]
+    assert sorted(engine.prefill_buckets) == ([(2, 64), (4, 32)] if graphs else [])
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
             out = model(torch.tensor([prompt]), use_cache=True)

@@ -80,6 +80,32 @@ def test_chunked_prefill_gives_generates_tokens(preset):
         scheduler.close()
 
 
+def test_with_captured_steps_prompts_share_prefill_calls_and_give_generates_tokens(monkeypatch):
+    """As on a GPU (a stand-in for CUDA graphs replays the captured steps eagerly): decoding and prefill
+    buckets captured at start, pieces of several prompts in one padded call, generate's tokens."""
+    from ..generation.test_prefill_rows import _EagerGraph
+
+    model = _model("tiny-efla")
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (20, 150, 64, 65, 97, 33, 5)]
+    expected = [_generate_alone(model, p, 10) for p in prompts]
+    scheduler = Scheduler(model, None, stop_tokens=[EOS], max_batch=4, max_context=1024, prefill_chunk=128)
+    scheduler.engine.use_graphs = True
+    monkeypatch.setattr(scheduler.engine, "_captured", _EagerGraph)
+    scheduler.start()
+    try:
+        assert sorted(scheduler.engine.prefill_buckets) == [(1, 32), (1, 64), (1, 128), (2, 32), (2, 64), (4, 32)]
+        collector = Collector(len(prompts))
+        requests = [scheduler.submit([p], SamplingParams(max_tokens=10), collector)[0] for p in prompts]
+        collector.wait()
+        assert [r.tokens for r in requests] == expected
+        status = scheduler.status()
+        assert status["slots_free"] == 4 and status["prompt_tokens_prefilled"] == sum(map(len, prompts))
+        assert status["prefill_calls"] < len(prompts)
+    finally:
+        scheduler.close()
+
+
 def test_seeded_requests_decoding_together_sample_as_if_alone(loaded):
     """Three prompts with one seed, admitted and decoded together: each row draws its noise from its
     own generator, so each gives what generate gives it alone with that seed."""
