@@ -34,8 +34,13 @@ def _inputs(rule, B, T, H, K, V, N, dtype, device, seed=0) -> dict:
     def rand(*shape):
         return torch.randn(*shape, generator=gen)
 
-    x = dict(q=torch.nn.functional.normalize(rand(B, T, H, K), dim=-1), k=rand(B, T, H, K), v=rand(B, T, H, V),
-             beta=torch.rand(B, T, H, generator=gen), h0=rand(N, H, K, V))
+    x = dict(
+        q=torch.nn.functional.normalize(rand(B, T, H, K), dim=-1),
+        k=rand(B, T, H, K),
+        v=rand(B, T, H, V),
+        beta=torch.rand(B, T, H, generator=gen),
+        h0=rand(N, H, K, V),
+    )
     if "euler" in rule or rule.endswith("delta_rule"):
         x["k"] = torch.nn.functional.normalize(x["k"], dim=-1)
     if rule.startswith("gated"):
@@ -72,8 +77,13 @@ def _split(op, rule, shape, dtype, documents, w_o, w_s):
     x = _inputs(rule, *shape, dtype, w_o.device)
     T, N = shape[1], shape[-1]
     layout = shard_layout(T, dist.get_world_size(), dist.get_rank(), documents)
-    o, S = context_parallel(op, *_args(x, lambda t: shard(t, layout)), layout=layout,
-                            initial_state=x["h0"][layout.document_rows], output_final_state=True)
+    o, S = context_parallel(
+        op,
+        *_args(x, lambda t: shard(t, layout)),
+        layout=layout,
+        initial_state=x["h0"][layout.document_rows],
+        output_final_state=True,
+    )
     rows = _final_rows(layout, S.shape[0])
     global_rows = torch.arange(N)[layout.document_rows][rows].tolist()
     ((o.float() * shard(w_o, layout)).sum() + (S[rows] * w_s[global_rows]).sum()).backward()
@@ -85,9 +95,12 @@ def _split(op, rule, shape, dtype, documents, w_o, w_s):
 
 
 def _errors(o, S, grads, o_ref, S_ref, grads_ref) -> dict:
-    errors = torch.tensor([_relative(o, o_ref), _relative(S, S_ref) if S.numel() else 0.0]
-                          + [_relative(grads[n], grads_ref[n]) for n in sorted(grads)], dtype=torch.float64,
-                          device=o.device)
+    errors = torch.tensor(
+        [_relative(o, o_ref), _relative(S, S_ref) if S.numel() else 0.0]
+        + [_relative(grads[n], grads_ref[n]) for n in sorted(grads)],
+        dtype=torch.float64,
+        device=o.device,
+    )
     dist.all_reduce(errors, op=dist.ReduceOp.MAX)
     names = ["o", "final_state"] + [f"grad_{n}" for n in sorted(grads)]
     return dict(zip(names, [float(f"{e:.3g}") for e in errors.tolist()]))
@@ -111,8 +124,7 @@ def check(rule: str, documents, a, device) -> dict:
     result = dict(split_vs_single=_errors(o, S, grads, shard(o_ref, layout), S_ref[rows], g_ref))
     if dtype.itemsize < 4:
         o32, S32, g32 = _single(op, rule, shape, torch.float32, cu, w_o, w_s)
-        result["single_vs_float32"] = _errors(shard(o_ref, layout), S_ref[rows], g_ref, shard(o32, layout),
-                                              S32[rows], g32)
+        result["single_vs_float32"] = _errors(shard(o_ref, layout), S_ref[rows], g_ref, shard(o32, layout), S32[rows], g32)
         result["split_vs_float32"] = _errors(o, S, grads, shard(o32, layout), S32[rows], g32)
     return result
 
@@ -137,9 +149,22 @@ def main() -> None:
             result = check(rule, documents, a, device)
             if dist.get_rank() == 0:
                 worst = {k: max(v.values()) for k, v in result.items()}
-                print(json.dumps(dict(rule=rule, case=name, world=dist.get_world_size(), dtype=a.dtype,
-                                      tokens=a.tokens, device=device.type, backend=dist.get_backend(),
-                                      max_relative_error=worst, **result)), flush=True)
+                print(
+                    json.dumps(
+                        dict(
+                            rule=rule,
+                            case=name,
+                            world=dist.get_world_size(),
+                            dtype=a.dtype,
+                            tokens=a.tokens,
+                            device=device.type,
+                            backend=dist.get_backend(),
+                            max_relative_error=worst,
+                            **result,
+                        )
+                    ),
+                    flush=True,
+                )
     dist.destroy_process_group()
 
 

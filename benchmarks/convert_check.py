@@ -67,25 +67,40 @@ def compare(name, fla_model, ref_cls, ref_cfg, ids, dtype, kind, rows):
         b = ours(ids).logits.float()
         r = ref(ids).logits.float()
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    row = dict(checkpoint=kind, model_type=name, dtype=str(dtype).replace("torch.", ""), shape=list(ids.shape),
-               rel_err_fla_vs_efla=_rel(b, a), rel_err_max_abs=((a - b).abs().max() / a.abs().max()).item(),
-               argmax_agreement=(a.argmax(-1) == b.argmax(-1)).float().mean().item(),
-               rel_err_fla_vs_fp32_ref=_rel(a, r), rel_err_efla_vs_fp32_ref=_rel(b, r),
-               loss_fla=_loss(a, ids), loss_efla=_loss(b, ids), loss_fp32_ref=_loss(r, ids))
+    row = dict(
+        checkpoint=kind,
+        model_type=name,
+        dtype=str(dtype).replace("torch.", ""),
+        shape=list(ids.shape),
+        rel_err_fla_vs_efla=_rel(b, a),
+        rel_err_max_abs=((a - b).abs().max() / a.abs().max()).item(),
+        argmax_agreement=(a.argmax(-1) == b.argmax(-1)).float().mean().item(),
+        rel_err_fla_vs_fp32_ref=_rel(a, r),
+        rel_err_efla_vs_fp32_ref=_rel(b, r),
+        loss_fla=_loss(a, ids),
+        loss_efla=_loss(b, ids),
+        loss_fp32_ref=_loss(r, ids),
+    )
     row["passed"] = row["rel_err_fla_vs_efla"] < tol
     rows.append(row)
-    print(f"{kind:8s} {name:15s} {row['dtype']}: fla vs efla {row['rel_err_fla_vs_efla']:.2e} "
-          f"(argmax agree {row['argmax_agreement']:.4f}) | vs fp32 ref: fla {row['rel_err_fla_vs_fp32_ref']:.2e}, "
-          f"efla {row['rel_err_efla_vs_fp32_ref']:.2e} | loss fla {row['loss_fla']:.4f} efla {row['loss_efla']:.4f} "
-          f"ref {row['loss_fp32_ref']:.4f} -> {'PASS' if row['passed'] else 'FAIL'}", flush=True)
+    print(
+        f"{kind:8s} {name:15s} {row['dtype']}: fla vs efla {row['rel_err_fla_vs_efla']:.2e} "
+        f"(argmax agree {row['argmax_agreement']:.4f}) | vs fp32 ref: fla {row['rel_err_fla_vs_fp32_ref']:.2e}, "
+        f"efla {row['rel_err_efla_vs_fp32_ref']:.2e} | loss fla {row['loss_fla']:.4f} efla {row['loss_efla']:.4f} "
+        f"ref {row['loss_fp32_ref']:.4f} -> {'PASS' if row['passed'] else 'FAIL'}",
+        flush=True,
+    )
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    ap.add_argument("--trained", default=".devdata/convert",
-                    help="folder with deltanet-s0/, gated-deltanet-s0/ (config.json + model.safetensors) and ids.pt")
+    ap.add_argument(
+        "--trained",
+        default=".devdata/convert",
+        help="folder with deltanet-s0/, gated-deltanet-s0/ (config.json + model.safetensors) and ids.pt",
+    )
     ap.add_argument("--only", default=None, help="delta_net or gated_deltanet")
     args = ap.parse_args(argv)
     from fla.models import DeltaNetConfig, DeltaNetForCausalLM, GatedDeltaNetConfig, GatedDeltaNetForCausalLM
@@ -93,8 +108,10 @@ def main(argv=None):
 
     dtype = getattr(torch, args.dtype)
     mode = "chunk" if dtype != torch.float32 else "fused_recurrent"
-    classes = {"delta_net": (DeltaNetConfig, DeltaNetForCausalLM), "gated_deltanet": (GatedDeltaNetConfig,
-                                                                                        GatedDeltaNetForCausalLM)}
+    classes = {
+        "delta_net": (DeltaNetConfig, DeltaNetForCausalLM),
+        "gated_deltanet": (GatedDeltaNetConfig, GatedDeltaNetForCausalLM),
+    }
     rows: list[dict] = []
     # 1. random-init fla checkpoints
     random_cfgs = {
@@ -108,8 +125,16 @@ def main(argv=None):
         cfg_cls, cls = classes[name]
         torch.manual_seed(0)
         try:
-            compare(name, cls(cfg_cls(attn_mode=mode, **kw)), cls, cfg_cls(attn_mode="fused_recurrent", **kw), ids,
-                    dtype, "random", rows)
+            compare(
+                name,
+                cls(cfg_cls(attn_mode=mode, **kw)),
+                cls,
+                cfg_cls(attn_mode="fused_recurrent", **kw),
+                ids,
+                dtype,
+                "random",
+                rows,
+            )
         except Exception as e:
             print(f"random {name}: failed: {type(e).__name__}: {e}", flush=True)
     # 2. trained checkpoints (ours, loaded into fla's classes)
@@ -126,8 +151,9 @@ def main(argv=None):
             try:
                 fla_model = cls(fla_config_from_efla(ecfg, cfg_cls, mode))
                 fla_model.load_state_dict(load_file(os.path.join(d, "model.safetensors")), strict=True)
-                compare(name, fla_model, cls, fla_config_from_efla(ecfg, cfg_cls, "fused_recurrent"), tids, dtype,
-                        "trained", rows)
+                compare(
+                    name, fla_model, cls, fla_config_from_efla(ecfg, cfg_cls, "fused_recurrent"), tids, dtype, "trained", rows
+                )
             except Exception as e:
                 print(f"trained {name}: failed: {type(e).__name__}: {e}", flush=True)
     else:

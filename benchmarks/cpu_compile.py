@@ -55,11 +55,17 @@ def bench(preset: str, batch: int, seq: int, warmup: int, rounds: int) -> dict:
         for name, forward in runs.items():
             times[name].append(step_seconds(forward, opts[name], ids))
     rates = {name: batch * seq / statistics.median(t) for name, t in times.items()}
-    return dict(preset=preset, batch=batch, seq=seq, tokens_per_s=rates,
-                speedup=rates["compiled"] / rates["eager"], compile_steps_s=first,
-                graphs=counters["stats"]["unique_graphs"],
-                recompiled_after_warmup=counters["stats"]["unique_graphs"] != graphs_after_warmup,
-                graph_breaks=sum(counters["graph_break"].values()))
+    return dict(
+        preset=preset,
+        batch=batch,
+        seq=seq,
+        tokens_per_s=rates,
+        speedup=rates["compiled"] / rates["eager"],
+        compile_steps_s=first,
+        graphs=counters["stats"]["unique_graphs"],
+        recompiled_after_warmup=counters["stats"]["unique_graphs"] != graphs_after_warmup,
+        graph_breaks=sum(counters["graph_break"].values()),
+    )
 
 
 def main() -> int:
@@ -74,17 +80,24 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"### CPU, `torch.compile` (inductor) vs eager, training steps ({datetime.date.today()})\n")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch} x {args.seq} tokens, "
-          f"median of {args.rounds} alternated steps after {args.warmup} warm-up steps\n")
-    print("| preset | eager tokens/s | compiled tokens/s | speed-up | first compiled steps (s) | graphs | "
-          "graph breaks | recompiled after warm-up |")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch} x {args.seq} tokens, "
+        f"median of {args.rounds} alternated steps after {args.warmup} warm-up steps\n"
+    )
+    print(
+        "| preset | eager tokens/s | compiled tokens/s | speed-up | first compiled steps (s) | graphs | "
+        "graph breaks | recompiled after warm-up |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for preset in args.presets.split(","):
         r = bench(preset, args.batch, args.seq, args.warmup, args.rounds)
         first = " / ".join(f"{s:.1f}" for s in r["compile_steps_s"])
-        print(f"| `{preset}` | {r['tokens_per_s']['eager']:,.0f} | {r['tokens_per_s']['compiled']:,.0f} | "
-              f"{r['speedup']:.2f}x | {first} | {r['graphs']} | {r['graph_breaks']} | "
-              f"{'yes' if r['recompiled_after_warmup'] else 'no'} |", flush=True)
+        print(
+            f"| `{preset}` | {r['tokens_per_s']['eager']:,.0f} | {r['tokens_per_s']['compiled']:,.0f} | "
+            f"{r['speedup']:.2f}x | {first} | {r['graphs']} | {r['graph_breaks']} | "
+            f"{'yes' if r['recompiled_after_warmup'] else 'no'} |",
+            flush=True,
+        )
     return 0
 
 

@@ -29,8 +29,15 @@ def ours(model, ids, n):
 
 
 def theirs(model, ids, n):
-    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                          min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    return model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
 
 
 def seconds(fn, *args) -> float:
@@ -68,12 +75,15 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
-    lines = [f"`python benchmarks/cpu_generate.py --threads {args.threads}` ({datetime.date.today()}): torch "
-             f"{torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, float32, "
-             f"greedy, prompt {args.prompt}, {args.new_tokens} new tokens, medians of {args.reps} alternated rounds.",
-             "", "| preset | batch | ours decode tokens/s | transformers decode tokens/s | ours ms/step | "
-             "transformers ms/step | decode speed-up | end-to-end speed-up |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"`python benchmarks/cpu_generate.py --threads {args.threads}` ({datetime.date.today()}): torch "
+        f"{torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, float32, "
+        f"greedy, prompt {args.prompt}, {args.new_tokens} new tokens, medians of {args.reps} alternated rounds.",
+        "",
+        "| preset | batch | ours decode tokens/s | transformers decode tokens/s | ours ms/step | "
+        "transformers ms/step | decode speed-up | end-to-end speed-up |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     print("\n".join(lines), flush=True)
     for preset in args.presets.split(","):
         torch.manual_seed(0)
@@ -82,8 +92,10 @@ def main() -> None:
             ids = torch.randint(3, model.config.vocab_size, (B, args.prompt))
             r = measure(model, ids, args.new_tokens, args.reps)
             a, b = r["efla.generation"], r["transformers"]
-            line = (f"| `{preset}` | {B} | {a['decode']:,.0f} | {b['decode']:,.0f} | {a['ms']:.2f} | {b['ms']:.2f} "
-                    f"| {a['decode'] / b['decode']:.2f}x | {a['e2e'] / b['e2e']:.2f}x |")
+            line = (
+                f"| `{preset}` | {B} | {a['decode']:,.0f} | {b['decode']:,.0f} | {a['ms']:.2f} | {b['ms']:.2f} "
+                f"| {a['decode'] / b['decode']:.2f}x | {a['e2e'] / b['e2e']:.2f}x |"
+            )
             lines.append(line)
             print(line, flush=True)
     if args.out:

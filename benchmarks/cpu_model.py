@@ -69,8 +69,9 @@ def main(argv=None):
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--threads", default=None,
-                    help="comma-separated torch.set_num_threads values, one table each (default: torch's choice)")
+    ap.add_argument(
+        "--threads", default=None, help="comma-separated torch.set_num_threads values, one table each (default: torch's choice)"
+    )
     ap.add_argument("--out", default=None, help="write the Markdown table here")
     args = ap.parse_args(argv)
     transformers.logging.set_verbosity_error()
@@ -114,8 +115,11 @@ def run(args, threads: int) -> str:
     for v in VARIANTS:
         tr, fw, de = (statistics.median(times[v][k]) for k in ("train", "fwd", "decode"))
         rows.append((v, params[v], B * T / tr, B * T / fw, prompt.shape[0] / de, tr))
-        print(f"{args.size}-{v}: fwd+bwd {B*T/tr:,.0f} tok/s, fwd {B*T/fw:,.0f} tok/s, "
-              f"decode {prompt.shape[0]/de:,.0f} tok/s", flush=True)
+        print(
+            f"{args.size}-{v}: fwd+bwd {B * T / tr:,.0f} tok/s, fwd {B * T / fw:,.0f} tok/s, "
+            f"decode {prompt.shape[0] / de:,.0f} tok/s",
+            flush=True,
+        )
 
     lines = [
         f"### CPU model throughput, `{args.size}` presets, float32 (`benchmarks/cpu_model.py`, {datetime.date.today()})",
@@ -129,7 +133,7 @@ def run(args, threads: int) -> str:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for v, n, tr, fw, de, st in rows:
-        lines.append(f"| `{args.size}-{v}` | {n:,} | {tr:,.0f} | {st*1e3:.0f} ms | {fw:,.0f} | {de:,.0f} |")
+        lines.append(f"| `{args.size}-{v}` | {n:,} | {tr:,.0f} | {st * 1e3:.0f} ms | {fw:,.0f} | {de:,.0f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -101,8 +101,10 @@ def _compare(op, shape, inp, ours, theirs, reps):
         t_ours.append(_time(ours, inp))
         t_hf.append(_time(theirs, inp))
     mo, mh = statistics.median(t_ours), statistics.median(t_hf)
-    print(f"{op} {shape}: ours {mo*1e3:.1f} ms, transformers {mh*1e3:.1f} ms, speed-up {mh/mo:.2f}x, "
-          f"max rel diff {err:.1e}", flush=True)
+    print(
+        f"{op} {shape}: ours {mo * 1e3:.1f} ms, transformers {mh * 1e3:.1f} ms, speed-up {mh / mo:.2f}x, max rel diff {err:.1e}",
+        flush=True,
+    )
     return op, shape, mo, mh, mh / mo, err
 
 
@@ -114,8 +116,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     rows = [_compare("chunk_efla", shape, _inputs(*shape), _fwd_bwd_efla, _fwd_bwd_hf, args.reps) for shape in SHAPES]
-    rows += [_compare("chunk_gated_efla", shape, _gated_inputs(*shape), _fwd_bwd_gated, _fwd_bwd_hf_gated, args.reps)
-             for shape in SHAPES]
+    rows += [
+        _compare("chunk_gated_efla", shape, _gated_inputs(*shape), _fwd_bwd_gated, _fwd_bwd_hf_gated, args.reps)
+        for shape in SHAPES
+    ]
 
     rec_row = None
     if not args.skip_recurrent:
@@ -127,7 +131,7 @@ def main(argv=None):
             tr.append(_time(lambda *a: _fwd_bwd_efla(*a, fn=recurrent_efla), inp))
         mc, mr = statistics.median(tc), statistics.median(tr)
         rec_row = (mc, mr)
-        print(f"[1, 4096, 4, 64]: recurrent_efla {mr*1e3:.0f} ms vs chunk_efla {mc*1e3:.0f} ms = {mr/mc:.1f}x", flush=True)
+        print(f"[1, 4096, 4, 64]: recurrent_efla {mr * 1e3:.0f} ms vs chunk_efla {mc * 1e3:.0f} ms = {mr / mc:.1f}x", flush=True)
 
     lines = [
         f"### CPU, float32, fwd+bwd (`benchmarks/cpu_ops.py`, {datetime.date.today()})",
@@ -135,18 +139,22 @@ def main(argv=None):
         f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}; "
         f"transformers {__import__('transformers').__version__}; medians of {args.reps} alternating runs.",
         "",
-        "| op | [B, T, H, D] | ours | transformers `torch_chunk_gated_delta_rule` | speed-up "
-        "| max rel. diff, same rule |",
+        "| op | [B, T, H, D] | ours | transformers `torch_chunk_gated_delta_rule` | speed-up | max rel. diff, same rule |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for op, shape, mo, mh, sp, err in rows:
-        lines.append(f"| `{op}` | {list(shape)} | {mo*1e3:.1f} ms | {mh*1e3:.1f} ms | {sp:.2f}x | {err:.1e} |")
-    lines += ["", "Baseline: `g = 0, beta = alpha` (the same recurrence) for `chunk_efla`; Gated DeltaNet with the same "
-              "`g` and `beta` for `chunk_gated_efla` (its difference column: our `chunk_gated_delta_rule` vs it)."]
+        lines.append(f"| `{op}` | {list(shape)} | {mo * 1e3:.1f} ms | {mh * 1e3:.1f} ms | {sp:.2f}x | {err:.1e} |")
+    lines += [
+        "",
+        "Baseline: `g = 0, beta = alpha` (the same recurrence) for `chunk_efla`; Gated DeltaNet with the same "
+        "`g` and `beta` for `chunk_gated_efla` (its difference column: our `chunk_gated_delta_rule` vs it).",
+    ]
     if rec_row:
         mc, mr = rec_row
-        lines += ["", f"`recurrent_efla` fwd+bwd at [1, 4096, 4, 64]: {mr*1e3:.0f} ms = {mr/mc:.1f}x "
-                      f"`chunk_efla` ({mc*1e3:.0f} ms)."]
+        lines += [
+            "",
+            f"`recurrent_efla` fwd+bwd at [1, 4096, 4, 64]: {mr * 1e3:.0f} ms = {mr / mc:.1f}x `chunk_efla` ({mc * 1e3:.0f} ms).",
+        ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -82,18 +82,19 @@ from efla.layers.modules import mlp_intermediate_size
 from efla.models import EFLAForCausalLM, get_preset_config
 from gpu_model import build_fla  # the fla model the training benchmark compares against
 
-GIB, MIB = 2 ** 30, 2 ** 20
+GIB, MIB = 2**30, 2**20
 DEVICE = "cuda"
 METHODS = ("fast", "fast-separate", "hf", "fla")
 CONTROL_BATCHES = (1, 64)  # fast-separate runs only at these batches
 SLOW_WARMUP_TOKENS = 4  # new tokens of an hf / fla warm-up call: every kernel runs, a fraction of the time
 START = time.perf_counter()
 TARGETS = {
-    "340m": [("fast, batch 1: decode tokens/s", ("fast", 1, "decode_tokens_per_s"), None, ">=", 1000),
-             ("fast, batch 1: ms/token", ("fast", 1, "ms_per_token"), None, "<=", 1.0),
-             ("fast, batch 64: decode tokens/s", ("fast", 64, "decode_tokens_per_s"), None, ">=", 40000),
-             ("fast / fla, batch 1: decode", ("fast", 1, "decode_tokens_per_s"), ("fla", 1, "decode_tokens_per_s"),
-              ">=", 20)],
+    "340m": [
+        ("fast, batch 1: decode tokens/s", ("fast", 1, "decode_tokens_per_s"), None, ">=", 1000),
+        ("fast, batch 1: ms/token", ("fast", 1, "ms_per_token"), None, "<=", 1.0),
+        ("fast, batch 64: decode tokens/s", ("fast", 64, "decode_tokens_per_s"), None, ">=", 40000),
+        ("fast / fla, batch 1: decode", ("fast", 1, "decode_tokens_per_s"), ("fla", 1, "decode_tokens_per_s"), ">=", 20),
+    ],
     "1.3b": [("fast, batch 1: ms/token", ("fast", 1, "ms_per_token"), None, "<=", 1.5)],
 }
 
@@ -136,6 +137,7 @@ def sync() -> None:
 
 
 # -- models and methods -------------------------------------------------------------------------------
+
 
 def tensor_bytes(obj, seen: set) -> int:
     """Bytes of the tensors in ``obj`` (nested dicts, lists, tuples), each storage counted once."""
@@ -197,6 +199,7 @@ class Method:
 
 def fast_method(name: str, model, merged: bool | None = None) -> Method:
     """``generate`` on ``model``; ``merged``: stacked projections on or off (``None``: the default)."""
+
     def run(ids, n):
         if merged is None:
             return generate(model, ids, max_new_tokens=n, eos_token_id=[])
@@ -208,8 +211,15 @@ def fast_method(name: str, model, merged: bool | None = None) -> Method:
 
 def hf_method(name: str, model) -> Method:
     def run(ids, n):
-        return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                              min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
 
     return Method(name, model, run, slow=True)
 
@@ -231,10 +241,16 @@ def llama_model(size: str, max_positions: int):
 
     ours = get_preset_config(f"{size}-efla")
     cfg = LlamaConfig(
-        vocab_size=ours.vocab_size, hidden_size=ours.hidden_size, num_hidden_layers=ours.num_hidden_layers,
-        num_attention_heads=ours.num_heads, num_key_value_heads=ours.num_heads, head_dim=ours.head_dim,
+        vocab_size=ours.vocab_size,
+        hidden_size=ours.hidden_size,
+        num_hidden_layers=ours.num_hidden_layers,
+        num_attention_heads=ours.num_heads,
+        num_key_value_heads=ours.num_heads,
+        head_dim=ours.head_dim,
         intermediate_size=mlp_intermediate_size(ours.hidden_size, ours.hidden_ratio, ours.intermediate_size),
-        max_position_embeddings=max_positions, rms_norm_eps=ours.norm_eps, tie_word_embeddings=False,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=ours.norm_eps,
+        tie_word_embeddings=False,
     )
     return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
 
@@ -253,6 +269,7 @@ def free(models: list) -> None:
 
 
 # -- measuring ----------------------------------------------------------------------------------------
+
 
 def timed_call(method: Method, ids: torch.Tensor, n: int) -> tuple[float, int, int]:
     """One call: (seconds, peak bytes of the method alone, new tokens made)."""
@@ -322,10 +339,19 @@ def speed_row(method: Method, ids: torch.Tensor, n: int, samples: dict, error: s
         return dict(row, error=error or "no rounds")
     t_all, t_pre = statistics.median(samples["all"]), statistics.median(samples["pre"])
     decode_s = t_all - t_pre
-    return dict(row, all_s=samples["all"], prefill_s=samples["pre"], all_s_median=t_all, prefill_s_median=t_pre,
-                decode_tokens_per_s=B * (n - 1) / decode_s if decode_s > 0 else None,
-                ms_per_token=1e3 * decode_s / (n - 1), prefill_tokens_per_s=B * T / t_pre,
-                e2e_new_tokens_per_s=B * n / t_all, peak_gib=samples["peak"] / GIB, made=samples["made"])
+    return dict(
+        row,
+        all_s=samples["all"],
+        prefill_s=samples["pre"],
+        all_s_median=t_all,
+        prefill_s_median=t_pre,
+        decode_tokens_per_s=B * (n - 1) / decode_s if decode_s > 0 else None,
+        ms_per_token=1e3 * decode_s / (n - 1),
+        prefill_tokens_per_s=B * T / t_pre,
+        e2e_new_tokens_per_s=B * n / t_all,
+        peak_gib=samples["peak"] / GIB,
+        made=samples["made"],
+    )
 
 
 def fmt(value, spec: str = ",.0f") -> str:
@@ -348,6 +374,7 @@ def ratio(row: dict, ref: dict | None) -> str:
 
 
 # -- stage: speed -------------------------------------------------------------------------------------
+
 
 def parse_skip(text: str) -> set[str]:
     return {s.strip() for s in text.split(",") if s.strip()}
@@ -389,8 +416,10 @@ def speed_stage(size: str, args, report: Report) -> None:
         report.emit("")
         report.emit("- weights: " + ", ".join(f"{m.name} {m.weights / GIB:.2f} GiB" for m in methods.values()))
         report.emit("")
-        report.emit("| batch | method | decode tokens/s | ms/token | prefill tokens/s | end-to-end new tokens/s | peak GiB "
-                    "| decode vs fla | decode vs hf |")
+        report.emit(
+            "| batch | method | decode tokens/s | ms/token | prefill tokens/s | end-to-end new tokens/s | peak GiB "
+            "| decode vs fla | decode vs hf |"
+        )
         report.emit("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         rows = []
         for B in args.batches:
@@ -412,9 +441,11 @@ def emit_speed_rows(report: Report, rows: list[dict]) -> None:
         if "error" in r:
             report.emit(f"| {r['batch']} | {r['method']} | failed: {r['error']} | | | | | | |")
             continue
-        report.emit(f"| {r['batch']} | {label(r)} | {fmt(r['decode_tokens_per_s'])} | {r['ms_per_token']:.3f} "
-                    f"| {fmt(r['prefill_tokens_per_s'])} | {fmt(r['e2e_new_tokens_per_s'])} | {r['peak_gib']:.2f} "
-                    f"| {ratio(r, by_method.get('fla'))} | {ratio(r, by_method.get('hf'))} |")
+        report.emit(
+            f"| {r['batch']} | {label(r)} | {fmt(r['decode_tokens_per_s'])} | {r['ms_per_token']:.3f} "
+            f"| {fmt(r['prefill_tokens_per_s'])} | {fmt(r['e2e_new_tokens_per_s'])} | {r['peak_gib']:.2f} "
+            f"| {ratio(r, by_method.get('fla'))} | {ratio(r, by_method.get('hf'))} |"
+        )
 
 
 def metric(rows: list[dict], key) -> float | None:
@@ -437,11 +468,11 @@ def emit_targets(report: Report, size: str, rows: list[dict]) -> None:
 
 # -- stage: long prompt -------------------------------------------------------------------------------
 
+
 def long_stage(size: str, args, report: Report) -> None:
     models = [build_ours(size)]
     try:
-        methods = [m for m in (fast_method("fast", models[0]), hf_method("hf", models[0]))
-                   if not skipped(args, m.name, "long")]
+        methods = [m for m in (fast_method("fast", models[0]), hf_method("hf", models[0])) if not skipped(args, m.name, "long")]
         log(f"{size} long: prompt {args.long_prompt}")
         ids = prompt_ids(1, args.long_prompt, get_preset_config(f"{size}-efla").vocab_size)
         rows = [report.record(r) for r in measure(methods, ids, args, dict(size=size, stage="long"))]
@@ -453,8 +484,10 @@ def long_stage(size: str, args, report: Report) -> None:
             if "error" in r:
                 report.emit(f"| {r['method']} | failed: {r['error']} | | | |")
             else:
-                report.emit(f"| {label(r)} | {fmt(r['prefill_tokens_per_s'])} | {fmt(r['decode_tokens_per_s'])} "
-                            f"| {r['ms_per_token']:.3f} | {r['peak_gib']:.2f} |")
+                report.emit(
+                    f"| {label(r)} | {fmt(r['prefill_tokens_per_s'])} | {fmt(r['decode_tokens_per_s'])} "
+                    f"| {r['ms_per_token']:.3f} | {r['peak_gib']:.2f} |"
+                )
         report.emit("")
     finally:
         free(models)
@@ -462,9 +495,9 @@ def long_stage(size: str, args, report: Report) -> None:
 
 # -- stage: memory against context --------------------------------------------------------------------
 
+
 def memory_row(method: Method, ids: torch.Tensor, n: int, warm_tokens: int, base: dict) -> dict:
-    row = dict(base, method=method.name, batch=ids.shape[0], prompt=ids.shape[1], new_tokens=n,
-               weights_gib=method.weights / GIB)
+    row = dict(base, method=method.name, batch=ids.shape[0], prompt=ids.shape[1], new_tokens=n, weights_gib=method.weights / GIB)
     failed: dict[str, str] = {}
     measured: list[tuple] = []
     log(f"  {method.name} prompt {ids.shape[1]}, {n} new tokens")
@@ -501,8 +534,9 @@ def llama_memory(size: str, args, report: Report, emit_row) -> None:
         llama = hf_method("llama", models[0])
         for length in args.curve:
             ids = prompt_ids(1, length, models[0].config.vocab_size)
-            emit_row(report.record(memory_row(llama, ids, args.new_tokens, 2, dict(size=size, stage="memory",
-                                                                                    model="llama sdpa"))))
+            emit_row(
+                report.record(memory_row(llama, ids, args.new_tokens, 2, dict(size=size, stage="memory", model="llama sdpa")))
+            )
     finally:
         free(models)
 
@@ -519,8 +553,10 @@ def memory_stage(size: str, args, report: Report) -> None:
         if "error" in r:
             report.emit(f"| {r['model']} | {r['prompt']} | {r['new_tokens']} | failed: {r['error']} | | |")
         else:
-            report.emit(f"| {r['model']} | {r['prompt']} | {r['new_tokens']} | {r['weights_gib']:.2f} "
-                        f"| {r['peak_gib']:.3f} | {r['working_gib']:.3f} |")
+            report.emit(
+                f"| {r['model']} | {r['prompt']} | {r['new_tokens']} | {r['weights_gib']:.2f} "
+                f"| {r['peak_gib']:.3f} | {r['working_gib']:.3f} |"
+            )
 
     state = None
     try:
@@ -545,19 +581,25 @@ def emit_memory_summary(report: Report, args, rows: list[dict], state: float | N
         ours = next((r for r in ok if r["model"] == "efla fast" and r["prompt"] == length and "part" not in r), None)
         llama = next((r for r in ok if r["model"] == "llama sdpa" and r["prompt"] == length), None)
         if ours and llama:
-            report.emit(f"- prompt {length:,}: working memory llama / ours = {llama['working_gib']:.3f} / "
-                        f"{ours['working_gib']:.3f} GiB = {llama['working_gib'] / max(ours['working_gib'], 1e-9):.1f}x")
-    short, long = (next((r for r in ok if r.get("part") and r["new_tokens"] == n), None)
-                   for n in (args.new_tokens, args.long_generation))
+            report.emit(
+                f"- prompt {length:,}: working memory llama / ours = {llama['working_gib']:.3f} / "
+                f"{ours['working_gib']:.3f} GiB = {llama['working_gib'] / max(ours['working_gib'], 1e-9):.1f}x"
+            )
+    short, long = (
+        next((r for r in ok if r.get("part") and r["new_tokens"] == n), None) for n in (args.new_tokens, args.long_generation)
+    )
     if short and long:
         diff = (long["peak_gib"] - short["peak_gib"]) * GIB / MIB
-        report.emit(f"- fast, prompt {args.prompt}: peak {short['peak_gib']:.3f} GiB making {args.new_tokens} tokens, "
-                    f"{long['peak_gib']:.3f} GiB making {args.long_generation} (difference {diff:.2f} MiB): "
-                    f"{'PASS' if abs(diff) < 1 else 'MISS'} (claim: equal)")
+        report.emit(
+            f"- fast, prompt {args.prompt}: peak {short['peak_gib']:.3f} GiB making {args.new_tokens} tokens, "
+            f"{long['peak_gib']:.3f} GiB making {args.long_generation} (difference {diff:.2f} MiB): "
+            f"{'PASS' if abs(diff) < 1 else 'MISS'} (claim: equal)"
+        )
     report.emit("")
 
 
 # -- stage: one decoding step under the profiler -------------------------------------------------------
+
 
 def step_kernels(model, batch: int, replays: int = 10) -> tuple[float, float, list]:
     """(kernels per step, GPU ms per step, [(name, launches per step, us each)] by total time) of the
@@ -591,9 +633,11 @@ def profile_stage(size: str, args, report: Report) -> None:
             generate(models[0], ids, max_new_tokens=2, eos_token_id=[])
             count, gpu_ms, table = step_kernels(models[0], B)
             report.record(dict(size=size, stage="profile", batch=B, kernels=count, gpu_ms=gpu_ms, top=table[:12]))
-            report.emit(f"- batch {B} (bucket {engine_for(models[0]).bucket_size(B)}): {count:.0f} kernels, "
-                        f"{gpu_ms:.3f} ms GPU time per step; by time: "
-                        + "; ".join(f"{name} {n:.0f} x {us:.2f} us" for name, n, us in table[:6]))
+            report.emit(
+                f"- batch {B} (bucket {engine_for(models[0]).bucket_size(B)}): {count:.0f} kernels, "
+                f"{gpu_ms:.3f} ms GPU time per step; by time: "
+                + "; ".join(f"{name} {n:.0f} x {us:.2f} us" for name, n, us in table[:6])
+            )
         report.emit("")
     finally:
         free(models)
@@ -681,8 +725,9 @@ def prefill_device_profile(engine, prompts: list[torch.Tensor]) -> tuple[int, fl
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         timed_prefill(engine, prompts)
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    waits = sum(1 for e in prof.events() if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
-                                                       "aten::_local_scalar_dense"))
+    waits = sum(
+        1 for e in prof.events() if e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense")
+    )
     return len(kernels), sum(e.device_time for e in kernels) / 1e3, waits - 1  # less the timer's own sync
 
 
@@ -696,12 +741,13 @@ def prefill_host_profile(engine, prompts: list[torch.Tensor], top: int = 12) -> 
     timed_prefill(engine, prompts)
     profiler.disable()
     stats = pstats.Stats(profiler).stats
-    rows = [(f"{os.path.basename(f)}:{line}:{name}", calls, own * 1e3)
-            for (f, line, name), (_, calls, own, _, _) in stats.items()]
+    rows = [
+        (f"{os.path.basename(f)}:{line}:{name}", calls, own * 1e3) for (f, line, name), (_, calls, own, _, _) in stats.items()
+    ]
     return sorted(rows, key=lambda r: -r[2])[:top]
 
 
-def prefill_stage(size: str, args, report: Report) -> None:
+def prefill_stage(size: str, _args, report: Report) -> None:
     """An eager prefill call (``DecodeEngine.prefill``: packed prompts through the chunk kernels, the
     states written to pool rows) at a few shapes: wall ms at a shape seen before and at new total
     lengths, the kernels it launches and their GPU time, host waits, and the Python functions with the
@@ -719,11 +765,23 @@ def prefill_stage(size: str, args, report: Report) -> None:
             prompts = list(prompt_ids(batch, length, vocab))
             timed_prefill(engine, prompts)
             seen = statistics.median(timed_prefill(engine, prompts) for _ in range(5))
-            fresh = statistics.median(timed_prefill(engine, [p[:length - 1 - i] for p in prompts]) for i in range(3))
+            fresh = statistics.median(timed_prefill(engine, [p[: length - 1 - i] for p in prompts]) for i in range(3))
             kernels, gpu_ms, waits = prefill_device_profile(engine, prompts)
             host = prefill_host_profile(engine, prompts)
-            report.record(dict(size=size, stage="prefill", batch=batch, prompt=length, seen_ms=seen * 1e3,
-                               new_lengths_ms=fresh * 1e3, kernels=kernels, gpu_ms=gpu_ms, host_waits=waits, host=host))
+            report.record(
+                dict(
+                    size=size,
+                    stage="prefill",
+                    batch=batch,
+                    prompt=length,
+                    seen_ms=seen * 1e3,
+                    new_lengths_ms=fresh * 1e3,
+                    kernels=kernels,
+                    gpu_ms=gpu_ms,
+                    host_waits=waits,
+                    host=host,
+                )
+            )
             report.emit(f"| {batch} x {length} | {seen * 1e3:.1f} | {fresh * 1e3:.1f} | {kernels} | {gpu_ms:.2f} | {waits} |")
             log("  own time: " + "; ".join(f"{w} {n} x = {ms:.1f} ms" for w, n, ms in host[:8]))
         report.emit("")
@@ -733,8 +791,14 @@ def prefill_stage(size: str, args, report: Report) -> None:
 
 # -- main ---------------------------------------------------------------------------------------------
 
-STAGES = {"speed": speed_stage, "long": long_stage, "memory": memory_stage, "profile": profile_stage,
-          "kernel": kernel_stage, "prefill": prefill_stage}
+STAGES = {
+    "speed": speed_stage,
+    "long": long_stage,
+    "memory": memory_stage,
+    "profile": profile_stage,
+    "kernel": kernel_stage,
+    "prefill": prefill_stage,
+}
 
 
 def header(report: Report, args) -> None:
@@ -746,12 +810,26 @@ def header(report: Report, args) -> None:
             versions[name] = getattr(__import__(name), "__version__", "?")
         except Exception as e:  # optional here: the row of whatever needs it fails instead
             versions[name] = f"not importable ({error_line(e)})"
-    info = dict(date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-                gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=versions["triton"],
-                transformers=transformers.__version__, fla=versions["fla"], command=" ".join(sys.argv),
-                sizes=args.sizes, stages=args.stages, batches=args.batches, prompt=args.prompt,
-                new_tokens=args.new_tokens, rounds=args.rounds, slow_rounds=args.slow_rounds, skip=sorted(args.skip),
-                long_prompt=args.long_prompt, curve=args.curve, long_generation=args.long_generation)
+    info = dict(
+        date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=versions["triton"],
+        transformers=transformers.__version__,
+        fla=versions["fla"],
+        command=" ".join(sys.argv),
+        sizes=args.sizes,
+        stages=args.stages,
+        batches=args.batches,
+        prompt=args.prompt,
+        new_tokens=args.new_tokens,
+        rounds=args.rounds,
+        slow_rounds=args.slow_rounds,
+        skip=sorted(args.skip),
+        long_prompt=args.long_prompt,
+        curve=args.curve,
+        long_generation=args.long_generation,
+    )
     report.result["info"] = info
     report.emit("# Generation speed and memory")
     report.emit("")
@@ -765,22 +843,28 @@ def int_list(text: str) -> list[int]:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--sizes", default="340m", type=lambda s: [x for x in s.split(",") if x], help="340m,1.3b")
-    ap.add_argument("--stages", default="speed,long,memory", type=lambda s: [x for x in s.split(",") if x],
-                    help=",".join(STAGES))
+    ap.add_argument("--stages", default="speed,long,memory", type=lambda s: [x for x in s.split(",") if x], help=",".join(STAGES))
     ap.add_argument("--batches", default="1,16,64,256", type=int_list, help="speed stage batches")
     ap.add_argument("--prompt", type=int, default=512, help="prompt length of the speed stage")
     ap.add_argument("--new-tokens", type=int, default=128, help="new tokens per call (at least 2)")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds of fast and fast-separate")
     ap.add_argument("--slow-rounds", type=int, default=1, help="timed rounds of hf and fla")
-    ap.add_argument("--skip", default="", type=parse_skip,
-                    help="method:batch pairs (or whole methods) to leave out, e.g. fla:256,hf:long,fast-separate")
+    ap.add_argument(
+        "--skip",
+        default="",
+        type=parse_skip,
+        help="method:batch pairs (or whole methods) to leave out, e.g. fla:256,hf:long,fast-separate",
+    )
     ap.add_argument("--long-prompt", type=int, default=32768, help="prompt length of the long stage")
     ap.add_argument("--curve", default="1024,4096,16384,32768", type=int_list, help="prompt lengths of the memory stage")
-    ap.add_argument("--long-generation", type=int, default=8192,
-                    help="memory stage: new tokens of the long generation compared with --new-tokens")
+    ap.add_argument(
+        "--long-generation",
+        type=int,
+        default=8192,
+        help="memory stage: new tokens of the long generation compared with --new-tokens",
+    )
     ap.add_argument("--out", default=os.path.join("benchmarks", "results", "generate"))
     args = ap.parse_args(argv)
     if args.new_tokens < 2:

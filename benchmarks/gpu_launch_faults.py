@@ -45,8 +45,11 @@ def main() -> int:
     args = ap.parse_args()
     from efla.ops.cuda.kernels import DQKWG_CONFIGS
 
-    cases = [(int(d.split("x")[0]), int(d.split("x")[1]), c.kwargs["BV"], c.num_warps, c.num_stages)
-             for d in args.dims.split(",") for c in DQKWG_CONFIGS]
+    cases = [
+        (int(d.split("x")[0]), int(d.split("x")[1]), c.kwargs["BV"], c.num_warps, c.num_stages)
+        for d in args.dims.split(",")
+        for c in DQKWG_CONFIGS
+    ]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda c: try_setting(*c), cases))
     lines = ["| K x V | BV | warps | stages | result |", "| --- | --- | --- | --- | --- |"]

@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from efla.layers import fused
 from efla.models import EFLAForCausalLM, get_preset_config
 
-GIB = 2 ** 30
+GIB = 2**30
 OURS = ("efla", "efla+flce", "deltanet", "gated-efla", "gated-deltanet")
 NO_OUTPUT_GATE = "-no-output-gate"  # e.g. gated-efla-no-output-gate: the gated preset without its SiLU output gate
 FUSED_PROJECTIONS = "+fusedproj"  # e.g. gated-efla+fusedproj: the layers' input projections as one product
@@ -76,9 +76,17 @@ def build_fla(size: str):
 
     ours = get_preset_config(f"{size}-efla")
     cfg = DeltaNetConfig(
-        hidden_size=ours.hidden_size, num_hidden_layers=ours.num_hidden_layers, num_heads=ours.num_heads,
-        vocab_size=ours.vocab_size, hidden_ratio=ours.hidden_ratio, intermediate_size=ours.intermediate_size,
-        norm_eps=ours.norm_eps, conv_size=ours.conv_size, expand_k=1.0, expand_v=1.0, use_gate=False,
+        hidden_size=ours.hidden_size,
+        num_hidden_layers=ours.num_hidden_layers,
+        num_heads=ours.num_heads,
+        vocab_size=ours.vocab_size,
+        hidden_ratio=ours.hidden_ratio,
+        intermediate_size=ours.intermediate_size,
+        norm_eps=ours.norm_eps,
+        conv_size=ours.conv_size,
+        expand_k=1.0,
+        expand_v=1.0,
+        use_gate=False,
         tie_word_embeddings=False,
     )
     return DeltaNetForCausalLM(cfg)
@@ -121,8 +129,9 @@ def build(kind: str, size: str):
 
 def state_bytes(model, opt) -> int:
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    moments = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-                  if isinstance(t, torch.Tensor) and t.is_cuda)
+    moments = sum(
+        t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.is_cuda
+    )
     return params + moments
 
 
@@ -167,8 +176,17 @@ def train_step(model, opt, ids) -> tuple[float, int, float]:
     return seconds, torch.cuda.max_memory_allocated() - before, loss.item()
 
 
-def bench_size(size: str, kinds, shapes, warmup: int, steps: int, out_dir: str, on_shape=lambda rows: None,
-               profile: int = 0, host_profile: int = 0) -> list[dict]:
+def bench_size(
+    size: str,
+    kinds,
+    shapes,
+    warmup: int,
+    steps: int,
+    out_dir: str,
+    on_shape=lambda _rows: None,
+    profile: int = 0,
+    host_profile: int = 0,
+) -> list[dict]:
     """Rows of every model at every shape; ``on_shape(rows)`` after each shape (keeps partial runs)."""
     models = {}
     for kind in kinds:
@@ -207,22 +225,40 @@ def bench_size(size: str, kinds, shapes, warmup: int, steps: int, out_dir: str, 
                 rows.append(dict(size=size, model=kind, T=T, B=B, error=failed.get(kind, "no steps")))
                 continue
             med = statistics.median(times[kind])
-            rows.append(dict(size=size, model=kind, T=T, B=B, params=params[kind], steps=len(times[kind]),
-                             step_s_median=med, step_s_all=times[kind], tokens_per_s=B * T / med,
-                             peak_gib=(state_bytes(model, opt) + peaks[kind]) / GIB, last_loss=losses[kind]))
-        emit_shape(out_dir, size, T, B, [r for r in rows if r["T"] == T and r["B"] == B and r["size"] == size
-                                         and ("tokens_per_s" in r or "error" in r)])
+            rows.append(
+                dict(
+                    size=size,
+                    model=kind,
+                    T=T,
+                    B=B,
+                    params=params[kind],
+                    steps=len(times[kind]),
+                    step_s_median=med,
+                    step_s_all=times[kind],
+                    tokens_per_s=B * T / med,
+                    peak_gib=(state_bytes(model, opt) + peaks[kind]) / GIB,
+                    last_loss=losses[kind],
+                )
+            )
+        emit_shape(
+            out_dir,
+            size,
+            T,
+            B,
+            [r for r in rows if r["T"] == T and r["B"] == B and r["size"] == size and ("tokens_per_s" in r or "error" in r)],
+        )
         if profile:
-            medians = {r["model"]: r.get("step_s_median") for r in rows
-                       if r["T"] == T and r["B"] == B and r["size"] == size and "tokens_per_s" in r}
+            medians = {
+                r["model"]: r.get("step_s_median")
+                for r in rows
+                if r["T"] == T and r["B"] == B and r["size"] == size and "tokens_per_s" in r
+            }
             for kind, (model, opt) in models.items():
                 if kind not in failed:
                     with key_checks(kind):
                         step_profile = profile_step(model, opt, ids)
-                    rows.append(dict(size=size, model=kind, T=T, B=B, profile=step_profile,
-                                     step_s_median=medians.get(kind)))
-            emit_profiles(out_dir, size, T, B, [r for r in rows if r["T"] == T and r["B"] == B and "profile" in r],
-                          profile)
+                    rows.append(dict(size=size, model=kind, T=T, B=B, profile=step_profile, step_s_median=medians.get(kind)))
+            emit_profiles(out_dir, size, T, B, [r for r in rows if r["T"] == T and r["B"] == B and "profile" in r], profile)
         if host_profile:
             for kind, (model, opt) in models.items():
                 if kind not in failed:
@@ -254,8 +290,13 @@ def profile_step(model, opt, ids) -> dict:
                 kernels[e.key] = [ms, e.count]
         elif e.self_cpu_time_total > 0:
             host[e.key] = [e.self_cpu_time_total / 1e3, e.count]
-    return dict(total_ms=sum(ms for ms, _ in kernels.values()), kernels=kernels,
-                host_ms=sum(ms for ms, _ in host.values()), host=host, copies=copy_callers(prof.events()))
+    return dict(
+        total_ms=sum(ms for ms, _ in kernels.values()),
+        kernels=kernels,
+        host_ms=sum(ms for ms, _ in host.values()),
+        host=host,
+        copies=copy_callers(prof.events()),
+    )
 
 
 KEPT_FUNCTIONS = 150  # per ordering (own, cumulative time): the JSON keeps these, not every function
@@ -284,8 +325,11 @@ def python_profile_step(model, opt, ids) -> list[list]:
 
 
 def emit_python_profile(out_dir, size, T, B, kind, functions, top: int):
-    emit(out_dir, f"Python profile of one step, {size}, {T} x {B}, {kind} (cProfile): the {top} functions with "
-                  f"most own time, then the {top} with most cumulative time")
+    emit(
+        out_dir,
+        f"Python profile of one step, {size}, {T} x {B}, {kind} (cProfile): the {top} functions with "
+        f"most own time, then the {top} with most cumulative time",
+    )
     emit(out_dir, "")
     for key, label in ((2, "own"), (3, "cumulative")):
         for name, calls, own, cumulative in sorted(functions, key=lambda f: -f[key])[:top]:
@@ -310,23 +354,32 @@ def copy_callers(events, depth: int = 3) -> dict:
 
 
 def emit_profiles(out_dir, size, T, B, rows, top: int):
-    emit(out_dir, f"Profile of one step, {size}, {T} x {B}: GPU kernel time per model, then its {top} largest "
-                  "kernels (ms, calls), then the host operators with the most self CPU time")
+    emit(
+        out_dir,
+        f"Profile of one step, {size}, {T} x {B}: GPU kernel time per model, then its {top} largest "
+        "kernels (ms, calls), then the host operators with the most self CPU time",
+    )
     emit(out_dir, "")
     for r in rows:
         p = r["profile"]
         launches = sum(calls for _, calls in p["kernels"].values())
         # kernel time over the median wall time of a step: well below 1, the step waits on the host
-        busy = (f"; median step {1e3 * r['step_s_median']:.1f} ms (GPU busy {p['total_ms'] / (1e3 * r['step_s_median']):.0%})"
-                if r.get("step_s_median") else "")
+        busy = (
+            f"; median step {1e3 * r['step_s_median']:.1f} ms (GPU busy {p['total_ms'] / (1e3 * r['step_s_median']):.0%})"
+            if r.get("step_s_median")
+            else ""
+        )
         emit(out_dir, f"- {r['model']}: {p['total_ms']:.1f} ms of GPU kernels in {launches:,} launches{busy}")
         for name, (ms, calls) in sorted(p["kernels"].items(), key=lambda kv: -kv[1][0])[:top]:
             emit(out_dir, f"  - {ms:8.2f} ms x{calls:<4d} {name[:110]}")
         host = p.get("host", {})
         calls_total = sum(calls for _, calls in host.values())
-        emit(out_dir, f"  - host: {p.get('host_ms', 0):.1f} ms self CPU time in {calls_total:,} operator calls "
-                      "(under the profiler), largest:")
-        for name, (ms, calls) in sorted(host.items(), key=lambda kv: -kv[1][0])[:top // 2]:
+        emit(
+            out_dir,
+            f"  - host: {p.get('host_ms', 0):.1f} ms self CPU time in {calls_total:,} operator calls "
+            "(under the profiler), largest:",
+        )
+        for name, (ms, calls) in sorted(host.items(), key=lambda kv: -kv[1][0])[: top // 2]:
             emit(out_dir, f"    - {ms:8.2f} ms x{calls:<5d} {name[:100]}")
         if p.get("copies"):
             emit(out_dir, "  - copies and memsets by caller:")
@@ -342,8 +395,7 @@ def emit_shape(out_dir, size, T, B, rows):
     emit(out_dir, "")
     # the fastest half of the steps: a host-bound machine's step times jump between levels (at 340M on
     # 2026-12-01, about 155 and 210 ms), which moves a median of 10 steps by more than the gaps it measures
-    emit(out_dir, "| model | tokens/s | vs fla DeltaNet | vs our efla | fastest half: vs fla, vs efla | peak GiB "
-                  "| peak vs fla |")
+    emit(out_dir, "| model | tokens/s | vs fla DeltaNet | vs our efla | fastest half: vs fla, vs efla | peak GiB | peak vs fla |")
     emit(out_dir, "| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if "error" in r:
@@ -353,8 +405,9 @@ def emit_shape(out_dir, size, T, B, rows):
         vs_efla = f"{r['tokens_per_s'] / efla['tokens_per_s']:.2f}x" if efla else "-"
         fast = ", ".join(f"{fastest_half(other) / fastest_half(r):.2f}x" if other else "-" for other in (ref, efla))
         mem = f"{r['peak_gib'] / ref['peak_gib']:.2f}x" if ref else "-"
-        emit(out_dir, f"| {r['model']} | {r['tokens_per_s']:,.0f} | {vs_fla} | {vs_efla} | {fast} | {r['peak_gib']:.1f} "
-                      f"| {mem} |")
+        emit(
+            out_dir, f"| {r['model']} | {r['tokens_per_s']:,.0f} | {vs_fla} | {vs_efla} | {fast} | {r['peak_gib']:.1f} | {mem} |"
+        )
     emit(out_dir, "")
 
 
@@ -392,14 +445,26 @@ def loss_curve(size: str, variants, tokens_path: str, steps: int, T: int, B: int
             del model, opt
             torch.cuda.empty_cache()
         diffs = [abs(a - b) for a, b in zip(curves["fused"], curves["pytorch"])]
-        row = dict(size=size, model=variant, T=T, B=B, steps=steps, fused=curves["fused"], pytorch=curves["pytorch"],
-                   max_abs_diff=max(diffs), max_rel_diff=max(d / b for d, b in zip(diffs, curves["pytorch"])),
-                   mean_abs_diff_last10=statistics.mean(diffs[-10:]))
+        row = dict(
+            size=size,
+            model=variant,
+            T=T,
+            B=B,
+            steps=steps,
+            fused=curves["fused"],
+            pytorch=curves["pytorch"],
+            max_abs_diff=max(diffs),
+            max_rel_diff=max(d / b for d, b in zip(diffs, curves["pytorch"])),
+            mean_abs_diff_last10=statistics.mean(diffs[-10:]),
+        )
         rows.append(row)
-        emit(out_dir, f"- loss curve {size}-{variant}, {steps} steps of {T} x {B} real tokens: first "
-                      f"{curves['fused'][0]:.3f} / {curves['pytorch'][0]:.3f}, last {curves['fused'][-1]:.3f} / "
-                      f"{curves['pytorch'][-1]:.3f} (fused / PyTorch); max |diff| {row['max_abs_diff']:.4f}, "
-                      f"max rel {row['max_rel_diff']:.2e}")
+        emit(
+            out_dir,
+            f"- loss curve {size}-{variant}, {steps} steps of {T} x {B} real tokens: first "
+            f"{curves['fused'][0]:.3f} / {curves['pytorch'][0]:.3f}, last {curves['fused'][-1]:.3f} / "
+            f"{curves['pytorch'][-1]:.3f} (fused / PyTorch); max |diff| {row['max_abs_diff']:.4f}, "
+            f"max rel {row['max_rel_diff']:.2e}",
+        )
     emit(out_dir, "")
     return rows
 
@@ -414,10 +479,17 @@ def header(out_dir: str, args) -> dict:
         fla_version = getattr(fla, "__version__", "?")
     except Exception:  # fla is optional: our models still run
         fla_version = "not installed"
-    info = dict(date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-                gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                transformers=transformers.__version__, fla=fla_version, command=" ".join(sys.argv),
-                warmup=args.warmup, steps=args.steps)
+    info = dict(
+        date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        transformers=transformers.__version__,
+        fla=fla_version,
+        command=" ".join(sys.argv),
+        warmup=args.warmup,
+        steps=args.steps,
+    )
     emit(out_dir, "# Model-level training speed and memory")
     emit(out_dir, "")
     for k, v in info.items():
@@ -443,8 +515,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--profile", type=int, default=0, help="profile one step per model; list this many kernels")
-    ap.add_argument("--host-profile", type=int, default=0,
-                    help="run one step per model under cProfile; list this many Python functions")
+    ap.add_argument(
+        "--host-profile", type=int, default=0, help="run one step per model under cProfile; list this many Python functions"
+    )
     ap.add_argument("--loss-curve", default=None, help="token ids (.npy) for the fused-vs-PyTorch loss curves")
     ap.add_argument("--loss-curve-variants", default="efla,gated-efla")
     ap.add_argument("--loss-curve-steps", type=int, default=50)
@@ -458,7 +531,7 @@ def main() -> int:
     result = dict(info=info, speed=[], loss_curves=[])
     kinds = [k for k in args.models.split(",") if k and k != "none"]
     json_path = os.path.join(args.out, "gpu_model.json")
-    for size in (args.sizes.split(",") if kinds else []):
+    for size in args.sizes.split(",") if kinds else []:
         done = list(result["speed"])
 
         def save(rows, done=done):
@@ -466,14 +539,30 @@ def main() -> int:
             write_json(json_path, result)
 
         try:
-            bench_size(size, kinds, parse_shapes(args.shapes), args.warmup, args.steps, args.out, on_shape=save,
-                       profile=args.profile, host_profile=args.host_profile)
+            bench_size(
+                size,
+                kinds,
+                parse_shapes(args.shapes),
+                args.warmup,
+                args.steps,
+                args.out,
+                on_shape=save,
+                profile=args.profile,
+                host_profile=args.host_profile,
+            )
         except Exception:
             traceback.print_exc()
     if args.loss_curve:
         try:
-            result["loss_curves"] = loss_curve(args.sizes.split(",")[0], args.loss_curve_variants.split(","),
-                                               args.loss_curve, args.loss_curve_steps, 2048, 8, args.out)
+            result["loss_curves"] = loss_curve(
+                args.sizes.split(",")[0],
+                args.loss_curve_variants.split(","),
+                args.loss_curve,
+                args.loss_curve_steps,
+                2048,
+                8,
+                args.out,
+            )
         except Exception:
             traceback.print_exc()
     write_json(json_path, result)

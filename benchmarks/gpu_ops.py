@@ -130,8 +130,11 @@ def check_correctness(dev, full=True, rules=("efla", "gated_efla", "delta_rule",
             ok = mx < 2e-2
             all_ok &= ok
             f = lambda e: "-" if e is None else f"{e:.1e}"  # noqa: E731
-            emit(f"| {rule} | {cname} | chunk+bwd | " + " | ".join(f(errs[x]) for x in
-                 ["o", "ht", "dq", "dk", "dv", "dbeta", "dg", "dh0"]) + f" | {mx:.1e} | {'yes' if ok else 'NO'} |")
+            emit(
+                f"| {rule} | {cname} | chunk+bwd | "
+                + " | ".join(f(errs[x]) for x in ["o", "ht", "dq", "dk", "dv", "dbeta", "dg", "dh0"])
+                + f" | {mx:.1e} | {'yes' if ok else 'NO'} |"
+            )
 
             # fused recurrent (decode) kernel, no autograd
             with torch.no_grad():
@@ -140,8 +143,10 @@ def check_correctness(dev, full=True, rules=("efla", "gated_efla", "delta_rule",
             mx2 = max(e if e == e else 1e9 for e in e2.values())
             ok2 = mx2 < 2e-2
             all_ok &= ok2
-            emit(f"| {rule} | {cname} | recurrent | {e2['o']:.1e} | {e2['ht']:.1e} | - | - | - | - | - | - "
-                 f"| {mx2:.1e} | {'yes' if ok2 else 'NO'} |")
+            emit(
+                f"| {rule} | {cname} | recurrent | {e2['o']:.1e} | {e2['ht']:.1e} | - | - | - | - | - | - "
+                f"| {mx2:.1e} | {'yes' if ok2 else 'NO'} |"
+            )
     emit("")
     emit(f"correctness: {'ALL PASS' if all_ok else 'FAILURES'} ({time.time() - T0:.0f}s)")
     emit("")
@@ -176,15 +181,19 @@ def try_call(f):
 
 def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
     dims_text = "K = V = 128" if dims == ((128, 128),) else "head dims K, V as given"
-    emit(f"## Chunk timings (ms, medians; {dims_text}, bf16; the layers' calls: fla DeltaNet/GDN with "
-         "`use_qk_l2norm_in_kernel=True`, EFLA/Gated EFLA with `use_q_l2norm_in_kernel=True`, gates in float32)")
+    emit(
+        f"## Chunk timings (ms, medians; {dims_text}, bf16; the layers' calls: fla DeltaNet/GDN with "
+        "`use_qk_l2norm_in_kernel=True`, EFLA/Gated EFLA with `use_q_l2norm_in_kernel=True`, gates in float32)"
+    )
     emit("")
     if fla_ok:
         from fla.ops.delta_rule import chunk_delta_rule as fla_dn
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
-    hdr = ("| [B, T, H] | DeltaNet fwd | EFLA fwd | ratio | DeltaNet fwd+bwd | EFLA fwd+bwd | ratio "
-           "| fla kernel alone fwd+bwd (floor) | GDN fwd | Gated EFLA fwd | ratio | GDN fwd+bwd (fla) "
-           "| GDN fwd+bwd (ours) | Gated EFLA fwd+bwd | vs EFLA | vs GDN (ours) |")
+    hdr = (
+        "| [B, T, H] | DeltaNet fwd | EFLA fwd | ratio | DeltaNet fwd+bwd | EFLA fwd+bwd | ratio "
+        "| fla kernel alone fwd+bwd (floor) | GDN fwd | Gated EFLA fwd | ratio | GDN fwd+bwd (fla) "
+        "| GDN fwd+bwd (ours) | Gated EFLA fwd+bwd | vs EFLA | vs GDN (ours) |"
+    )
     emit(hdr)
     emit("|" + " --- |" * (hdr.count("|") - 1))
     notes = []
@@ -202,6 +211,7 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
             def run():
                 o = fwd()[0]
                 o.backward(do)
+
             return run
 
         def gnone():
@@ -248,10 +258,12 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
         def m(x):
             return f"{x:.3f}" if x else "n/a"
 
-        emit(f"| {label} | {m(tf['dn'])} | {m(tf['efla'])} | {r(tf['efla'], tf['dn'])} | {m(tb['dn'])} "
-             f"| {m(tb['efla'])} | {r(tb['efla'], tb['dn'])} | {m(tb['floor'])} | {m(tf['gdn'])} "
-             f"| {m(tf['gefla'])} | {r(tf['gefla'], tf['gdn'])} | {m(tb['gdn'])} | {m(tb['gdn_ours'])} "
-             f"| {m(tb['gefla'])} | {r(tb['gefla'], tb['efla'])} | {r(tb['gefla'], tb['gdn_ours'])} |")
+        emit(
+            f"| {label} | {m(tf['dn'])} | {m(tf['efla'])} | {r(tf['efla'], tf['dn'])} | {m(tb['dn'])} "
+            f"| {m(tb['efla'])} | {r(tb['efla'], tb['dn'])} | {m(tb['floor'])} | {m(tf['gdn'])} "
+            f"| {m(tf['gefla'])} | {r(tf['gefla'], tf['gdn'])} | {m(tb['gdn'])} | {m(tb['gdn_ours'])} "
+            f"| {m(tb['gefla'])} | {r(tb['gefla'], tb['efla'])} | {r(tb['gefla'], tb['gdn_ours'])} |"
+        )
         fwd = fwdbwd = fwd_ok = fb_ok = None  # free this shape's tensors before the next
         torch.cuda.empty_cache()
     emit("")
@@ -271,14 +283,16 @@ def decode_timing(dev, rounds, fla_ok):
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
         fns["DeltaNet (fla fused_recurrent, l2norm)"] = lambda: fused_recurrent_delta_rule(
-            q, k, v, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    fns["EFLA (efla.ops.recurrent_efla)"] = lambda: ops.recurrent_efla(
-        q, k, v, beta, initial_state=h0, output_final_state=True)
+            q, k, v, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
+    fns["EFLA (efla.ops.recurrent_efla)"] = lambda: ops.recurrent_efla(q, k, v, beta, initial_state=h0, output_final_state=True)
     if fla_ok:
         fns["Gated DeltaNet (fla fused_recurrent, l2norm)"] = lambda: fused_recurrent_gated_delta_rule(
-            q, k, v, g.float(), beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+            q, k, v, g.float(), beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
     fns["Gated EFLA (efla.ops.recurrent_gated_efla)"] = lambda: ops.recurrent_gated_efla(
-        q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        q, k, v, g, beta, initial_state=h0, output_final_state=True
+    )
     with torch.no_grad():
         ok = {}
         for n, f in fns.items():
@@ -320,10 +334,12 @@ def model_timing(dev, budget_s):
             ids = torch.randint(0, 32000, (B, T), device=dev)
             steps = {}
             for name, mdl in models.items():
+
                 def step(mdl=mdl):
                     out = mdl(input_ids=ids, labels=ids)
                     out.loss.backward()
                     mdl.zero_grad(set_to_none=True)
+
                 step()
                 torch.cuda.synchronize()
                 steps[name] = step
@@ -355,8 +371,7 @@ def main():
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
-    ap.add_argument("--shapes", default=None,
-                    help="chunk-timing shapes 'B,T,H;B,T,H' (default: the six [B, T, H] shapes)")
+    ap.add_argument("--shapes", default=None, help="chunk-timing shapes 'B,T,H;B,T,H' (default: the six [B, T, H] shapes)")
     ap.add_argument("--head-dims", default="128x128", help="chunk-timing head dims 'KxV,KxV'")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick-correctness", action="store_true", help="one non-varlen case at H=16")
@@ -388,16 +403,13 @@ def main():
     emit("")
     emit(f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}")
     emit(f"- GPU: {torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))})")
-    emit(f"- torch {torch.__version__}, triton {triton.__version__}, flash-linear-attention {fla_v}, "
-         f"CUDA {torch.version.cuda}")
-    emit("- timings: `triton.testing.do_bench` medians; methods measured alternately, median over "
-         f"{args.rounds} rounds")
+    emit(f"- torch {torch.__version__}, triton {triton.__version__}, flash-linear-attention {fla_v}, CUDA {torch.version.cuda}")
+    emit(f"- timings: `triton.testing.do_bench` medians; methods measured alternately, median over {args.rounds} rounds")
     emit("")
     ok = True
     try:
         if not args.skip_correctness:
-            ok = check_correctness(dev, full=not args.quick_correctness,
-                                   rules=tuple(args.rules.split(",")))
+            ok = check_correctness(dev, full=not args.quick_correctness, rules=tuple(args.rules.split(",")))
     except Exception:
         traceback.print_exc()
         emit("correctness stage crashed (see log)")
@@ -410,9 +422,11 @@ def main():
         shapes = shapes[:1]
     dims = tuple(tuple(int(x) for x in d.split("x")) for d in args.head_dims.split(","))
     # the model stage runs before the chunk timings: the H = 96 shape's autotuning is the slowest part
-    for stage in ((None if args.skip_decode else lambda: decode_timing(dev, 1 if args.quick else args.rounds, fla_ok)),
-                  (None if args.skip_model else lambda: model_timing(dev, args.budget)),
-                  lambda: timing(dev, shapes, 1 if args.quick else args.rounds, fla_ok, dims)):
+    for stage in (
+        (None if args.skip_decode else lambda: decode_timing(dev, 1 if args.quick else args.rounds, fla_ok)),
+        (None if args.skip_model else lambda: model_timing(dev, args.budget)),
+        lambda: timing(dev, shapes, 1 if args.quick else args.rounds, fla_ok, dims),
+    ):
         if stage is None:
             continue
         try:

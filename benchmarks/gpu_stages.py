@@ -63,25 +63,28 @@ def efla_stages(ch, F, q, k, v, beta, do, scale):
     """name -> callable for each EFLA stage (inputs prepared by running the forward once)."""
     o, ht, A, alpha, qn, q_rstd, _, _ = ch.delta_fwd(q, k, v, beta, None, scale, False, None, True, True, False)
     kn, k_rstd = F["l2norm_fwd"](k)
-    dq, dk, _, dalpha, _ = F["chunk_delta_rule_bwd"](q=qn, k=k, v=v, beta=alpha, A=A, scale=scale,
-                                                    initial_state=None, do=do, dht=None)
+    dq, dk, _, dalpha, _ = F["chunk_delta_rule_bwd"](
+        q=qn, k=k, v=v, beta=alpha, A=A, scale=scale, initial_state=None, do=do, dht=None
+    )
     dk = dk.contiguous()
     # the coefficient passes flag overflowing keys as the model's do (the flag's read is not timed)
     return {
         "q l2norm fwd": lambda: F["l2norm_fwd"](q),
         "coefficient fwd": lambda: ch.coef_fwd(k, beta, overflow=ch.overflow_flag(k)),
-        "coefficient fwd with q l2norm (what the op runs)": lambda: ch.coef_fwd(k, beta, overflow=ch.overflow_flag(k),
-                                                                                q=q),
+        "coefficient fwd with q l2norm (what the op runs)": lambda: ch.coef_fwd(k, beta, overflow=ch.overflow_flag(k), q=q),
         "(DeltaNet: k l2norm fwd)": lambda: F["l2norm_fwd"](k),
-        "fla chunk_delta_rule_fwd": lambda: F["chunk_delta_rule_fwd"](q=qn, k=k, v=v, beta=alpha, scale=scale,
-                                                                     initial_state=None, output_final_state=False),
-        "fla chunk_delta_rule_bwd": lambda: F["chunk_delta_rule_bwd"](q=qn, k=k, v=v, beta=alpha, A=A, scale=scale,
-                                                                     initial_state=None, do=do, dht=None),
+        "fla chunk_delta_rule_fwd": lambda: F["chunk_delta_rule_fwd"](
+            q=qn, k=k, v=v, beta=alpha, scale=scale, initial_state=None, output_final_state=False
+        ),
+        "fla chunk_delta_rule_bwd": lambda: F["chunk_delta_rule_bwd"](
+            q=qn, k=k, v=v, beta=alpha, A=A, scale=scale, initial_state=None, do=do, dht=None
+        ),
         "coefficient bwd": lambda: ch.coef_bwd(k, beta, dalpha, dk),
         "q l2norm bwd": lambda: F["l2norm_bwd"](qn, q_rstd, dq),
         # dk and dq are updated in place call after call: their values drift, the work does not
-        "coefficient bwd with q l2norm bwd (what the op runs)": lambda: ch.coef_bwd(k, beta, dalpha, dk, q=qn,
-                                                                                    q_rstd=q_rstd, dq=dq),
+        "coefficient bwd with q l2norm bwd (what the op runs)": lambda: ch.coef_bwd(
+            k, beta, dalpha, dk, q=qn, q_rstd=q_rstd, dq=dq
+        ),
         "(DeltaNet: k l2norm bwd)": lambda: F["l2norm_bwd"](kn, k_rstd, dk),
     }
 
@@ -89,14 +92,15 @@ def efla_stages(ch, F, q, k, v, beta, do, scale):
 def gated_stages(ch, F, q, k, v, g, beta, do, scale):
     import fla.ops.common.chunk_o as fla_chunk_o
 
-    o, ht, A, gcum, c, vp, qn, q_rstd, _, _ = ch.gated_fwd(q, k, v, g, beta, None, scale, False, None, True, True,
-                                                           False)
+    o, ht, A, gcum, c, vp, qn, q_rstd, _, _ = ch.gated_fwd(q, k, v, g, beta, None, scale, False, None, True, True, False)
     w, u = F["recompute_w_u_fwd"](k=k, v=vp, beta=c, A=A, g=gcum)
-    h, v_new, _ = F["chunk_gated_delta_rule_fwd_h"](k=k, w=w, u=u, g=gcum, initial_state=None,
-                                                    output_final_state=False, chunk_size=ch.CHUNK)
+    h, v_new, _ = F["chunk_gated_delta_rule_fwd_h"](
+        k=k, w=w, u=u, g=gcum, initial_state=None, output_final_state=False, chunk_size=ch.CHUNK
+    )
     dv = F["chunk_bwd_dv_local"](q=qn, k=k, do=do, g=gcum, scale=scale, chunk_size=ch.CHUNK)
-    dh, _, dv = F["chunk_gated_delta_rule_bwd_dhu"](q=qn, k=k, w=w, do=do, dv=dv, g=gcum, h0=None, dht=None,
-                                                    scale=scale, chunk_size=ch.CHUNK)
+    dh, _, dv = F["chunk_gated_delta_rule_bwd_dhu"](
+        q=qn, k=k, w=w, do=do, dv=dv, g=gcum, h0=None, dht=None, scale=scale, chunk_size=ch.CHUNK
+    )
     dq, dk, dw, dgc = ch.gated_dqkwg(qn, k, v_new, gcum, h, do, dh, dv, scale, None, None)
     dk2, dvp, dc, dg2 = F["prepare_wy_repr_bwd"](k=k, v=vp, beta=c, A=A, dw=dw, du=dv, g=gcum)
     dgl = F["chunk_local_cumsum"](dgc, chunk_size=ch.CHUNK, reverse=True)
@@ -105,8 +109,9 @@ def gated_stages(ch, F, q, k, v, g, beta, do, scale):
         before = fla_chunk_o.TRITON_ABOVE_3_7_1
         fla_chunk_o.TRITON_ABOVE_3_7_1 = True
         try:
-            return fla_chunk_o.chunk_bwd_dqkwg(q=qn, k=k, v=v_new, w=w, g=gcum, h=h, dv=dv, do=do, dh=dh,
-                                               scale=scale, chunk_size=ch.CHUNK)
+            return fla_chunk_o.chunk_bwd_dqkwg(
+                q=qn, k=k, v=v_new, w=w, g=gcum, h=h, dv=dv, do=do, dh=dh, scale=scale, chunk_size=ch.CHUNK
+            )
         finally:
             fla_chunk_o.TRITON_ABOVE_3_7_1 = before
 
@@ -114,35 +119,48 @@ def gated_stages(ch, F, q, k, v, g, beta, do, scale):
         "q l2norm fwd": lambda: F["l2norm_fwd"](q),
         "coefficient fwd (gated)": lambda: ch.coef_fwd(k, beta, g=g, v=v, overflow=ch.overflow_flag(k)),
         "coefficient fwd (gated) with q l2norm (what the op runs)": lambda: ch.coef_fwd(
-            k, beta, g=g, v=v, overflow=ch.overflow_flag(k), q=q),
+            k, beta, g=g, v=v, overflow=ch.overflow_flag(k), q=q
+        ),
         "fla chunk_gated_delta_rule_fwd": lambda: F["chunk_gated_delta_rule_fwd"](
-            q=qn, k=k, v=vp, g=ch.coef_fwd(k, beta, g=g, v=v)[1], beta=c, scale=scale, initial_state=None,
-            output_final_state=False, chunk_size=ch.CHUNK),
+            q=qn,
+            k=k,
+            v=vp,
+            g=ch.coef_fwd(k, beta, g=g, v=v)[1],
+            beta=c,
+            scale=scale,
+            initial_state=None,
+            output_final_state=False,
+            chunk_size=ch.CHUNK,
+        ),
         "bwd: recompute_w_u_fwd": lambda: F["recompute_w_u_fwd"](k=k, v=vp, beta=c, A=A, g=gcum),
         "bwd: chunk_gated_delta_rule_fwd_h": lambda: F["chunk_gated_delta_rule_fwd_h"](
-            k=k, w=w, u=u, g=gcum, initial_state=None, output_final_state=False, chunk_size=ch.CHUNK),
-        "bwd: chunk_bwd_dv_local": lambda: F["chunk_bwd_dv_local"](q=qn, k=k, do=do, g=gcum, scale=scale,
-                                                                   chunk_size=ch.CHUNK),
+            k=k, w=w, u=u, g=gcum, initial_state=None, output_final_state=False, chunk_size=ch.CHUNK
+        ),
+        "bwd: chunk_bwd_dv_local": lambda: F["chunk_bwd_dv_local"](q=qn, k=k, do=do, g=gcum, scale=scale, chunk_size=ch.CHUNK),
         "bwd: chunk_gated_delta_rule_bwd_dhu": lambda: F["chunk_gated_delta_rule_bwd_dhu"](
-            q=qn, k=k, w=w, do=do, dv=dv, g=gcum, h0=None, dht=None, scale=scale, chunk_size=ch.CHUNK),
+            q=qn, k=k, w=w, do=do, dv=dv, g=gcum, h0=None, dht=None, scale=scale, chunk_size=ch.CHUNK
+        ),
         "bwd: dqkwg, ours autotuned": lambda: ch.gated_dqkwg(qn, k, v_new, gcum, h, do, dh, dv, scale, None, None),
         "bwd: dqkwg, ours fixed (BV 64, 4 warps, 2 stages)": lambda: ch.gated_dqkwg(
-            qn, k, v_new, gcum, h, do, dh, dv, scale, None, None, launch=OLD_DQKWG_LAUNCH),
+            qn, k, v_new, gcum, h, do, dh, dv, scale, None, None, launch=OLD_DQKWG_LAUNCH
+        ),
         **({"(bwd: dqkwg, fla's kernel forced)": fla_dqkwg} if WITH_FLA_DQKWG else {}),
         "bwd: prepare_wy_repr_bwd": lambda: F["prepare_wy_repr_bwd"](k=k, v=vp, beta=c, A=A, dw=dw, du=dv, g=gcum),
         "bwd: reverse cumsum of dg": lambda: F["chunk_local_cumsum"](dgc, chunk_size=ch.CHUNK, reverse=True),
-        "bwd: coefficient bwd (gated)": lambda: ch.coef_bwd(k, beta, dc, dk, g=g, v=v, dgl=dgl, dvin=dvp,
-                                                            dk_more=dk2.contiguous()),
+        "bwd: coefficient bwd (gated)": lambda: ch.coef_bwd(
+            k, beta, dc, dk, g=g, v=v, dgl=dgl, dvin=dvp, dk_more=dk2.contiguous()
+        ),
         "bwd: q l2norm bwd": lambda: F["l2norm_bwd"](qn, q_rstd, dq),
         "bwd: coefficient bwd (gated) with q l2norm bwd (what the op runs)": lambda: ch.coef_bwd(
-            k, beta, dc, dk, g=g, v=v, dgl=dgl, dvin=dvp, dk_more=dk2.contiguous(), q=qn, q_rstd=q_rstd, dq=dq),
+            k, beta, dc, dk, g=g, v=v, dgl=dgl, dvin=dvp, dk_more=dk2.contiguous(), q=qn, q_rstd=q_rstd, dq=dq
+        ),
     }
 
 
 COEF_LAUNCHES = [(br, w) for br in (8, 16, 32, 64) for w in (2, 4, 8)]
 
 
-def coef_sweep(out, ch, F, q, k, v, g, beta, do, scale, rounds, rep):
+def coef_sweep(out, ch, q, k, v, g, beta, scale, rounds, rep):
     """The coefficient kernels at other (rows per program, warps) settings than the default."""
     with torch.no_grad():
         o, ht, A, alpha, *_ = ch.delta_fwd(q, k, v, beta, None, scale, False, None, True, True, False)
@@ -175,6 +193,7 @@ def whole_op(fn, leaves, do):
         fn()[0].backward(do)
         for x in leaves:
             x.grad = None
+
     return run
 
 
@@ -186,22 +205,25 @@ def one_shape(out, ch, F, B, T, H, rounds, rep, sweep):
     q, k, v, beta, g, _ = make_inputs(B, T, H, 128, 128, B, torch.device("cuda"), stiff=True, seed=1)
     g = g.float()
     do = torch.randn_like(v)
-    scale = 128 ** -0.5
+    scale = 128**-0.5
     with torch.no_grad():
-        rows = [("Gated EFLA", gated_stages(ch, F, q, k, v, g, beta, do, scale)),
-                ("EFLA", efla_stages(ch, F, q, k, v, beta, do, scale))]
+        rows = [
+            ("Gated EFLA", gated_stages(ch, F, q, k, v, g, beta, do, scale)),
+            ("EFLA", efla_stages(ch, F, q, k, v, beta, do, scale)),
+        ]
     if sweep:
-        coef_sweep(out, ch, F, q, k, v, g, beta, do, scale, rounds, rep / 5)
+        coef_sweep(out, ch, q, k, v, g, beta, scale, rounds, rep / 5)
     leaves = [x.requires_grad_() for x in (q, k, v, beta, g)]
     from fla.ops.delta_rule import chunk_delta_rule
 
     whole = {
-        "EFLA fwd+bwd (autograd)": whole_op(lambda: ops.chunk_efla(q, k, v, beta, use_q_l2norm_in_kernel=True),
-                                            leaves, do),
+        "EFLA fwd+bwd (autograd)": whole_op(lambda: ops.chunk_efla(q, k, v, beta, use_q_l2norm_in_kernel=True), leaves, do),
         "DeltaNet fwd+bwd (fla, qk l2norm in kernel)": whole_op(
-            lambda: chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True), leaves, do),
+            lambda: chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True), leaves, do
+        ),
         "Gated EFLA fwd+bwd (autograd)": whole_op(
-            lambda: ops.chunk_gated_efla(q, k, v, g, beta, use_q_l2norm_in_kernel=True), leaves, do),
+            lambda: ops.chunk_gated_efla(q, k, v, g, beta, use_q_l2norm_in_kernel=True), leaves, do
+        ),
     }
     for f in whole.values():
         f()
@@ -246,11 +268,17 @@ def main():
 
     emit(args.out, "# Stage times of the GPU chunk ops")
     emit(args.out, "")
-    emit(args.out, f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; "
-                   f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
-                   f"flash-linear-attention {getattr(fla, '__version__', '?')}")
-    emit(args.out, f"- `python benchmarks/gpu_stages.py --shapes \"{args.shapes}\" --rounds {args.rounds} "
-                   f"--rep {args.rep}`; do_bench medians, alternated, median of {args.rounds} rounds")
+    emit(
+        args.out,
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; "
+        f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
+        f"flash-linear-attention {getattr(fla, '__version__', '?')}",
+    )
+    emit(
+        args.out,
+        f'- `python benchmarks/gpu_stages.py --shapes "{args.shapes}" --rounds {args.rounds} '
+        f"--rep {args.rep}`; do_bench medians, alternated, median of {args.rounds} rounds",
+    )
     emit(args.out, "")
     for i, sh in enumerate(args.shapes.split(";")):
         B, T, H = (int(x) for x in sh.split(","))

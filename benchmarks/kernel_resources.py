@@ -30,12 +30,44 @@ from efla.ops.cuda import kernels as kn
 
 H200_SHARED_BYTES = 232448  # shared memory per block on sm_90 (opt-in maximum)
 DQKWG_HEAD_DIMS = [(32, 32), (64, 128), (128, 128), (256, 128), (32, 256), (128, 256), (256, 256)]
-DQKWG_SIGNATURE = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "h": "*bf16", "do": "*bf16",
-                   "dh": "*bf16", "dv": "*bf16", "dq": "*bf16", "dk": "*bf16", "dw": "*bf16", "dg": "*fp32",
-                   "cu_seqlens": "*i64", "chunk_indices": "*i32", "scale": "fp32", "T": "i32", "TOT": "i32"}
-SIGNATURE = {"k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*fp32", "derase": "*bf16", "dgl": "*fp32",
-             "dvin": "*bf16", "dk": "*bf16", "dk_more": "*bf16", "dbeta": "*bf16", "dg": "*fp32", "dv": "*bf16", "R": "i32",
-             "H": "i32", "q": "*bf16", "q_rstd": "*fp32", "dq": "*bf16"}
+DQKWG_SIGNATURE = {
+    "q": "*bf16",
+    "k": "*bf16",
+    "v": "*bf16",
+    "g": "*fp32",
+    "h": "*bf16",
+    "do": "*bf16",
+    "dh": "*bf16",
+    "dv": "*bf16",
+    "dq": "*bf16",
+    "dk": "*bf16",
+    "dw": "*bf16",
+    "dg": "*fp32",
+    "cu_seqlens": "*i64",
+    "chunk_indices": "*i32",
+    "scale": "fp32",
+    "T": "i32",
+    "TOT": "i32",
+}
+SIGNATURE = {
+    "k": "*bf16",
+    "v": "*bf16",
+    "beta": "*bf16",
+    "g": "*fp32",
+    "derase": "*bf16",
+    "dgl": "*fp32",
+    "dvin": "*bf16",
+    "dk": "*bf16",
+    "dk_more": "*bf16",
+    "dbeta": "*bf16",
+    "dg": "*fp32",
+    "dv": "*bf16",
+    "R": "i32",
+    "H": "i32",
+    "q": "*bf16",
+    "q_rstd": "*fp32",
+    "dq": "*bf16",
+}
 
 
 def compile_setting(gated: bool, BR: int, BC: int, num_warps: int, K: int = 128, V: int = 128):
@@ -44,8 +76,22 @@ def compile_setting(gated: bool, BR: int, BC: int, num_warps: int, K: int = 128,
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if signature[name][0] == "*"}
     # the gated backward adds its second dk part in the same pass
     # with the queries' normalisation, as the layers run it (use_q_l2norm_in_kernel)
-    constants = dict(K=K, V=V, BR=BR, BC=BC, GATED=gated, G_MIN=kn.G_FLOOR, HAS_DK_MORE=gated, A_log=None,
-                     dt_bias=None, dgate=None, GATE_ACT=False, HAS_DT_BIAS=False, BETA_SCALE=0.0, QNORM=True)
+    constants = dict(
+        K=K,
+        V=V,
+        BR=BR,
+        BC=BC,
+        GATED=gated,
+        G_MIN=kn.G_FLOOR,
+        HAS_DK_MORE=gated,
+        A_log=None,
+        dt_bias=None,
+        dgate=None,
+        GATE_ACT=False,
+        HAS_DT_BIAS=False,
+        BETA_SCALE=0.0,
+        QNORM=True,
+    )
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
@@ -54,8 +100,7 @@ def compile_dqkwg(K: int, V: int, config):
     fn = kn.gated_dqkwg_kernel.fn
     signature = {name: DQKWG_SIGNATURE.get(name, "constexpr") for name in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if signature[name][0] == "*"}
-    constants = dict(H=2, K=K, V=V, BT=64, BK=min(triton.next_power_of_2(K), 128), BV=config.kwargs["BV"],
-                     IS_VARLEN=False)
+    constants = dict(H=2, K=K, V=V, BT=64, BK=min(triton.next_power_of_2(K), 128), BV=config.kwargs["BV"], IS_VARLEN=False)
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
@@ -92,8 +137,10 @@ def threads_per_row(compiled) -> int:
 
 def main() -> int:
     print(f"triton {triton.__version__}, sm_90, K = V = 128, bf16")
-    print("| rule | rows per program | columns per block | warps | registers | stack bytes | "
-          "float64 divisions per thread | threads per row |")
+    print(
+        "| rule | rows per program | columns per block | warps | registers | stack bytes | "
+        "float64 divisions per thread | threads per row |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for gated in (False, True):
         for cfg in kn.COEF_BWD_CONFIGS:

@@ -62,8 +62,13 @@ class Job:
 
 
 def make_jobs(n: int, vocab: int, args, rng: random.Random) -> list[Job]:
-    return [Job([rng.randrange(3, vocab) for _ in range(rng.randint(args.prompt_min, args.prompt_max))],
-                rng.randint(args.output_min, args.output_max)) for _ in range(n)]
+    return [
+        Job(
+            [rng.randrange(3, vocab) for _ in range(rng.randint(args.prompt_min, args.prompt_max))],
+            rng.randint(args.output_min, args.output_max),
+        )
+        for _ in range(n)
+    ]
 
 
 def word_tokenizer(vocab: int):
@@ -95,6 +100,7 @@ def load(args):
 
 # -- the server side ----------------------------------------------------------------------------------
 
+
 class Stage:
     """One stage's requests through a scheduler, timed from the scheduler's thread."""
 
@@ -106,8 +112,9 @@ class Stage:
 
     def submit(self, job: Job) -> None:
         job.submitted = time.perf_counter()
-        self.scheduler.submit([job.prompt], SamplingParams(max_tokens=job.output),
-                              lambda request, event, job=job: self.on_event(job, event))
+        self.scheduler.submit(
+            [job.prompt], SamplingParams(max_tokens=job.output), lambda _request, event, job=job: self.on_event(job, event)
+        )
 
     def on_event(self, job: Job, event) -> None:
         if isinstance(event, (TokenEvent, FinishEvent)):  # one event per token, the last one a FinishEvent
@@ -149,11 +156,11 @@ class ClosedLoop(Stage):
 
     def run(self) -> float:
         self.start = time.perf_counter()
-        for job in self.jobs[:self.streams]:
+        for job in self.jobs[: self.streams]:
             self.submit(job)
         return self.wait()
 
-    def finished(self, job: Job) -> None:
+    def finished(self, job: Job) -> None:  # noqa: ARG002 (overrides the open-loop driver's hook)
         with self.lock:
             following = self.jobs[self.next] if self.next < len(self.jobs) else None
             self.next += 1
@@ -173,19 +180,33 @@ def stage_row(name: str, jobs: list[Job], seconds: float, rate: str, memory: flo
     gaps = [b - a for j in jobs for a, b in zip(j.token_times, j.token_times[1:])]
     ttft = [j.token_times[0] - j.submitted for j in jobs if j.token_times]
     tpot = [(j.token_times[-1] - j.token_times[0]) / (len(j.token_times) - 1) for j in jobs if len(j.token_times) > 1]
-    return dict(stage=name, rate=rate, requests=len(jobs), failed=sum(bool(j.failed) for j in jobs),
-                output_tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,
-                ttft_ms=[1e3 * percentile(ttft, 50), 1e3 * percentile(ttft, 99)],
-                itl_ms=[1e3 * percentile(gaps, 50), 1e3 * percentile(gaps, 99)],
-                tpot_ms=[1e3 * percentile(tpot, 50), 1e3 * percentile(tpot, 99)], peak_memory_gib=memory)
+    return dict(
+        stage=name,
+        rate=rate,
+        requests=len(jobs),
+        failed=sum(bool(j.failed) for j in jobs),
+        output_tokens=tokens,
+        seconds=seconds,
+        tokens_per_s=tokens / seconds,
+        ttft_ms=[1e3 * percentile(ttft, 50), 1e3 * percentile(ttft, 99)],
+        itl_ms=[1e3 * percentile(gaps, 50), 1e3 * percentile(gaps, 99)],
+        tpot_ms=[1e3 * percentile(tpot, 50), 1e3 * percentile(tpot, 99)],
+        peak_memory_gib=memory,
+    )
 
 
 def new_scheduler(model, tokenizer, args) -> Scheduler:
-    scheduler = Scheduler(model, tokenizer, max_batch=args.max_batch or args.concurrency,
-                          max_queue=max(args.requests, args.concurrency * args.waves),
-                          max_context=args.prompt_max + args.output_max + 1, prefill_chunk=args.prefill_chunk,
-                          prefill_every=args.prefill_every,
-                          stop_tokens=[], pad_token=0)
+    scheduler = Scheduler(
+        model,
+        tokenizer,
+        max_batch=args.max_batch or args.concurrency,
+        max_queue=max(args.requests, args.concurrency * args.waves),
+        max_context=args.prompt_max + args.output_max + 1,
+        prefill_chunk=args.prefill_chunk,
+        prefill_every=args.prefill_every,
+        stop_tokens=[],
+        pad_token=0,
+    )
     scheduler.start()
     return scheduler
 
@@ -194,8 +215,7 @@ def server_stages(model, tokenizer, args, rng: random.Random, concurrency_jobs: 
     rows = []
     scheduler = new_scheduler(model, tokenizer, args)
     try:
-        warm = ClosedLoop(scheduler, make_jobs(min(args.concurrency, 8), model.config.vocab_size, args, rng),
-                          args.concurrency)
+        warm = ClosedLoop(scheduler, make_jobs(min(args.concurrency, 8), model.config.vocab_size, args, rng), args.concurrency)
         warm.run()
         for rate in args.rates:
             jobs = make_jobs(args.requests, model.config.vocab_size, args, rng)
@@ -209,8 +229,7 @@ def server_stages(model, tokenizer, args, rng: random.Random, concurrency_jobs: 
             log(rows[-1], scheduler)
         reset_memory(args)
         seconds = ClosedLoop(scheduler, concurrency_jobs, args.concurrency).run()
-        rows.append(stage_row(f"server, {args.concurrency} streams", concurrency_jobs, seconds, "closed loop",
-                              peak_memory(args)))
+        rows.append(stage_row(f"server, {args.concurrency} streams", concurrency_jobs, seconds, "closed loop", peak_memory(args)))
         log(rows[-1], scheduler)
     finally:
         scheduler.close()
@@ -219,8 +238,9 @@ def server_stages(model, tokenizer, args, rng: random.Random, concurrency_jobs: 
 
 # -- static batching ----------------------------------------------------------------------------------
 
+
 def static_stage(model, jobs: list[Job], args) -> dict:
-    batches = [jobs[i:i + args.concurrency] for i in range(0, len(jobs), args.concurrency)]
+    batches = [jobs[i : i + args.concurrency] for i in range(0, len(jobs), args.concurrency)]
     calls = [left_padded(batch, args.device) for batch in batches]
     generate(model, *calls[0], max_new_tokens=2, eos_token_id=[])  # warm-up (captures)
     reset_memory(args)
@@ -233,10 +253,20 @@ def static_stage(model, jobs: list[Job], args) -> dict:
     synchronize(args)
     seconds = time.perf_counter() - start
     useful = sum(j.output for j in jobs)
-    row = dict(stage=f"static generate, batches of {args.concurrency}", rate="-", requests=len(jobs), failed=0,
-               output_tokens=useful, seconds=seconds, tokens_per_s=useful / seconds,
-               padded_tokens_per_s=padded / seconds, ttft_ms=None, itl_ms=None, tpot_ms=None,
-               peak_memory_gib=peak_memory(args))
+    row = dict(
+        stage=f"static generate, batches of {args.concurrency}",
+        rate="-",
+        requests=len(jobs),
+        failed=0,
+        output_tokens=useful,
+        seconds=seconds,
+        tokens_per_s=useful / seconds,
+        padded_tokens_per_s=padded / seconds,
+        ttft_ms=None,
+        itl_ms=None,
+        tpot_ms=None,
+        peak_memory_gib=peak_memory(args),
+    )
     release(model)
     log(row)
     return row
@@ -247,12 +277,13 @@ def left_padded(batch: list[Job], device) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     mask = torch.zeros(len(batch), width, dtype=torch.long)
     for row, job in enumerate(batch):
-        ids[row, width - len(job.prompt):] = torch.tensor(job.prompt)
-        mask[row, width - len(job.prompt):] = 1
+        ids[row, width - len(job.prompt) :] = torch.tensor(job.prompt)
+        mask[row, width - len(job.prompt) :] = 1
     return ids.to(device), mask.to(device)
 
 
 # -- report -------------------------------------------------------------------------------------------
+
 
 def reset_memory(args) -> None:
     if args.device.startswith("cuda"):
@@ -279,16 +310,21 @@ def pair(values, spec: str = ".1f") -> str:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| stage | rate (req/s) | requests | output tokens/s | TTFT p50 / p99 ms | inter-token p50 / p99 ms | "
-             "per-token p50 / p99 ms | peak GPU memory GiB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| stage | rate (req/s) | requests | output tokens/s | TTFT p50 / p99 ms | inter-token p50 / p99 ms | "
+        "per-token p50 / p99 ms | peak GPU memory GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         tps = f"{r['tokens_per_s']:,.0f}"
         if "padded_tokens_per_s" in r:
             tps += f" ({r['padded_tokens_per_s']:,.0f} padded)"
         memory = "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f}"
         failed = f" ({r['failed']} failed)" if r["failed"] else ""
-        lines.append(f"| {r['stage']} | {r['rate']} | {r['requests']}{failed} | {tps} | {pair(r['ttft_ms'])} | "
-                     f"{pair(r['itl_ms'], '.2f')} | {pair(r['tpot_ms'], '.2f')} | {memory} |")
+        lines.append(
+            f"| {r['stage']} | {r['rate']} | {r['requests']}{failed} | {tps} | {pair(r['ttft_ms'])} | "
+            f"{pair(r['itl_ms'], '.2f')} | {pair(r['tpot_ms'], '.2f')} | {memory} |"
+        )
     return lines
 
 
@@ -296,10 +332,10 @@ def targets(server: dict, static: dict) -> tuple[list[str], dict]:
     ratio = server["tokens_per_s"] / static["tokens_per_s"]
     spread = server["itl_ms"][1] / server["itl_ms"][0] if server["itl_ms"][0] > 0 else float("inf")
     checks = {"throughput_vs_static": (ratio, ratio >= 0.8), "itl_p99_over_p50": (spread, spread < 3)}
-    lines = [f"- {server['stage']}: {ratio:.2f}x static batching's tokens/s (target >= 0.80): "
-             f"{'PASS' if ratio >= 0.8 else 'MISS'}",
-             f"- {server['stage']}: inter-token latency p99 / p50 = {spread:.2f} (target < 3): "
-             f"{'PASS' if spread < 3 else 'MISS'}"]
+    lines = [
+        f"- {server['stage']}: {ratio:.2f}x static batching's tokens/s (target >= 0.80): {'PASS' if ratio >= 0.8 else 'MISS'}",
+        f"- {server['stage']}: inter-token latency p99 / p50 = {spread:.2f} (target < 3): {'PASS' if spread < 3 else 'MISS'}",
+    ]
     return lines, {k: {"value": v, "pass": ok} for k, (v, ok) in checks.items()}
 
 
@@ -308,14 +344,14 @@ def rates(text: str) -> list[float]:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     source = ap.add_mutually_exclusive_group()
     source.add_argument("--preset", default="340m-efla", help="a preset with random weights")
     source.add_argument("--model", default=None, help="a saved model directory instead of --preset")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                    help="default: bfloat16 on CUDA, float32 on the CPU")
+    ap.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on CUDA, float32 on the CPU"
+    )
     ap.add_argument("--concurrency", type=int, default=256, help="streams of the concurrency stage, static batch size")
     ap.add_argument("--waves", type=int, default=2, help="concurrency stage: requests = waves x concurrency")
     ap.add_argument("--max-batch", type=int, default=None, help="scheduler slots (default: --concurrency)")
@@ -325,11 +361,19 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-max", type=int, default=1024)
     ap.add_argument("--output-min", type=int, default=32)
     ap.add_argument("--output-max", type=int, default=512)
-    ap.add_argument("--prefill-chunk", type=int, default=None,
-                    help="scheduler: prompt tokens per prefill call (default: efla.serving.prefill_defaults)")
-    ap.add_argument("--prefill-every", type=int, default=None,
-                    help="scheduler: decoding steps between prefill calls while half the slots or more decode "
-                         "(default: efla.serving.prefill_defaults)")
+    ap.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="scheduler: prompt tokens per prefill call (default: efla.serving.prefill_defaults)",
+    )
+    ap.add_argument(
+        "--prefill-every",
+        type=int,
+        default=None,
+        help="scheduler: decoding steps between prefill calls while half the slots or more decode "
+        "(default: efla.serving.prefill_defaults)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join("benchmarks", "results", "serve_load"))
@@ -357,13 +401,19 @@ def main(argv=None) -> int:
     served = server_stages(model, tokenizer, args, rng, concurrency_jobs)
     rows = [*served, static]
     target_lines, checks = targets(served[-1], static)
-    info = dict(date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-                device=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-                torch=torch.__version__, command=" ".join(sys.argv), model=args.model or args.preset,
-                dtype=args.dtype, prompt_tokens=[args.prompt_min, args.prompt_max],
-                output_tokens=[args.output_min, args.output_max], prefill_chunk=args.prefill_chunk,
-                prefill_every=args.prefill_every,
-                threads=torch.get_num_threads())
+    info = dict(
+        date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        device=torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        torch=torch.__version__,
+        command=" ".join(sys.argv),
+        model=args.model or args.preset,
+        dtype=args.dtype,
+        prompt_tokens=[args.prompt_min, args.prompt_max],
+        output_tokens=[args.output_min, args.output_max],
+        prefill_chunk=args.prefill_chunk,
+        prefill_every=args.prefill_every,
+        threads=torch.get_num_threads(),
+    )
     lines = ["# Serving load", "", *(f"- {k}: {v}" for k, v in info.items()), "", *table(rows), "", *target_lines]
     print("\n".join(lines), flush=True)
     with open(os.path.join(args.out, "serve_load.md"), "w") as fh:

@@ -39,8 +39,7 @@ class CommandParser(OneLineErrorParser):
         return super().parse_known_args(args, namespace)
 
     def _arguments_before_the_command(self, args: list[str]) -> list[str]:
-        commands = {name for action in self._actions if isinstance(action, argparse._SubParsersAction)
-                    for name in action.choices}
+        commands = {name for action in self._actions if isinstance(action, argparse._SubParsersAction) for name in action.choices}
         return list(itertools.takewhile(lambda arg: arg not in commands, args))
 
     def _knows(self, arg: str) -> bool:
@@ -101,10 +100,14 @@ def installed_version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = CommandParser(prog="efla", description="Exact Flow Linear Attention: ops, models and experiments.",
-                      epilog="Errors are reported in one line; EFLA_DEBUG=1 or --debug shows the traceback.")
-    p.add_argument("--version", action="version", version=f"efla {installed_version()}",
-                   help="print the installed efla version and exit")
+    p = CommandParser(
+        prog="efla",
+        description="Exact Flow Linear Attention: ops, models and experiments.",
+        epilog="Errors are reported in one line; EFLA_DEBUG=1 or --debug shows the traceback.",
+    )
+    p.add_argument(
+        "--version", action="version", version=f"efla {installed_version()}", help="print the installed efla version and exit"
+    )
     sub = p.add_subparsers(dest="command", required=True, parser_class=SubcommandParser)
     for name in COMMAND_MODULES:
         importlib.import_module(f"efla.commands.{name}").add_parser(sub)
@@ -113,8 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_debug_option(parser) -> None:
     for sub in _subparsers(parser):
-        sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                         help="show the full traceback of an error (same as EFLA_DEBUG=1)")
+        sub.add_argument(
+            "--debug",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="show the full traceback of an error (same as EFLA_DEBUG=1)",
+        )
 
 
 def _subparsers(parser) -> list:
@@ -144,6 +151,7 @@ def exit_status_and_message(error: BaseException) -> tuple[int, str]:
 def _one_line_warnings(command: str, show_others):
     """``warnings.showwarning`` for a command: a ``RunWarning`` as ``efla <command>: warning: <text>``
     on stderr, every other warning as Python shows it."""
+
     def show(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, RunWarning):
             print(f"efla {command}: warning: {message}", file=sys.stderr)

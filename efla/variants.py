@@ -4,6 +4,7 @@ Op names, preset suffixes, experiment keys ("gated-exact"), and the (update_rule
 layer configs all denote the same four rules; `Variant.parse` accepts any of them so callers never
 decode a rule from its spelling.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -24,8 +24,10 @@ RESULTS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
 def robustness() -> None:
-    records = [("", RESULTS / "robustness" / "results.json"),
-               *((f"{path.parent.name:14s} ", path) for path in sorted((RESULTS / "robustness_equal_lr").glob("*/results.json")))]
+    records = [
+        ("", RESULTS / "robustness" / "results.json"),
+        *((f"{path.parent.name:14s} ", path) for path in sorted((RESULTS / "robustness_equal_lr").glob("*/results.json"))),
+    ]
     for name, path in records:
         _robustness_gaps(name, json.loads(path.read_text()))
 
@@ -34,16 +36,17 @@ def _robustness_gaps(name: str, record: dict) -> None:
     per_seed = defaultdict(list)
     for run in record["runs"]:
         for perturbation in ("scale", "noise", "dropout"):
-            per_seed[run["setting"], perturbation, run["rule"]].append(
-                statistics.mean(run["eval"][perturbation]["accuracy"]))
+            per_seed[run["setting"], perturbation, run["rule"]].append(statistics.mean(run["eval"][perturbation]["accuracy"]))
     for (setting, perturbation, rule), values in sorted(per_seed.items()):
         if rule != "exact":
             continue
         euler = per_seed[setting, perturbation, "euler"]
         gap, in_errors = gap_in_standard_errors(values, euler)
-        print(f"robustness {name}{setting:9s} {perturbation:8s} EFLA {statistics.mean(values):.3f} ± "
-              f"{statistics.stdev(values):.3f}  DeltaNet {statistics.mean(euler):.3f} ± {statistics.stdev(euler):.3f}"
-              f"  gap {gap:+.3f} = {in_errors:.1f} standard errors (n = {len(values)}, {len(euler)})")
+        print(
+            f"robustness {name}{setting:9s} {perturbation:8s} EFLA {statistics.mean(values):.3f} ± "
+            f"{statistics.stdev(values):.3f}  DeltaNet {statistics.mean(euler):.3f} ± {statistics.stdev(euler):.3f}"
+            f"  gap {gap:+.3f} = {in_errors:.1f} standard errors (n = {len(values)}, {len(euler)})"
+        )
 
 
 def lr_sweep() -> None:
@@ -57,9 +60,11 @@ def lr_sweep() -> None:
         losses = [r["final_train_loss"] for r in rows]
         accs = [r["test_accuracy"] for r in rows]
         failed = [r["seed"] for r in rows if r["test_accuracy"] < 0.5]
-        print(f"lr-sweep lr {lr:<6g} {rule:5s} loss {statistics.mean(losses):.3f} ± {sample_std(losses):.3f}"
-              f"  accuracy {statistics.mean(accs):.4f} ± {sample_std(accs):.4f}  min {min(accs):.4f}"
-              f"  seeds below 0.5: {failed or 'none'} (n = {len(rows)})")
+        print(
+            f"lr-sweep lr {lr:<6g} {rule:5s} loss {statistics.mean(losses):.3f} ± {sample_std(losses):.3f}"
+            f"  accuracy {statistics.mean(accs):.4f} ± {sample_std(accs):.4f}  min {min(accs):.4f}"
+            f"  seeds below 0.5: {failed or 'none'} (n = {len(rows)})"
+        )
 
 
 def language_model() -> None:
@@ -97,16 +102,23 @@ def mad_memorization() -> None:
         by_setting[run["setting"]][run["rule"], run["lr"], run["weight_decay"]] = run
     for setting, cells in sorted(by_setting.items(), key=lambda kv: int(kv[0].split("-v")[1].split("-")[0])):
         for (rule, lr, wd), run in sorted(cells.items()):
-            print(f"mad {setting} {rule:5s} lr {lr:<6g} wd {wd:<3g} accuracy {100 * run['test_acc']:5.1f} "
-                  f"(best epoch {run['best_epoch']}, {run['device']})")
+            print(
+                f"mad {setting} {rule:5s} lr {lr:<6g} wd {wd:<3g} accuracy {100 * run['test_acc']:5.1f} "
+                f"(best epoch {run['best_epoch']}, {run['device']})"
+            )
         for rule in ("exact", "euler"):
             own = [run for (r, _, _), run in cells.items() if r == rule]
             best = max(own, key=lambda run: run["test_acc"]) if len(own) == 6 else None
             if best:
                 best_per_setting[rule].append(best["test_acc"])
-            print(f"mad {setting} {rule:5s} best cell: "
-                  + (f"{100 * best['test_acc']:.1f} (lr {best['lr']:g}, wd {best['weight_decay']:g})" if best
-                     else f"grid not complete ({len(own)} of 6)"))
+            print(
+                f"mad {setting} {rule:5s} best cell: "
+                + (
+                    f"{100 * best['test_acc']:.1f} (lr {best['lr']:g}, wd {best['weight_decay']:g})"
+                    if best
+                    else f"grid not complete ({len(own)} of 6)"
+                )
+            )
     for rule, bests in best_per_setting.items():
         score = f"{100 * statistics.mean(bests):.1f}" if len(bests) == len(by_setting) else "not complete"
         print(f"mad memorization {rule:5s} task score (mean of the per-setting best cells): {score}")

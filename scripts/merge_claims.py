@@ -29,8 +29,9 @@ def merge(kind: str, parts: list[dict]) -> dict:
     for part in parts[1:]:
         for key in set(first["options"]) | set(part["options"]):
             if key not in PER_PART and first["options"].get(key) != part["options"].get(key):
-                raise SystemExit(f"merge_claims: parts differ in option {key!r}: "
-                                 f"{first['options'].get(key)!r} vs {part['options'].get(key)!r}")
+                raise SystemExit(
+                    f"merge_claims: parts differ in option {key!r}: {first['options'].get(key)!r} vs {part['options'].get(key)!r}"
+                )
         if part.get("dataset") != first.get("dataset"):
             raise SystemExit("merge_claims: parts ran on different data")
     merged = {k: v for k, v in first.items() if k not in ("aggregate", "command", "wall_seconds")}
@@ -41,9 +42,11 @@ def merge(kind: str, parts: list[dict]) -> dict:
     keys = [(i.get("setting"), i["rule"], i["seed"], i.get("lr")) for i in merged[items]]
     if len(set(keys)) != len(keys):
         raise SystemExit("merge_claims: the same (setting, rule, seed, lr) appears in two parts")
-    merged["options"] = dict(first["options"],
-                             seeds=sorted({s for p in parts for s in p["options"]["seeds"]}),
-                             rules=list(dict.fromkeys(r for p in parts for r in p["options"]["rules"])))
+    merged["options"] = dict(
+        first["options"],
+        seeds=sorted({s for p in parts for s in p["options"]["seeds"]}),
+        rules=list(dict.fromkeys(r for p in parts for r in p["options"]["rules"])),
+    )
     if "lrs" in first:
         merged["lrs"] = sorted({lr for part in parts for lr in part["lrs"]})
     return merged

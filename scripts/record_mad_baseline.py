@@ -21,8 +21,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = os.path.join(REPO, "docs", "results", "mad", "baseline-grid")
 MEMORIZATION = os.path.join(REPO, "docs", "results", "mad", "memorization-protocol", "runs.jsonl")
 NEW_RUNS = os.path.join(REPO, ".devmad", "baseline", "runs")
-REPORT_COMMAND = ("python -m efla mad --preset baseline --report-only --out DIR (DIR/runs.jsonl: runs.jsonl here and "
-                  "the V = 256 lines of ../memorization-protocol/runs.jsonl)")
+REPORT_COMMAND = (
+    "python -m efla mad --preset baseline --report-only --out DIR (DIR/runs.jsonl: runs.jsonl here and "
+    "the V = 256 lines of ../memorization-protocol/runs.jsonl)"
+)
 
 
 def gather_runs(into: str) -> None:
@@ -57,9 +59,10 @@ def write_record(report_dir: str, command_as_run: str | None) -> dict:
     results["command_as_run"] = command_as_run or previous["command_as_run"]
     if missing:
         results["partial_note"] = (
-            f"PARTIAL: {stored} of {stored + missing} planned runs; \"missing\" lists the others. \"scores\" take the "
+            f'PARTIAL: {stored} of {stored + missing} planned runs; "missing" lists the others. "scores" take the '
             "best of the stored cells of each setting, so a task with missing cells is scored on part of its grid, "
-            "and they average the tasks with stored runs only: not MAD's six-task average.")
+            "and they average the tasks with stored runs only: not MAD's six-task average."
+        )
     tmp = os.path.join(RECORD, "results.json.tmp")
     with open(tmp, "w") as f:
         json.dump(results, f, indent=1)
@@ -73,8 +76,9 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         gather_runs(os.path.join(tmp, "runs"))
-        subprocess.run([sys.executable, "-m", "efla", "mad", "--preset", "baseline", "--report-only", "--out", tmp],
-                       check=True, cwd=REPO)
+        subprocess.run(
+            [sys.executable, "-m", "efla", "mad", "--preset", "baseline", "--report-only", "--out", tmp], check=True, cwd=REPO
+        )
         results = write_record(tmp, args.command_as_run)
     print(f"{len(results['runs'])} runs recorded, {len(results['missing'])} missing; scores: {results['scores']}")
     return 0

@@ -54,8 +54,9 @@ def gather() -> list[tuple[str, dict]]:
         in_grid = seed == 12345
         where = BASELINE if in_grid else RECORD
         rel = "../baseline-grid/runs.jsonl" if in_grid else "runs.jsonl"
-        runs = sorted((r for r in harness.read_records(os.path.join(where, "runs.jsonl")) if _wanted(r, seed)),
-                      key=lambda r: r["key"])
+        runs = sorted(
+            (r for r in harness.read_records(os.path.join(where, "runs.jsonl")) if _wanted(r, seed)), key=lambda r: r["key"]
+        )
         for run in runs:
             stopped_short = run["epochs_run"] < run["config"]["epochs"] and not run["stopped_early"]
             if run["truncated"] or run["diverged"] or stopped_short:
@@ -79,14 +80,14 @@ def compared(by_rule: dict) -> dict:
 def cells(runs: list[dict]) -> dict:
     """Per weight decay, each rule's accuracy (at the lowest-test-perplexity epoch) by seed, compared."""
     by = {(r["weight_decay"], r["rule"], r["config"]["seed"]): r["test_acc"] for r in runs}
-    return {f"lr0.001-wd{wd:g}": compared({rule: {s: by[(wd, rule, s)] for s in SEEDS} for rule in RULES})
-            for wd in WEIGHT_DECAYS}
+    return {
+        f"lr0.001-wd{wd:g}": compared({rule: {s: by[(wd, rule, s)] for s in SEEDS} for rule in RULES}) for wd in WEIGHT_DECAYS
+    }
 
 
 def best_cell_per_seed(cell_table: dict) -> dict:
     """Each seed's best of the lr 1e-3 cells, per rule (the task's score restricted to these cells)."""
-    return compared({rule: {s: max(c[rule]["by_seed"][s] for c in cell_table.values()) for s in SEEDS}
-                     for rule in RULES})
+    return compared({rule: {s: max(c[rule]["by_seed"][s] for c in cell_table.values()) for s in SEEDS} for rule in RULES})
 
 
 def plot(cell_table: dict, path: str) -> None:
@@ -128,15 +129,19 @@ def main() -> int:
     if command_as_run is None and os.path.exists(previous):
         with open(previous) as f:
             command_as_run = json.load(f)["command_as_run"]
-    results = {"command": "python scripts/record_mad_seeds.py", "command_as_run": command_as_run,
-               "device": sorted({r["device"] for r in runs}), "runs": [rel for rel, _ in found],
-               "cells": table, "best_cell_per_seed": best_cell_per_seed(table)}
+    results = {
+        "command": "python scripts/record_mad_seeds.py",
+        "command_as_run": command_as_run,
+        "device": sorted({r["device"] for r in runs}),
+        "runs": [rel for rel, _ in found],
+        "cells": table,
+        "best_cell_per_seed": best_cell_per_seed(table),
+    }
     harness.atomic_write(previous, json.dumps(results, indent=1))
     harness.atomic_write_csv(os.path.join(RECORD, "runs.csv"), CSV_FIELDS, (csv_row(r) for r in runs))
     plot(table, os.path.join(RECORD, "seeds.png"))
     for name, cell in {**table, "best cell per seed": results["best_cell_per_seed"]}.items():
-        print(name, "  ".join(f"{k}: {100 * cell[k]['mean']:.2f} ± {100 * cell[k]['std']:.2f}"
-                              for k in (*RULES, "difference")))
+        print(name, "  ".join(f"{k}: {100 * cell[k]['mean']:.2f} ± {100 * cell[k]['std']:.2f}" for k in (*RULES, "difference")))
     return 0
 
 

@@ -60,24 +60,29 @@ def _fake_model_dir(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["eval", "--model", "no/such/model-dir"], "no such directory: no/such/model-dir (--model)"),
-    (["compare", "no-such-dir", "--out", "x"], "no such directory: no-such-dir (MODELS)"),
-    (["convert", "no-such-src", "dst"], "no such directory: no-such-src (SRC)"),
-    (["robustness", "--epochs", "0"], "expected a value >= 1, got 0 (--epochs)"),
-    (["lr-sweep", "--lrs", "1e-3", "-1"], "expected a value > 0, got -1 (--lrs)"),
-    (["lr-sweep", "--data-dir", "no-such-mnist"], "no such directory: no-such-mnist (--data-dir)"),
-    (["mad", "--tasks", "no-such-task"], "unknown task 'no-such-task'"),
-    (["mad", "--num-heads", "0"], "(--num-heads)"),
-    (["mad", "--device", "cpu", "--cuda-graph"], "CUDA graphs need a CUDA device, got 'cpu' (--cuda-graph)"),
-    (["mad", "--together", "0"], "expected a value >= 1, got 0 (--together)"),
-    (["mad", "--seed", "-1"], "expected a value >= 0, got -1 (--seed)"),
-    (["mad", "--together", "2", "--time-limit", "60"], "needs runs trained one at a time (--together)"),
-    (["mad", "--device", "cuda", "--together", "33"], "at most 32 runs side by side on a GPU, one CUDA stream each, "
-                                                      "got 33 (--together)"),
-    (["demo", "--epochs", "0"], "expected a value >= 1, got 0 (--epochs)"),
-    (["train", "--out", "x", "--data", "no-such-corpus"], "no-such-corpus: no such file or directory"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["eval", "--model", "no/such/model-dir"], "no such directory: no/such/model-dir (--model)"),
+        (["compare", "no-such-dir", "--out", "x"], "no such directory: no-such-dir (MODELS)"),
+        (["convert", "no-such-src", "dst"], "no such directory: no-such-src (SRC)"),
+        (["robustness", "--epochs", "0"], "expected a value >= 1, got 0 (--epochs)"),
+        (["lr-sweep", "--lrs", "1e-3", "-1"], "expected a value > 0, got -1 (--lrs)"),
+        (["lr-sweep", "--data-dir", "no-such-mnist"], "no such directory: no-such-mnist (--data-dir)"),
+        (["mad", "--tasks", "no-such-task"], "unknown task 'no-such-task'"),
+        (["mad", "--num-heads", "0"], "(--num-heads)"),
+        (["mad", "--device", "cpu", "--cuda-graph"], "CUDA graphs need a CUDA device, got 'cpu' (--cuda-graph)"),
+        (["mad", "--together", "0"], "expected a value >= 1, got 0 (--together)"),
+        (["mad", "--seed", "-1"], "expected a value >= 0, got -1 (--seed)"),
+        (["mad", "--together", "2", "--time-limit", "60"], "needs runs trained one at a time (--together)"),
+        (
+            ["mad", "--device", "cuda", "--together", "33"],
+            "at most 32 runs side by side on a GPU, one CUDA stream each, got 33 (--together)",
+        ),
+        (["demo", "--epochs", "0"], "expected a value >= 1, got 0 (--epochs)"),
+        (["train", "--out", "x", "--data", "no-such-corpus"], "no-such-corpus: no such file or directory"),
+    ],
+)
 def test_usage_errors_are_one_line_with_status_2(argv, expected, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
@@ -85,11 +90,14 @@ def test_usage_errors_are_one_line_with_status_2(argv, expected, tmp_path, monke
     assert os.listdir(tmp_path) == []  # nothing written
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["train", "--data", "corpus"], "the following arguments are required: --out"),
-    (["eval", "--model", "m", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
-    (["mad", "--epochs", "two"], "argument --epochs: invalid int value: 'two'"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["train", "--data", "corpus"], "the following arguments are required: --out"),
+        (["eval", "--model", "m", "--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+        (["mad", "--epochs", "two"], "argument --epochs: invalid int value: 'two'"),
+    ],
+)
 def test_command_line_mistakes_are_one_line_with_status_2(argv, expected, capsys):
     with pytest.raises(SystemExit) as exited:
         main(argv)
@@ -103,8 +111,7 @@ def test_eval_names_the_file_and_line_at_fault(tmp_path, monkeypatch, capsys):
     (tmp_path / "not-a-model").mkdir()
     (tmp_path / "not-a-model" / "notes.txt").write_text("hello")
     assert main(["eval", "--model", "not-a-model", "--wikitext", "none", "--lambada", "none"]) == 2
-    assert "not-a-model is not a model directory: no config.json (--model)" in _one_error_line(
-        capsys.readouterr().err, "eval")
+    assert "not-a-model is not a model directory: no config.json (--model)" in _one_error_line(capsys.readouterr().err, "eval")
 
     model = _fake_model_dir(tmp_path / "model")
     (tmp_path / "empty.raw").write_text("\n\n")
@@ -165,6 +172,7 @@ def test_failures_are_one_line_with_status_1_and_debug_shows_the_traceback(tmp_p
 
 
 # -- the demo: one stated time, outputs part by part, time left, threads from the load --------------
+
 
 def test_demo_threads_follow_the_load():
     from efla.experiments.demo import threads_for_load

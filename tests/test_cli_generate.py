@@ -53,14 +53,16 @@ def _alone(loaded, prompt: str, n: int) -> list[int]:
     model, tokenizer = loaded
     ids = torch.tensor([tokenizer(prompt)["input_ids"]])
     out = generate(model, ids, max_new_tokens=n, eos_token_id=tokenizer.eos_token_id)
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, ids.shape[1] :].tolist()
 
 
 def test_json_lines_match_generate_prompt_by_prompt(model_dir, loaded, tmp_path, capsys):
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text(f"\n{PROMPTS[2]}\n\n", encoding="utf-8")  # blank lines skipped
-    assert main(["generate", str(model_dir), *PROMPTS[:2], "--prompts-file", str(prompts_file),
-                 "--max-new-tokens", "10", "--json"]) == 0
+    assert (
+        main(["generate", str(model_dir), *PROMPTS[:2], "--prompts-file", str(prompts_file), "--max-new-tokens", "10", "--json"])
+        == 0
+    )
     captured = capsys.readouterr()
     assert captured.err == ""
     rows = _json_lines(captured.out)
@@ -101,8 +103,27 @@ def test_streaming_prints_the_json_text(model_dir, capsys):
 
 def test_seeded_sampling_repeats(model_dir, capsys):
     def sample(seed: int) -> list[dict]:
-        assert main(["generate", str(model_dir), PROMPTS[0], "--temperature", "1.0", "--top-k", "50", "--top-p", "0.95",
-                     "--seed", str(seed), "--max-new-tokens", "12", "--json"]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    str(model_dir),
+                    PROMPTS[0],
+                    "--temperature",
+                    "1.0",
+                    "--top-k",
+                    "50",
+                    "--top-p",
+                    "0.95",
+                    "--seed",
+                    str(seed),
+                    "--max-new-tokens",
+                    "12",
+                    "--json",
+                ]
+            )
+            == 0
+        )
         return _json_lines(capsys.readouterr().out)
 
     first = sample(7)
@@ -111,8 +132,9 @@ def test_seeded_sampling_repeats(model_dir, capsys):
 
 
 def test_help_runs_as_a_module():
-    result = subprocess.run([sys.executable, "-m", "efla", "generate", "--help"], capture_output=True, text=True,
-                            cwd=REPO, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "efla", "generate", "--help"], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert "MODEL_DIR" in result.stdout and "--prompts-file" in result.stdout
 
@@ -125,20 +147,23 @@ def _other_model_type(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> pathli
     return other
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("missing-dir", "no such directory: {tmp}/no-such-model (MODEL_DIR)"),
-    ("no-config", "{tmp}/empty is not a model directory: no config.json (MODEL_DIR)"),
-    ("other-model-type", "{tmp}/llama/config.json: model_type 'llama' is not an efla model"),
-    ("no-prompt", "no prompt given (PROMPT or --prompts-file)"),
-    ("top-p-0", "(--top-p)"),
-    ("temperature-negative", "expected a value >= 0, got -1 (--temperature)"),
-    ("max-new-tokens-0", "expected a value >= 1, got 0 (--max-new-tokens)"),
-    ("prompts-file-missing", "no such file: {tmp}/no-such-prompts.txt (--prompts-file)"),
-    ("prompts-file-not-utf8", "{tmp}/bad.txt:3: not UTF-8 text (byte 0xff at column 4) (--prompts-file)"),
-    ("prompts-file-blank", "no prompt given: {tmp}/blank.txt has no prompt lines (--prompts-file)"),
-    ("float16-on-cpu", "(--dtype)"),
-    ("unknown-device", "(--device)"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing-dir", "no such directory: {tmp}/no-such-model (MODEL_DIR)"),
+        ("no-config", "{tmp}/empty is not a model directory: no config.json (MODEL_DIR)"),
+        ("other-model-type", "{tmp}/llama/config.json: model_type 'llama' is not an efla model"),
+        ("no-prompt", "no prompt given (PROMPT or --prompts-file)"),
+        ("top-p-0", "(--top-p)"),
+        ("temperature-negative", "expected a value >= 0, got -1 (--temperature)"),
+        ("max-new-tokens-0", "expected a value >= 1, got 0 (--max-new-tokens)"),
+        ("prompts-file-missing", "no such file: {tmp}/no-such-prompts.txt (--prompts-file)"),
+        ("prompts-file-not-utf8", "{tmp}/bad.txt:3: not UTF-8 text (byte 0xff at column 4) (--prompts-file)"),
+        ("prompts-file-blank", "no prompt given: {tmp}/blank.txt has no prompt lines (--prompts-file)"),
+        ("float16-on-cpu", "(--dtype)"),
+        ("unknown-device", "(--device)"),
+    ],
+)
 def test_user_mistakes_are_one_line_with_status_2(case, expected, model_dir, tmp_path, capsys):
     model = str(model_dir)
     (tmp_path / "empty").mkdir()

@@ -13,8 +13,9 @@ from efla import cli
 from efla.cli import build_parser, main
 
 SUBCOMMANDS = {sub.prog.split()[-1]: sub for sub in cli._subparsers(build_parser())}
-WITH_REQUIRED_ARGUMENTS = sorted(name for name, sub in SUBCOMMANDS.items()
-                                 if any(a.required and a.nargs != argparse.ZERO_OR_MORE for a in sub._actions))
+WITH_REQUIRED_ARGUMENTS = sorted(
+    name for name, sub in SUBCOMMANDS.items() if any(a.required and a.nargs != argparse.ZERO_OR_MORE for a in sub._actions)
+)
 
 
 def _visible_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -31,8 +32,19 @@ def _mistake(argv: list[str], capsys) -> str:
 
 
 def test_the_walk_sees_every_command():
-    assert {"demo", "robustness", "lr-sweep", "convert", "eval", "compare", "generate", "serve", "mad", "train",
-            "lm-report"} <= set(SUBCOMMANDS)
+    assert {
+        "demo",
+        "robustness",
+        "lr-sweep",
+        "convert",
+        "eval",
+        "compare",
+        "generate",
+        "serve",
+        "mad",
+        "train",
+        "lm-report",
+    } <= set(SUBCOMMANDS)
     assert {"train", "lm-report", "eval", "convert"} <= set(WITH_REQUIRED_ARGUMENTS)
 
 

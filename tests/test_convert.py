@@ -92,22 +92,26 @@ def test_convert_refuses_other_model_types_and_per_layer_attention_settings(tmp_
 
 # how fla 0.6.0 saves a hybrid DeltaNet: its `attn` dict with every default filled in, and the
 # attention blocks' q/k/v/o projections (q/k/v biases with qkv_bias) under the block's `attn`
-FLA_HYBRID_ATTN = {"layers": [1], "num_heads": 4, "num_kv_heads": 2, "qkv_bias": True, "window_size": None,
-                   "rope_theta": 10000.0}
+FLA_HYBRID_ATTN = {"layers": [1], "num_heads": 4, "num_kv_heads": 2, "qkv_bias": True, "window_size": None, "rope_theta": 10000.0}
 
 
 def _fla_hybrid_checkpoint(tmp_path, attn):
     src = _copy(FIXTURES / "fla_delta_net", tmp_path)
     cfg = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps(dict(cfg, attn=attn)))
-    tensors = {k: v for k, v in load_file(str(src / "model.safetensors")).items()
-               if not k.startswith("model.layers.1.attn.")}
+    tensors = {k: v for k, v in load_file(str(src / "model.safetensors")).items() if not k.startswith("model.layers.1.attn.")}
     D = cfg["hidden_size"]
     kv_dim = FLA_HYBRID_ATTN["num_kv_heads"] * D // FLA_HYBRID_ATTN["num_heads"]
     gen = torch.Generator().manual_seed(0)
-    for name, shape in [("q_proj.weight", (D, D)), ("q_proj.bias", (D,)), ("k_proj.weight", (kv_dim, D)),
-                        ("k_proj.bias", (kv_dim,)), ("v_proj.weight", (kv_dim, D)), ("v_proj.bias", (kv_dim,)),
-                        ("o_proj.weight", (D, D))]:
+    for name, shape in [
+        ("q_proj.weight", (D, D)),
+        ("q_proj.bias", (D,)),
+        ("k_proj.weight", (kv_dim, D)),
+        ("k_proj.bias", (kv_dim,)),
+        ("v_proj.weight", (kv_dim, D)),
+        ("v_proj.bias", (kv_dim,)),
+        ("o_proj.weight", (D, D)),
+    ]:
         tensors[f"model.layers.1.attn.{name}"] = torch.randn(shape, generator=gen) * 0.1
     save_file(tensors, str(src / "model.safetensors"))
     return src, tensors
@@ -146,8 +150,9 @@ def test_convert_live_fla_model(tmp_path):
     from fla.models import DeltaNetConfig, DeltaNetForCausalLM
 
     torch.manual_seed(0)
-    fla_model = DeltaNetForCausalLM(DeltaNetConfig(hidden_size=64, num_hidden_layers=2, num_heads=4, vocab_size=100,
-                                                   use_gate=True))
+    fla_model = DeltaNetForCausalLM(
+        DeltaNetConfig(hidden_size=64, num_hidden_layers=2, num_heads=4, vocab_size=100, use_gate=True)
+    )
     fla_model.save_pretrained(tmp_path / "fla")
     convert_fla_checkpoint(tmp_path / "fla", tmp_path / "efla", update_rule="euler")
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "efla").state_dict()

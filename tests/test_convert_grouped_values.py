@@ -27,10 +27,16 @@ def fla_value_head_shapes(cfg: dict, num_v_heads: int) -> dict[str, tuple]:
     (value width ``num_v_heads * head_dim * expand_v``; one gate and one beta per value head)."""
     hidden = cfg["hidden_size"]
     value_dim = int(num_v_heads * cfg["head_dim"] * cfg["expand_v"])
-    return {"v_proj.weight": (value_dim, hidden), "v_conv1d.weight": (value_dim, 1, cfg["conv_size"]),
-            "g_proj.weight": (value_dim, hidden), "o_proj.weight": (hidden, value_dim),
-            "a_proj.weight": (num_v_heads, hidden), "b_proj.weight": (num_v_heads, hidden),
-            "A_log": (num_v_heads,), "dt_bias": (num_v_heads,)}
+    return {
+        "v_proj.weight": (value_dim, hidden),
+        "v_conv1d.weight": (value_dim, 1, cfg["conv_size"]),
+        "g_proj.weight": (value_dim, hidden),
+        "o_proj.weight": (hidden, value_dim),
+        "a_proj.weight": (num_v_heads, hidden),
+        "b_proj.weight": (num_v_heads, hidden),
+        "A_log": (num_v_heads,),
+        "dt_bias": (num_v_heads,),
+    }
 
 
 def grouped_fla_checkpoint(dst: pathlib.Path, num_v_heads: int, config_v_heads: int | None = None) -> dict:
@@ -113,8 +119,7 @@ _FLA_MODEL_SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(not _READY, reason=_WHY)
 def test_converted_grouped_model_matches_fla_model_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", _FLA_MODEL_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-c", _FLA_MODEL_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     rel = float(r.stdout.split("REL")[-1])
     assert rel < 1e-5, rel

@@ -19,13 +19,11 @@ PARSERS = {sub.prog.split()[-1]: sub for sub in cli._subparsers(cli.build_parser
 
 def _readme_command_lines() -> list[list[str]]:
     blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
-    return [shlex.split(line, comments=True)[1:] for block in blocks for line in block.splitlines()
-            if line.startswith("efla ")]
+    return [shlex.split(line, comments=True)[1:] for block in blocks for line in block.splitlines() if line.startswith("efla ")]
 
 
 README_LINES = _readme_command_lines()
-RUN_WITHOUT_INPUT = {"demo": "runs the CPU tour", "robustness": "trains on generated digits",
-                     "mad": "trains on generated tasks"}
+RUN_WITHOUT_INPUT = {"demo": "runs the CPU tour", "robustness": "trains on generated digits", "mad": "trains on generated tasks"}
 
 
 def _options(argv: list[str]) -> dict[str, argparse.Action]:
@@ -35,15 +33,17 @@ def _options(argv: list[str]) -> dict[str, argparse.Action]:
 
 def _takes_an_input_path(argv: list[str]) -> bool:
     """Every README line names inputs under ../shared, runs/ or path/to/, which do not exist in a fresh directory."""
-    return any(not token.startswith("-") and "/" in token and argv[index - 1] != "--out"
-               for index, token in enumerate(argv[1:], 1)) or "--resume" in argv
+    return (
+        any(not token.startswith("-") and "/" in token and argv[index - 1] != "--out" for index, token in enumerate(argv[1:], 1))
+        or "--resume" in argv
+    )
 
 
 def _with_a_bad_value(argv: list[str]) -> tuple[list[str], str] | None:
     for option, action in _options(argv).items():
         if action.type in (int, float) or action.choices:
             index = argv.index(option) + 1
-            return [*argv[:index], "many", *argv[index + 1:]], option
+            return [*argv[:index], "many", *argv[index + 1 :]], option
     return None
 
 
@@ -83,11 +83,14 @@ def test_the_readme_shows_every_command_that_takes_input():
 @pytest.mark.parametrize("argv", README_LINES, ids=_case_id)
 def test_a_missing_path_names_it(argv, capsys, workdir):
     if not _takes_an_input_path(argv):
-        pytest.skip(f"efla {argv[0]}: this README line takes no input path; as written it "
-                    f"{RUN_WITHOUT_INPUT.get(argv[0], 'runs')}, too long for this test")
+        pytest.skip(
+            f"efla {argv[0]}: this README line takes no input path; as written it "
+            f"{RUN_WITHOUT_INPUT.get(argv[0], 'runs')}, too long for this test"
+        )
     line = _run_mistake(argv, capsys, workdir)
     named = [token for token in argv[1:] if token.startswith("-") or "/" in token] + [
-        a.metavar for a in PARSERS[argv[0]]._actions if isinstance(a.metavar, str)]
+        a.metavar for a in PARSERS[argv[0]]._actions if isinstance(a.metavar, str)
+    ]
     assert any(name in line for name in named), line
 
 

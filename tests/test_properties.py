@@ -197,15 +197,20 @@ def _layer(kind: str, update_rule: str, mode: str, dtype: torch.dtype):
 @st.composite
 def layer_calls(draw):
     dtype = draw(st.sampled_from(DTYPES))
-    layer = _layer(draw(st.sampled_from(("EFLA", "GatedEFLA"))), draw(st.sampled_from(("exact", "euler"))),
-                   draw(st.sampled_from(("chunk", "recurrent"))), dtype)
+    layer = _layer(
+        draw(st.sampled_from(("EFLA", "GatedEFLA"))),
+        draw(st.sampled_from(("exact", "euler"))),
+        draw(st.sampled_from(("chunk", "recurrent"))),
+        dtype,
+    )
     B, T = draw(st.integers(1, 2)), draw(st.integers(1, 5))
     D = HIDDEN if draw(st.integers(0, 9)) else draw(st.integers(0, 9))
     hidden = _malformed(draw, draw(tensors((B, T, D), dtype, "cpu", scales=SCALES)))
     mask = None
     if draw(st.booleans()):
-        mask = torch.tensor(draw(st.lists(st.integers(0, 2 if draw(st.integers(0, 9)) == 0 else 1),
-                                          min_size=B * T, max_size=B * T))).view(B, T)
+        mask = torch.tensor(
+            draw(st.lists(st.integers(0, 2 if draw(st.integers(0, 9)) == 0 else 1), min_size=B * T, max_size=B * T))
+        ).view(B, T)
     return layer, hidden, mask, draw(offsets(T)) if B == 1 and draw(st.booleans()) else None
 
 
@@ -218,7 +223,6 @@ def test_layers_return_finite_results_or_raise_value_error(case):
     if out is not None:
         assert out[0].shape == hidden.shape
         assert torch.isfinite(out[0]).all(), f"{type(layer).__name__}: non-finite output"
-
 
 
 def test_float64_layer_with_hidden_states_beyond_float32_range():

@@ -3,11 +3,22 @@ import pytest
 from efla.variants import EFLA, EULER, GATED_EFLA, GATED_EULER, VARIANTS, Variant
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("exact", EFLA), ("efla", EFLA), ("euler", EULER), ("delta_rule", EULER), ("deltanet", EULER),
-    ("gated-exact", GATED_EFLA), ("gated_efla", GATED_EFLA), ("gated-efla", GATED_EFLA),
-    ("gated-euler", GATED_EULER), ("gated_delta_rule", GATED_EULER), ("gated-deltanet", GATED_EULER),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("exact", EFLA),
+        ("efla", EFLA),
+        ("euler", EULER),
+        ("delta_rule", EULER),
+        ("deltanet", EULER),
+        ("gated-exact", GATED_EFLA),
+        ("gated_efla", GATED_EFLA),
+        ("gated-efla", GATED_EFLA),
+        ("gated-euler", GATED_EULER),
+        ("gated_delta_rule", GATED_EULER),
+        ("gated-deltanet", GATED_EULER),
+    ],
+)
 def test_every_spelling_names_one_rule(name, expected):
     assert Variant.parse(name) is expected
 

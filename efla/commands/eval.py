@@ -25,24 +25,37 @@ def _options(args):
     if wikitext is None and lambada is None and not harness:
         wikitext, lambada = default_data_file("wikitext"), default_data_file("lambada")
         if wikitext is None and lambada is None:
-            raise UsageError("nothing to evaluate: no default data found under $EFLA_DATA_DIR or ../shared/data "
-                             "(--wikitext FILE, --lambada FILE or --harness TASKS)")
+            raise UsageError(
+                "nothing to evaluate: no default data found under $EFLA_DATA_DIR or ../shared/data "
+                "(--wikitext FILE, --lambada FILE or --harness TASKS)"
+            )
         console.print(f"No data given: using wikitext={wikitext}, lambada={lambada}")
     if wikitext and wikitext.lower() == "none":
         wikitext = None
     if lambada and lambada.lower() == "none":
         lambada = None
     _check_eval_options(args, wikitext, lambada)
-    return EvalOptions(wikitext=wikitext, lambada=lambada, context=args.context, stride=args.stride,
-                       batch_size=args.batch_size, limit=args.limit, wikitext_max_tokens=args.wikitext_max_tokens,
-                       prefix=args.prefix, device=args.device, dtype=args.dtype, harness=harness,
-                       harness_include=args.harness_include, harness_limit=args.harness_limit,
-                       num_fewshot=args.num_fewshot)
+    return EvalOptions(
+        wikitext=wikitext,
+        lambada=lambada,
+        context=args.context,
+        stride=args.stride,
+        batch_size=args.batch_size,
+        limit=args.limit,
+        wikitext_max_tokens=args.wikitext_max_tokens,
+        prefix=args.prefix,
+        device=args.device,
+        dtype=args.dtype,
+        harness=harness,
+        harness_include=args.harness_include,
+        harness_limit=args.harness_limit,
+        num_fewshot=args.num_fewshot,
+    )
 
 
 def _check_eval_options(args, wikitext: str | None, lambada: str | None) -> None:
-    from efla.experiments import arg_checks as check
     from efla.data.eval_text import load_lambada, load_text
+    from efla.experiments import arg_checks as check
 
     check.at_least(args.context, 2, "--context")
     check.at_least(args.stride, 1, "--stride")
@@ -56,8 +69,9 @@ def _check_eval_options(args, wikitext: str | None, lambada: str | None) -> None
     check.existing_file(lambada, "--lambada")
     if lambada:
         load_lambada(lambada, args.limit)
-    if wikitext and (os.path.exists(wikitext) or wikitext.startswith((".", "/", "~"))
-                     or wikitext.endswith((".raw", ".txt", ".jsonl"))):  # a local file, not a datasets name
+    if wikitext and (
+        os.path.exists(wikitext) or wikitext.startswith((".", "/", "~")) or wikitext.endswith((".raw", ".txt", ".jsonl"))
+    ):  # a local file, not a datasets name
         check.existing_file(wikitext, "--wikitext")
         load_text(wikitext)
     if args.out:
@@ -73,24 +87,28 @@ def _setup_threads(args) -> None:
 
 def _print_record(rec: dict) -> None:
     m = rec["model"]
-    tab = Table(title=f"{m['name']}: {m['label']} ({m['parameters'] / 1e6:.2f}M parameters"
-                      + (f", seed {m['seed']}" if m["seed"] is not None else "") + ")")
+    tab = Table(
+        title=f"{m['name']}: {m['label']} ({m['parameters'] / 1e6:.2f}M parameters"
+        + (f", seed {m['seed']}" if m["seed"] is not None else "")
+        + ")"
+    )
     tab.add_column("benchmark")
     tab.add_column("metric")
     tab.add_column("value", justify="right")
     tab.add_column("details")
     if "wikitext" in rec:
         w = rec["wikitext"]
-        det = (f"{w['scored_tokens']} tokens, {w['words']} words, {w['bytes']} bytes; context {w['context']}, "
-               f"stride {w['stride']}, {w['windows']} windows")
+        det = (
+            f"{w['scored_tokens']} tokens, {w['words']} words, {w['bytes']} bytes; context {w['context']}, "
+            f"stride {w['stride']}, {w['windows']} windows"
+        )
         tab.add_row("WikiText", "word perplexity ↓", f"{w['word_perplexity']:.3f}", det)
         tab.add_row("", "token perplexity ↓", f"{w['token_perplexity']:.3f}", "")
         tab.add_row("", "bits per byte ↓", f"{w['bits_per_byte']:.4f}", "")
     if "lambada" in rec:
         lam = rec["lambada"]
         det = f"{lam['n']} of {lam['passages_in_file']} passages" + (" (--limit)" if lam["limit"] else "")
-        tab.add_row("LAMBADA (OpenAI)", "accuracy ↑", f"{100 * lam['accuracy']:.2f}% ± {100 * lam['accuracy_stderr']:.2f}",
-                    det)
+        tab.add_row("LAMBADA (OpenAI)", "accuracy ↑", f"{100 * lam['accuracy']:.2f}% ± {100 * lam['accuracy_stderr']:.2f}", det)
         tab.add_row("", "last-word perplexity ↓", f"{lam['perplexity']:.3f}", "")
     for task, vals in rec.get("harness", {}).items():
         for k, v in vals.items():
@@ -161,49 +179,77 @@ def cmd_compare(args) -> int:
 
 
 def _add_eval_options(p) -> None:
-    p.add_argument("--wikitext", default=None,
-                   help="raw WikiText file (e.g. wiki.test.raw), or a datasets name when online "
-                        "(NAME[:CONFIG[:SPLIT]]); 'none' skips it")
-    p.add_argument("--lambada", default=None, help="OpenAI LAMBADA JSONL (lambada_test.jsonl); 'none' skips it. "
-                   "With neither given, both are looked up under $EFLA_DATA_DIR or ../shared/data")
-    p.add_argument("--context", type=int, default=None,
-                   help="tokens per forward (WikiText window, LAMBADA truncation); default: the model's "
-                        "max_position_embeddings, at most 2048")
-    p.add_argument("--stride", type=int, default=None,
-                   help="WikiText: new tokens scored per window (< context); default context/2")
+    p.add_argument(
+        "--wikitext",
+        default=None,
+        help="raw WikiText file (e.g. wiki.test.raw), or a datasets name when online (NAME[:CONFIG[:SPLIT]]); 'none' skips it",
+    )
+    p.add_argument(
+        "--lambada",
+        default=None,
+        help="OpenAI LAMBADA JSONL (lambada_test.jsonl); 'none' skips it. "
+        "With neither given, both are looked up under $EFLA_DATA_DIR or ../shared/data",
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="tokens per forward (WikiText window, LAMBADA truncation); default: the model's "
+        "max_position_embeddings, at most 2048",
+    )
+    p.add_argument(
+        "--stride", type=int, default=None, help="WikiText: new tokens scored per window (< context); default context/2"
+    )
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward (LAMBADA uses twice as many)")
     p.add_argument("--limit", type=int, default=None, help="LAMBADA: evaluate only the first N passages")
-    p.add_argument("--wikitext-max-tokens", type=int, default=None,
-                   help="WikiText: only the first N tokens (a quick check)")
-    p.add_argument("--prefix", default="auto", choices=["auto", "bos", "eos", "none"],
-                   help="token before the WikiText stream so its first token is scored (auto: BOS if the "
-                        "tokenizer adds BOS itself, else EOS, the document separator of `efla train`)")
+    p.add_argument("--wikitext-max-tokens", type=int, default=None, help="WikiText: only the first N tokens (a quick check)")
+    p.add_argument(
+        "--prefix",
+        default="auto",
+        choices=["auto", "bos", "eos", "none"],
+        help="token before the WikiText stream so its first token is scored (auto: BOS if the "
+        "tokenizer adds BOS itself, else EOS, the document separator of `efla train`)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="dtype the model is evaluated in (default: %(default)s)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype the model is evaluated in (default: %(default)s)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--harness", default=None, metavar="TASKS",
-                   help="comma-separated lm-evaluation-harness tasks (needs lm-eval: pip install 'efla[eval]'); "
-                        "'lambada_openai_local' runs lambada_openai over --lambada FILE offline")
+    p.add_argument(
+        "--harness",
+        default=None,
+        metavar="TASKS",
+        help="comma-separated lm-evaluation-harness tasks (needs lm-eval: pip install 'efla[eval]'); "
+        "'lambada_openai_local' runs lambada_openai over --lambada FILE offline",
+    )
     p.add_argument("--harness-include", default=None, metavar="DIR", help="folder of extra lm-eval task YAMLs")
     p.add_argument("--harness-limit", type=int, default=None, help="lm-eval: examples per task (default: --limit)")
     p.add_argument("--num-fewshot", type=int, default=None, help="lm-eval: few-shot examples")
 
 
 def add_parser(sub) -> None:
-    e = sub.add_parser("eval", help="WikiText perplexity, LAMBADA accuracy/perplexity (and lm-eval tasks) of a model",
-                       description="Evaluate a saved model directory: WikiText token/word perplexity and bits per byte "
-                                   "(sliding window), LAMBADA last-word accuracy and perplexity (lm-eval's "
-                                   "lambada_openai definition), optionally lm-evaluation-harness tasks. Writes eval.json.")
+    e = sub.add_parser(
+        "eval",
+        help="WikiText perplexity, LAMBADA accuracy/perplexity (and lm-eval tasks) of a model",
+        description="Evaluate a saved model directory: WikiText token/word perplexity and bits per byte "
+        "(sliding window), LAMBADA last-word accuracy and perplexity (lm-eval's "
+        "lambada_openai definition), optionally lm-evaluation-harness tasks. Writes eval.json.",
+    )
     e.add_argument("--model", required=True, help="model directory (config, weights and tokenizer)")
     e.add_argument("--out", default=None, help="output directory (default: results/eval/<model dir name>)")
     _add_eval_options(e)
     e.set_defaults(func=cmd_eval)
 
-    c = sub.add_parser("compare", help="evaluate several models; one Markdown table in the paper's Table 1 layout",
-                       description="Evaluate model directories (or read eval.json files) and write table.md and "
-                                   "eval.json: per-variant mean and spread over seeds, per-model rows, "
-                                   "EFLA-vs-DeltaNet differences, and the paper's Table 1 for reference.")
+    c = sub.add_parser(
+        "compare",
+        help="evaluate several models; one Markdown table in the paper's Table 1 layout",
+        description="Evaluate model directories (or read eval.json files) and write table.md and "
+        "eval.json: per-variant mean and spread over seeds, per-model rows, "
+        "EFLA-vs-DeltaNet differences, and the paper's Table 1 for reference.",
+    )
     c.add_argument("models", nargs="*", help="model directories or eval.json files")
     c.add_argument("--models", dest="models_opt", nargs="+", default=None, help="same as the positional arguments")
     c.add_argument("--out", default=os.path.join("results", "compare"), help="output directory")

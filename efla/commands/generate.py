@@ -22,6 +22,7 @@ A PROMPT that starts with '-' goes after `--`.
 
 # -- checks made before anything is loaded ---------------------------------------------------------
 
+
 def _check_model_dir(path: str) -> None:
     """A saved efla model: config.json with model_type 'efla', safetensors weights, tokenizer files."""
     from efla.experiments import arg_checks as check
@@ -38,8 +39,10 @@ def _check_model_dir(path: str) -> None:
         raise UsageError(f"{config}: not a readable JSON config ({' '.join(str(error).split())}) (MODEL_DIR)") from None
     model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
     if model_type != "efla":
-        raise UsageError(f"{config}: model_type {model_type!r} is not an efla model (expected 'efla'; "
-                         "`efla convert` turns fla DeltaNet checkpoints into one) (MODEL_DIR)")
+        raise UsageError(
+            f"{config}: model_type {model_type!r} is not an efla model (expected 'efla'; "
+            "`efla convert` turns fla DeltaNet checkpoints into one) (MODEL_DIR)"
+        )
     if not any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names):
         raise UsageError(f"{path} has a config.json but no safetensors weights (*.safetensors) (MODEL_DIR)")
     if not names & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"}:
@@ -61,8 +64,9 @@ def _read_prompts_file(path: str) -> list[str]:
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as error:
-            raise UsageError(f"{path}:{number}: not UTF-8 text (byte 0x{raw[error.start]:02x} at column "
-                             f"{error.start + 1}) (--prompts-file)") from None
+            raise UsageError(
+                f"{path}:{number}: not UTF-8 text (byte 0x{raw[error.start]:02x} at column {error.start + 1}) (--prompts-file)"
+            ) from None
         if number == 1:
             line = line.removeprefix("\ufeff")  # a byte order mark
         line = line.removesuffix("\r")
@@ -111,10 +115,12 @@ def _check_options(args) -> None:
 
 # -- loading and generating ------------------------------------------------------------------------
 
+
 def _load(path: str, device: str, dtype):
-    import efla  # noqa: F401  (registers the efla model type with transformers)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    import efla  # noqa: F401  (registers the efla model type with transformers)
 
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no "Loading weights" bar on stderr: the output is the text
@@ -184,7 +190,7 @@ class _PrintStreamer:
         if not final:
             text = text.rstrip("\ufffd")
         if text.startswith(self.printed) and len(text) > len(self.printed):
-            self._write(text[len(self.printed):])
+            self._write(text[len(self.printed) :])
             self.printed = text
 
     def _write(self, text: str) -> None:
@@ -204,8 +210,13 @@ def _encode(tokenizer, prompts: list[str]) -> list[list[int]]:
 
 
 def _sampling(args) -> dict:
-    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
-                top_p=None if args.top_p in (None, 1.0) else args.top_p, seed=args.seed)
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k or None,
+        top_p=None if args.top_p in (None, 1.0) else args.top_p,
+        seed=args.seed,
+    )
 
 
 def _stream(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args) -> None:
@@ -219,8 +230,14 @@ def _stream(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args) -> No
             print(flush=True)
         print(prompt, end="", flush=True)
         streamer = _PrintStreamer(tokenizer, stop_tokens)
-        generate(model, torch.tensor([ids], device=device), eos_token_id=stop_tokens, pad_token_id=pad_id,
-                 streamer=streamer, **_sampling(args))
+        generate(
+            model,
+            torch.tensor([ids], device=device),
+            eos_token_id=stop_tokens,
+            pad_token_id=pad_id,
+            streamer=streamer,
+            **_sampling(args),
+        )
 
 
 def _json_lines(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args) -> None:
@@ -234,10 +251,16 @@ def _json_lines(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args) -
     input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(encoded), width), dtype=torch.long)
     for row, ids in enumerate(encoded):
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        mask[row, width - len(ids):] = 1
-    out = generate(model, input_ids.to(device), attention_mask=mask.to(device), eos_token_id=stop_tokens,
-                   pad_token_id=pad_id, **_sampling(args))
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        mask[row, width - len(ids) :] = 1
+    out = generate(
+        model,
+        input_ids.to(device),
+        attention_mask=mask.to(device),
+        eos_token_id=stop_tokens,
+        pad_token_id=pad_id,
+        **_sampling(args),
+    )
     for prompt, row in zip(prompts, out[:, width:].tolist()):
         new, reason = _until_stop(row, stop_tokens)
         line = {"prompt": prompt, "text": _decode(tokenizer, new), "new_tokens": len(new), "finish_reason": reason}
@@ -272,29 +295,52 @@ def cmd_generate(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "generate", help="continue prompts with a saved efla model (streamed, or JSON lines with --json)",
+        "generate",
+        help="continue prompts with a saved efla model (streamed, or JSON lines with --json)",
         description="Load a model directory written by `efla train` (or save_pretrained plus a tokenizer) and "
-                    "continue each prompt: streamed to stdout prompt by prompt, or with --json all prompts in one "
-                    "left-padded batch and one JSON object per prompt per line (prompt, text, new_tokens, "
-                    "finish_reason).",
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "continue each prompt: streamed to stdout prompt by prompt, or with --json all prompts in one "
+        "left-padded batch and one JSON object per prompt per line (prompt, text, new_tokens, "
+        "finish_reason).",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (config.json, *.safetensors, tokenizer)")
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts (each continued on its own)")
-    p.add_argument("--prompts-file", default=None, metavar="FILE",
-                   help="UTF-8 text file, one prompt per line (blank lines skipped); after the PROMPTs")
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
-                   help="tokens to generate per prompt at most (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                   help="0: greedy (default); above 0: sampling from softmax(logits / T)")
+    p.add_argument(
+        "--prompts-file",
+        default=None,
+        metavar="FILE",
+        help="UTF-8 text file, one prompt per line (blank lines skipped); after the PROMPTs",
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate per prompt at most (default: %(default)s)"
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="0: greedy (default); above 0: sampling from softmax(logits / T)",
+    )
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K likeliest tokens (0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                   help="sample from the smallest set of tokens with probability >= P, 0 < P <= 1 (1: off)")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="sample from the smallest set of tokens with probability >= P, 0 < P <= 1 (1: off)",
+    )
     p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (same seed, same output)")
     p.add_argument("--device", default="auto", metavar="D", help="auto (cuda if available), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bfloat16 on CUDA, float32 on the CPU (float16 needs CUDA)")
-    p.add_argument("--json", action="store_true",
-                   help="one JSON object per prompt per line: prompt, text, new_tokens, finish_reason")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on CUDA, float32 on the CPU (float16 needs CUDA)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="one JSON object per prompt per line: prompt, text, new_tokens, finish_reason"
+    )
     p.set_defaults(func=cmd_generate)
     _accept_prompts_after_options(p)
 

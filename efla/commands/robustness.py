@@ -9,20 +9,24 @@ from efla.experiments.harness import default_device
 
 def add_parser(subparsers) -> None:
     r = subparsers.add_parser(
-        "robustness", help="pixel-sequence classification under intensity scaling, noise and dropout",
+        "robustness",
+        help="pixel-sequence classification under intensity scaling, noise and dropout",
         description="Train EFLA and DeltaNet pixel-sequence classifiers (MNIST, or the embedded 8x8 digits) and test "
-                    "them under input intensity scaling, additive noise and dropout. Writes results.json, one CSV "
-                    "per learning-rate setting, plots and summary.md.")
+        "them under input intensity scaling, additive noise and dropout. Writes results.json, one CSV "
+        "per learning-rate setting, plots and summary.md.",
+    )
     _add_pixel_args(r, "results/robustness")
     r.add_argument("--lr", type=float, default=1e-3, help="learning rate used for every rule (default 1e-3)")
     r.add_argument("--paper-lr", action="store_true", help="also train with the authors' lrs (EFLA 3e-3, DeltaNet 1e-3)")
     r.set_defaults(func=cmd_robustness)
 
     s = subparsers.add_parser(
-        "lr-sweep", help="final training loss and test accuracy across learning rates",
+        "lr-sweep",
+        help="final training loss and test accuracy across learning rates",
         description="Train EFLA and DeltaNet pixel-sequence classifiers at each learning rate of --lrs and report "
-                    "the final training loss and the test accuracy per rule and learning rate. Writes lr_sweep.json, "
-                    "lr_sweep.csv, lr_sweep.png and lr_sweep.md.")
+        "the final training loss and the test accuracy per rule and learning rate. Writes lr_sweep.json, "
+        "lr_sweep.csv, lr_sweep.png and lr_sweep.md.",
+    )
     _add_pixel_args(s, "results/lr-sweep")
     s.add_argument("--lrs", type=float, nargs="+", default=None, help="default: 1e-4 3e-4 1e-3 3e-3 1e-2")
     s.set_defaults(func=cmd_lr_sweep)
@@ -31,20 +35,36 @@ def add_parser(subparsers) -> None:
 def _add_pixel_args(p, default_out):
     p.add_argument("--quick", action="store_true", help="a subset of the data (6000 train / 2000 test) and fewer settings")
     p.add_argument("--out", default=default_out, help=f"output directory (default: {default_out})")
-    p.add_argument("--dataset", default="auto", choices=["auto", "mnist", "digits"],
-                   help="auto: MNIST if found (--data-dir, or mnist/ under $EFLA_DATA_DIR or ../shared/data), "
-                        "else embedded digits")
+    p.add_argument(
+        "--dataset",
+        default="auto",
+        choices=["auto", "mnist", "digits"],
+        help="auto: MNIST if found (--data-dir, or mnist/ under $EFLA_DATA_DIR or ../shared/data), else embedded digits",
+    )
     p.add_argument("--data-dir", default=None, help="folder with the four MNIST idx(.gz) files (or MNIST/raw)")
-    p.add_argument("--rules", nargs="+", default=["exact", "euler"],
-                   choices=["exact", "euler", "gated-exact", "gated-euler"], help="update rules to compare")
-    p.add_argument("--epochs", type=int, default=None,
-                   help="training epochs (default: 1 on MNIST as in the paper, 40 on the small embedded digits)")
+    p.add_argument(
+        "--rules",
+        nargs="+",
+        default=["exact", "euler"],
+        choices=["exact", "euler", "gated-exact", "gated-euler"],
+        help="update rules to compare",
+    )
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="training epochs (default: 1 on MNIST as in the paper, 40 on the small embedded digits)",
+    )
     p.add_argument("--batch-size", type=int, default=128, help="training examples per step (default 128)")
-    p.add_argument("--width", type=int, default=64,
-                   help="model width: pixel embedding and q/k/v size, split over --num-heads (default 64)")
+    p.add_argument(
+        "--width", type=int, default=64, help="model width: pixel embedding and q/k/v size, split over --num-heads (default 64)"
+    )
     p.add_argument("--num-heads", type=int, default=1, help="attention heads; must divide --width (default 1)")
-    p.add_argument("--authors-model", action="store_true",
-                   help="the authors' model: no bias on the pixel projection, xavier-uniform q/k/v weights")
+    p.add_argument(
+        "--authors-model",
+        action="store_true",
+        help="the authors' model: no bias on the pixel projection, xavier-uniform q/k/v weights",
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default: 0)")
     p.add_argument("--train-limit", type=int, default=None, help="use only the first N training examples")
     p.add_argument("--test-limit", type=int, default=None, help="use only the first N test examples")
@@ -73,11 +93,15 @@ def _load_pixels(args, console):
     data = load_pixel_data(args.dataset, args.data_dir)
     how = "found" if args.dataset == "auto" and data.name == "mnist" else "selected"
     if args.dataset == "auto" and data.name == "digits":
-        console.print("No MNIST files found: using the embedded 8x8 digits (scikit-learn, no download). "
-                      "Pass --data-dir DIR with the MNIST idx(.gz) files for the paper's setting.")
+        console.print(
+            "No MNIST files found: using the embedded 8x8 digits (scikit-learn, no download). "
+            "Pass --data-dir DIR with the MNIST idx(.gz) files for the paper's setting."
+        )
     else:
-        console.print(f"Dataset: {data.name} ({how}: {data.source}), sequence length {data.seq_len}, "
-                      f"{len(data.x_train)} train / {len(data.x_test)} test.")
+        console.print(
+            f"Dataset: {data.name} ({how}: {data.source}), sequence length {data.seq_len}, "
+            f"{len(data.x_train)} train / {len(data.x_test)} test."
+        )
     return data
 
 
@@ -91,18 +115,27 @@ def _prepare(args):
     console = Console()
     data = _load_pixels(args, console)
     opts = RobustnessOptions.for_data(
-        data.name, quick=args.quick, epochs=args.epochs, seeds=args.seeds, train_limit=args.train_limit,
-        test_limit=args.test_limit, rules=args.rules, lr=getattr(args, "lr", RobustnessOptions.lr),
+        data.name,
+        quick=args.quick,
+        epochs=args.epochs,
+        seeds=args.seeds,
+        train_limit=args.train_limit,
+        test_limit=args.test_limit,
+        rules=args.rules,
+        lr=getattr(args, "lr", RobustnessOptions.lr),
         paper_lr=getattr(args, "paper_lr", False),
-        batch_size=args.batch_size, width=args.width, num_heads=args.num_heads, authors_model=args.authors_model,
-        device=args.device)
+        batch_size=args.batch_size,
+        width=args.width,
+        num_heads=args.num_heads,
+        authors_model=args.authors_model,
+        device=args.device,
+    )
     return console, data, opts
 
 
 def cmd_robustness(args) -> int:
     from efla.experiments import harness
-    from efla.experiments.robustness.report import (
-        aggregate, robustness_tables, write_robustness_outputs)
+    from efla.experiments.robustness.report import aggregate, robustness_tables, write_robustness_outputs
     from efla.experiments.robustness.run import run_robustness
 
     provenance = harness.Provenance(command=args.command_line, device=args.device)

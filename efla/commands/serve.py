@@ -68,8 +68,9 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def _check_tokenizer(tokenizer, path: str) -> None:
     if getattr(tokenizer, "backend_tokenizer", None) is None:
-        raise UsageError(f"the tokenizer in {path} has no fast (tokenizers) version, which efla serve decodes "
-                         "streamed text with (MODEL_DIR)")
+        raise UsageError(
+            f"the tokenizer in {path} has no fast (tokenizers) version, which efla serve decodes streamed text with (MODEL_DIR)"
+        )
 
 
 def _scheduler(model, tokenizer, args):
@@ -80,9 +81,19 @@ def _scheduler(model, tokenizer, args):
     stop_tokens = _stop_tokens(model, tokenizer)
     cache = PrefixCache(block=args.prefix_block, max_bytes=args.prefix_cache_mb << 20) if args.prefix_cache_mb else None
     max_context = args.max_context or int(getattr(model.config, "max_position_embeddings", 0) or 2048)
-    return Scheduler(model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue, max_context=max_context,
-                     prefill_chunk=args.prefill_chunk, prefill_every=args.prefill_every, prefix_cache=cache,
-                     stop_tokens=stop_tokens, pad_token=tokenizer.pad_token_id, seed=args.seed)
+    return Scheduler(
+        model,
+        tokenizer,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        max_context=max_context,
+        prefill_chunk=args.prefill_chunk,
+        prefill_every=args.prefill_every,
+        prefix_cache=cache,
+        stop_tokens=stop_tokens,
+        pad_token=tokenizer.pad_token_id,
+        seed=args.seed,
+    )
 
 
 def _serve(app, sock: socket.socket, scheduler, args) -> None:
@@ -96,7 +107,7 @@ def _serve(app, sock: socket.socket, scheduler, args) -> None:
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
     # uvicorn raises the signal it shut down for again once it is done; a SIGTERM that ended a
     # graceful shutdown is the normal way out here (exit 0), not a death by signal
-    signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    signal.signal(signal.SIGTERM, lambda *_: None)
     Server(config).run(sockets=[sock])
 
 
@@ -120,8 +131,12 @@ def cmd_serve(args) -> int:
         app = create_app(scheduler, tokenizer, model_name=name, api_key=args.api_key)
         host, port = sock.getsockname()[:2]
         cache = f"prefix cache {args.prefix_cache_mb} MB" if scheduler.prefix_cache is not None else "no prefix cache"
-        print(f"efla serve: {name} at http://{host}:{port}/v1 ({device}, {args.max_batch} slots, "
-              f"{args.max_queue} queue places, context {scheduler.max_context}, {cache})", file=sys.stderr, flush=True)
+        print(
+            f"efla serve: {name} at http://{host}:{port}/v1 ({device}, {args.max_batch} slots, "
+            f"{args.max_queue} queue places, context {scheduler.max_context}, {cache})",
+            file=sys.stderr,
+            flush=True,
+        )
         _serve(app, sock, scheduler, args)
     finally:
         sock.close()
@@ -130,44 +145,94 @@ def cmd_serve(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "serve", help="serve a saved efla model over an OpenAI-compatible HTTP API (continuous batching)",
+        "serve",
+        help="serve a saved efla model over an OpenAI-compatible HTTP API (continuous batching)",
         description="Load a model directory (config, safetensors weights, tokenizer) and serve OpenAI's completions "
-                    "API: requests share the model step by step in a pool of --max-batch state slots (continuous "
-                    "batching), prompts are prefilled in chunks between decoding steps, and states after recent "
-                    "prompt prefixes are reused. Needs pip install 'efla[serve]'.",
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "API: requests share the model step by step in a pool of --max-batch state slots (continuous "
+        "batching), prompts are prefilled in chunks between decoding steps, and states after recent "
+        "prompt prefixes are reused. Needs pip install 'efla[serve]'.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (config.json, *.safetensors, tokenizer)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0: any free port)")
     p.add_argument("--device", default="auto", metavar="D", help="auto (cuda if available), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bfloat16 on CUDA, float32 on the CPU (float16 needs CUDA)")
-    p.add_argument("--max-batch", type=int, default=64, metavar="N",
-                   help="state slots: requests decoding at once (default: %(default)s)")
-    p.add_argument("--max-queue", type=int, default=256, metavar="N",
-                   help="requests that may wait for a slot; more get HTTP 429 (default: %(default)s)")
-    p.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the model name of the API (default: MODEL_DIR's name)")
-    p.add_argument("--api-key", default=os.environ.get("EFLA_API_KEY") or None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $EFLA_API_KEY, else no key)")
-    p.add_argument("--max-context", type=int, default=None, metavar="N",
-                   help="the most tokens of a request, prompt and completion (default: the model's "
-                        "max_position_embeddings)")
-    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="the most prompt tokens prefilled between two decoding steps (default: 2048 on a GPU, "
-                        "512 on the CPU)")
-    p.add_argument("--prefill-every", type=int, default=None, metavar="N",
-                   help="while half the slots or more decode, prefill once every N decoding steps (default: 1)")
-    p.add_argument("--prefix-cache-mb", type=int, default=1024, metavar="MB",
-                   help="memory for states after recent prompt prefixes, on the model's device (0: off; hybrid "
-                        "models with attention layers go without; default: %(default)s)")
-    p.add_argument("--prefix-block", type=int, default=64, metavar="N",
-                   help="prefixes are cached at multiples of N tokens (default: %(default)s)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
-                   help="on SIGTERM, seconds for requests in flight to finish before they are cancelled "
-                        "(default: %(default)s)")
-    p.add_argument("--seed", type=int, default=None, metavar="S",
-                   help="seeds the sampling of requests without a seed of their own")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn's log level (default: %(default)s)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on CUDA, float32 on the CPU (float16 needs CUDA)",
+    )
+    p.add_argument(
+        "--max-batch", type=int, default=64, metavar="N", help="state slots: requests decoding at once (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        metavar="N",
+        help="requests that may wait for a slot; more get HTTP 429 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, metavar="NAME", help="the model name of the API (default: MODEL_DIR's name)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("EFLA_API_KEY") or None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $EFLA_API_KEY, else no key)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the most tokens of a request, prompt and completion (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the most prompt tokens prefilled between two decoding steps (default: 2048 on a GPU, 512 on the CPU)",
+    )
+    p.add_argument(
+        "--prefill-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="while half the slots or more decode, prefill once every N decoding steps (default: 1)",
+    )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=1024,
+        metavar="MB",
+        help="memory for states after recent prompt prefixes, on the model's device (0: off; hybrid "
+        "models with attention layers go without; default: %(default)s)",
+    )
+    p.add_argument(
+        "--prefix-block",
+        type=int,
+        default=64,
+        metavar="N",
+        help="prefixes are cached at multiples of N tokens (default: %(default)s)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM, seconds for requests in flight to finish before they are cancelled (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, metavar="S", help="seeds the sampling of requests without a seed of their own"
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (default: %(default)s)",
+    )
     p.set_defaults(func=cmd_serve)

@@ -25,94 +25,174 @@ def add_parser(subparsers) -> None:
 
     d = TrainConfig()
     p = subparsers.add_parser(
-        "train", help="train a language model (EFLA / DeltaNet / gated variants) on text files",
+        "train",
+        help="train a language model (EFLA / DeltaNet / gated variants) on text files",
         description="Train a causal LM with the paper's recipe (AdamW, peak lr 3e-4, warm-up and cosine from/to "
-                    "3e-5, weight decay 0.1, clip 1.0). Works under torchrun (DDP; --fsdp for FSDP2).",
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "3e-5, weight decay 0.1, clip 1.0). Works under torchrun (DDP; --fsdp for FSDP2).",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     g = p.add_argument_group("model")
-    g.add_argument("--preset", default=d.preset, metavar="NAME",
-                   help="tiny|340m|1.3b x efla|gated-efla|deltanet|gated-deltanet, e.g. tiny-efla, or tiny-hybrid-efla "
-                        "(one softmax-attention layer) (default: %(default)s)")
-    g.add_argument("--config", dest="config_file", default=None, metavar="JSON",
-                   help="an EFLAConfig JSON file instead of --preset (vocab_size is set from the tokenizer)")
+    g.add_argument(
+        "--preset",
+        default=d.preset,
+        metavar="NAME",
+        help="tiny|340m|1.3b x efla|gated-efla|deltanet|gated-deltanet, e.g. tiny-efla, or tiny-hybrid-efla "
+        "(one softmax-attention layer) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--config",
+        dest="config_file",
+        default=None,
+        metavar="JSON",
+        help="an EFLAConfig JSON file instead of --preset (vocab_size is set from the tokenizer)",
+    )
     g.add_argument("--grad-checkpointing", action="store_true", help="activation checkpointing per block")
     g = p.add_argument_group("data")
-    g.add_argument("--data", nargs="+", default=None, metavar="PATH",
-                   help="text/JSONL files or directories (hf:NAME[:CONFIG][@SPLIT] for a Hugging Face dataset); "
-                        "required unless resuming")
-    g.add_argument("--val-data", nargs="+", default=None, metavar="PATH",
-                   help="held-out files for the validation loss (default: --val-sequences held out of --data)")
-    g.add_argument("--val-sequences", type=int, default=d.val_sequences,
-                   help="sequences for the validation loss (default: %(default)s)")
+    g.add_argument(
+        "--data",
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="text/JSONL files or directories (hf:NAME[:CONFIG][@SPLIT] for a Hugging Face dataset); required unless resuming",
+    )
+    g.add_argument(
+        "--val-data",
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="held-out files for the validation loss (default: --val-sequences held out of --data)",
+    )
+    g.add_argument(
+        "--val-sequences", type=int, default=d.val_sequences, help="sequences for the validation loss (default: %(default)s)"
+    )
     g.add_argument("--text-field", default=d.text_field, help="JSONL field with the text (default: %(default)s)")
-    g.add_argument("--accept-invalid-utf8", action="store_true",
-                   help="read bytes that are not UTF-8 as U+FFFD (each such file is reported); default: refuse them")
-    g.add_argument("--no-gutenberg-strip", dest="gutenberg_strip", action="store_false",
-                   help="keep Project Gutenberg headers/licences (stripped by default when present)")
+    g.add_argument(
+        "--accept-invalid-utf8",
+        action="store_true",
+        help="read bytes that are not UTF-8 as U+FFFD (each such file is reported); default: refuse them",
+    )
+    g.add_argument(
+        "--no-gutenberg-strip",
+        dest="gutenberg_strip",
+        action="store_false",
+        help="keep Project Gutenberg headers/licences (stripped by default when present)",
+    )
     g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 256 tiny, 2048 others)")
     g.add_argument("--varlen", action="store_true", help="pack sequences into one row with cu_seqlens at documents")
     g.add_argument("--data-seed", type=int, default=d.data_seed, help="data order seed (default: %(default)s)")
     g.add_argument("--cache-dir", default=None, help="tokenized-data cache (default: OUT/cache)")
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer", default=None, metavar="NAME_OR_PATH",
-                   help="a Hugging Face tokenizer (name or directory); default: train a byte-level BPE on --data")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="NAME_OR_PATH",
+        help="a Hugging Face tokenizer (name or directory); default: train a byte-level BPE on --data",
+    )
     g.add_argument("--vocab-size", type=int, default=d.vocab_size, help="trained BPE vocabulary (default: %(default)s)")
-    g.add_argument("--tokenizer-train-chars", type=int, default=d.tokenizer_train_chars,
-                   help="characters of --data to train the BPE on (default: %(default)s)")
+    g.add_argument(
+        "--tokenizer-train-chars",
+        type=int,
+        default=d.tokenizer_train_chars,
+        help="characters of --data to train the BPE on (default: %(default)s)",
+    )
     g = p.add_argument_group("optimisation")
     g.add_argument("--max-steps", type=int, default=None, metavar="N", help="optimizer updates")
     g.add_argument("--max-tokens", type=int, default=None, help="or: training tokens (max steps = this / batch)")
-    g.add_argument("--batch-tokens", type=int, default=None,
-                   help="global batch in tokens (default: 4096 tiny, 1M (2^20) others, as in the paper)")
-    g.add_argument("--micro-batch-size", type=int, default=None,
-                   help="sequences per forward and rank; the rest is gradient accumulation (default: all)")
+    g.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=None,
+        help="global batch in tokens (default: 4096 tiny, 1M (2^20) others, as in the paper)",
+    )
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="sequences per forward and rank; the rest is gradient accumulation (default: all)",
+    )
     g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default: %(default)s)")
     g.add_argument("--min-lr", type=float, default=d.min_lr, help="start and end learning rate (default: %(default)s)")
     g.add_argument("--warmup-steps", type=int, default=None, help="default: max steps / 8")
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="default: %(default)s")
     g.add_argument("--grad-clip", type=float, default=d.grad_clip, help="default: %(default)s")
     g.add_argument("--seed", type=int, default=d.seed, help="model initialisation seed (default: %(default)s)")
-    g.add_argument("--on-nonfinite", choices=["stop", "skip"], default=d.on_nonfinite,
-                   help="non-finite loss: stop (keep the last good checkpoint) or skip the batch (default: %(default)s)")
+    g.add_argument(
+        "--on-nonfinite",
+        choices=["stop", "skip"],
+        default=d.on_nonfinite,
+        help="non-finite loss: stop (keep the last good checkpoint) or skip the batch (default: %(default)s)",
+    )
     g = p.add_argument_group("runtime")
-    g.add_argument("--out", required=True, metavar="DIR",
-                   help="output model directory: new, empty, or an efla run (locked while a run uses it)")
-    g.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --out (stops if there is none); options left at their "
-                        "defaults take the values saved in OUT/train_args.json; the schedule and optimizer settings "
-                        "must stay the same")
-    g.add_argument("--resume-or-start", action="store_true",
-                   help="like --resume, but start a new run when --out has no checkpoint")
+    g.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="output model directory: new, empty, or an efla run (locked while a run uses it)",
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --out (stops if there is none); options left at their "
+        "defaults take the values saved in OUT/train_args.json; the schedule and optimizer settings "
+        "must stay the same",
+    )
+    g.add_argument(
+        "--resume-or-start", action="store_true", help="like --resume, but start a new run when --out has no checkpoint"
+    )
     g.add_argument("--resume-from", default=None, metavar="CKPT_DIR", help="continue from this checkpoint")
-    g.add_argument("--extend-at-min-lr", action="store_true",
-                   help="resuming with a larger --max-steps: the saved schedule runs to its planned end, then the "
-                        "extra steps train at --min-lr")
-    g.add_argument("--overwrite", action="store_true",
-                   help="start again in an --out that has checkpoints, or write into a directory that is not an efla run")
+    g.add_argument(
+        "--extend-at-min-lr",
+        action="store_true",
+        help="resuming with a larger --max-steps: the saved schedule runs to its planned end, then the "
+        "extra steps train at --min-lr",
+    )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start again in an --out that has checkpoints, or write into a directory that is not an efla run",
+    )
     g.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="default: %(default)s")
     g.add_argument("--val-every", type=int, default=d.val_every, help="validation every N steps (0: only at the end)")
     g.add_argument("--log-every", type=int, default=d.log_every, help="log.jsonl entry every N steps")
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
-    g.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
-                   help="auto: bf16 autocast on CUDA, fp32 on CPU")
+    g.add_argument(
+        "--precision", choices=["auto", "fp32", "bf16"], default="auto", help="auto: bf16 autocast on CUDA, fp32 on CPU"
+    )
     g.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard per block) instead of DDP under torchrun")
-    g.add_argument("--context-parallel", type=int, default=d.context_parallel, metavar="N",
-                   help="split each sequence into N contiguous parts over N ranks (under torchrun; N divides the "
-                        "number of processes, data parallelism runs across the groups; default: %(default)s)")
+    g.add_argument(
+        "--context-parallel",
+        type=int,
+        default=d.context_parallel,
+        metavar="N",
+        help="split each sequence into N contiguous parts over N ranks (under torchrun; N divides the "
+        "number of processes, data parallelism runs across the groups; default: %(default)s)",
+    )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    g.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar and no lines for the long phases (tokenizer, tokenizing, checkpoints)")
+    g.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar and no lines for the long phases (tokenizer, tokenizing, checkpoints)",
+    )
     _record_given_options(p)
     p.set_defaults(func=cmd_train, given_options=())
 
-    r = subparsers.add_parser("lm-report", help="losses JSON/CSV, loss-curve PNG and summary.md of `efla train` runs",
-                              description="Read finished `efla train` run directories (or a record's runs.jsonl) "
-                                          "and write their losses "
-                                          "(lm_losses.json/.csv), the loss curves (lm_loss_curves.png) and a summary "
-                                          "table per variant (summary.md).")
-    r.add_argument("--runs", nargs="+", required=True,
-                   help="run directories (OUT of efla train), or a recorded experiment's runs.jsonl (a run per line)")
+    r = subparsers.add_parser(
+        "lm-report",
+        help="losses JSON/CSV, loss-curve PNG and summary.md of `efla train` runs",
+        description="Read finished `efla train` run directories (or a record's runs.jsonl) "
+        "and write their losses "
+        "(lm_losses.json/.csv), the loss curves (lm_loss_curves.png) and a summary "
+        "table per variant (summary.md).",
+    )
+    r.add_argument(
+        "--runs",
+        nargs="+",
+        required=True,
+        help="run directories (OUT of efla train), or a recorded experiment's runs.jsonl (a run per line)",
+    )
     r.add_argument("--out", required=True, help="where to write lm_losses.json/.csv, lm_loss_curves.png, summary.md")
     r.add_argument("--title", default="Language modelling", help="heading of summary.md (default: %(default)s)")
     r.add_argument("--notes", default=None, help="a markdown file appended to summary.md (commands, remarks)")
@@ -136,12 +216,13 @@ def cmd_train(args) -> int:
     main_ddp_cleanup(finished=True)
     if "final_loss" in res:
         vl = res["val_loss"]
-        console.print(f"{res['steps']} steps, {res['tokens']:,} tokens; final loss {res['final_loss']:.4f}"
-                      + (f", validation loss {vl:.4f}" if vl is not None else "")
-                      + (f"; {res['tokens_per_s']:,.0f} tokens/s after warm-up" if res["tokens_per_s"]
-                         else "; nothing left to train")
-                      + _peak_memory_text(res.get("peak_memory_gib_per_gpu"))
-                      + f". Model directory: [bold]{res['out']}[/bold]")
+        console.print(
+            f"{res['steps']} steps, {res['tokens']:,} tokens; final loss {res['final_loss']:.4f}"
+            + (f", validation loss {vl:.4f}" if vl is not None else "")
+            + (f"; {res['tokens_per_s']:,.0f} tokens/s after warm-up" if res["tokens_per_s"] else "; nothing left to train")
+            + _peak_memory_text(res.get("peak_memory_gib_per_gpu"))
+            + f". Model directory: [bold]{res['out']}[/bold]"
+        )
     return 0
 
 
@@ -196,12 +277,17 @@ def _given_options(args) -> dict:
     else:
         explicit = {k: getattr(args, k) for k in args.given_options if k in fields}
         check_resume_unchanged(saved, explicit)
-        given = {**{k: v for k, v in saved.items() if k in fields}, **_run_length(explicit), "out": args.out,
-                 "resume": args.resume, "resume_or_start": args.resume_or_start, "resume_from": args.resume_from,
-                 "overwrite": False}
+        given = {
+            **{k: v for k, v in saved.items() if k in fields},
+            **_run_length(explicit),
+            "out": args.out,
+            "resume": args.resume,
+            "resume_or_start": args.resume_or_start,
+            "resume_from": args.resume_from,
+            "overwrite": False,
+        }
     if not given.get("data") and resuming:
-        raise UsageError(f"{run_dir}: no run that saved its training text to resume; give the text to start one "
-                         "(--out, --data)")
+        raise UsageError(f"{run_dir}: no run that saved its training text to resume; give the text to start one (--out, --data)")
     if not given.get("data"):
         raise UsageError("give the training text (--data)")
     return given
@@ -226,7 +312,6 @@ def cmd_lm_report(args) -> int:
     check.existing_file(args.notes, "--notes")
     check.output_dir(args.out)
     notes = pathlib.Path(args.notes).read_text() if args.notes else ""
-    files = write_lm_report(args.runs, args.out, title=args.title, notes=notes,
-                            command_line=args.command_line)
+    files = write_lm_report(args.runs, args.out, title=args.title, notes=notes, command_line=args.command_line)
     print("Wrote: " + ", ".join(files))
     return 0

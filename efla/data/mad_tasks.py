@@ -74,13 +74,20 @@ TASKS = (
     "memorization",
 )
 TASK_ABBR = {
-    "in-context-recall": "CR", "fuzzy-in-context-recall": "FR", "noisy-in-context-recall": "NR",
-    "selective-copying": "SC", "compression": "C", "memorization": "M",
+    "in-context-recall": "CR",
+    "fuzzy-in-context-recall": "FR",
+    "noisy-in-context-recall": "NR",
+    "selective-copying": "SC",
+    "compression": "C",
+    "memorization": "M",
 }
 TASK_LABEL = {
-    "in-context-recall": "In-Context Recall", "fuzzy-in-context-recall": "Fuzzy Recall",
-    "noisy-in-context-recall": "Noisy Recall", "selective-copying": "Selective Copy",
-    "compression": "Compress", "memorization": "Memorize",
+    "in-context-recall": "In-Context Recall",
+    "fuzzy-in-context-recall": "Fuzzy Recall",
+    "noisy-in-context-recall": "Noisy Recall",
+    "selective-copying": "Selective Copy",
+    "compression": "Compress",
+    "memorization": "Memorize",
 }
 
 
@@ -137,12 +144,19 @@ _BASELINES = {
 _TRAIN_SIZES = [6400, 3200, 1600, 800]
 _CHANGES = {
     "in-context-recall": {"vocab_size": [32, 64, 128], "seq_len": [256, 512, 1024], "num_train_examples": _TRAIN_SIZES},
-    "fuzzy-in-context-recall": {"vocab_size": [32, 64, 128], "seq_len": [256, 512, 1024],
-                                "num_train_examples": _TRAIN_SIZES},
-    "noisy-in-context-recall": {"vocab_size": [48, 80, 144], "seq_len": [256, 512, 1024],
-                                "num_train_examples": _TRAIN_SIZES, "frac_noise": [0.4, 0.6, 0.8]},
-    "selective-copying": {"vocab_size": [32, 64, 128], "seq_len": [512, 1024], "num_train_examples": _TRAIN_SIZES,
-                          "num_tokens_to_copy": [32, 64, 96]},
+    "fuzzy-in-context-recall": {"vocab_size": [32, 64, 128], "seq_len": [256, 512, 1024], "num_train_examples": _TRAIN_SIZES},
+    "noisy-in-context-recall": {
+        "vocab_size": [48, 80, 144],
+        "seq_len": [256, 512, 1024],
+        "num_train_examples": _TRAIN_SIZES,
+        "frac_noise": [0.4, 0.6, 0.8],
+    },
+    "selective-copying": {
+        "vocab_size": [32, 64, 128],
+        "seq_len": [512, 1024],
+        "num_train_examples": _TRAIN_SIZES,
+        "num_tokens_to_copy": [32, 64, 96],
+    },
     "compression": {"vocab_size": [32, 64, 128], "seq_len": [64, 128, 256], "num_train_examples": _TRAIN_SIZES},
     "memorization": {"vocab_size": [512, 1024, 2048, 4096, 8192]},
 }
@@ -193,8 +207,14 @@ def _finish_recall(inputs: list, targets: list, is_training: bool):
 # ----------------------------------------------------------------------------- generators
 
 
-def in_context_recall(vocab_size: int = 16, seq_len: int = 128, is_training: bool = True,
-                      rng: np.random.Generator | None = None, frac_noise: float = 0.0, noise_vocab_size: int = 0):
+def in_context_recall(
+    vocab_size: int = 16,
+    seq_len: int = 128,
+    is_training: bool = True,
+    rng: np.random.Generator | None = None,
+    frac_noise: float = 0.0,
+    noise_vocab_size: int = 0,
+):
     """Multi-query associative recall: ``seq_len/2`` (key, value) pairs, the last one a probe of a
     key already shown. Returns ``inputs = seq[:-1]`` and ``seq[1:]`` (training) or the recall
     targets (test: the value at every position holding a key seen before, else -100).
@@ -239,16 +259,26 @@ def in_context_recall(vocab_size: int = 16, seq_len: int = 128, is_training: boo
     return _finish_recall(inputs, targets, is_training)
 
 
-def noisy_in_context_recall(vocab_size: int = 32, seq_len: int = 128, is_training: bool = True,
-                            rng: np.random.Generator | None = None, frac_noise: float = 0.2,
-                            noise_vocab_size: int = 16):
+def noisy_in_context_recall(
+    vocab_size: int = 32,
+    seq_len: int = 128,
+    is_training: bool = True,
+    rng: np.random.Generator | None = None,
+    frac_noise: float = 0.2,
+    noise_vocab_size: int = 16,
+):
     """In-context recall with noise slots (see :func:`in_context_recall`)."""
-    return in_context_recall(vocab_size, seq_len, is_training, rng, frac_noise=frac_noise,
-                             noise_vocab_size=noise_vocab_size)
+    return in_context_recall(vocab_size, seq_len, is_training, rng, frac_noise=frac_noise, noise_vocab_size=noise_vocab_size)
 
 
-def fuzzy_in_context_recall(vocab_size: int = 16, seq_len: int = 128, is_training: bool = True,
-                            rng: np.random.Generator | None = None, k_motif_size: int = 3, v_motif_size: int = 3):
+def fuzzy_in_context_recall(
+    vocab_size: int = 16,
+    seq_len: int = 128,
+    is_training: bool = True,
+    rng: np.random.Generator | None = None,
+    k_motif_size: int = 3,
+    v_motif_size: int = 3,
+):
     """Recall with keys and values that are motifs (ordered tuples of 1..k / 1..v distinct letters).
 
     A probe pair is drawn first and inserted once into a body of pairs, then repeated at the end;
@@ -312,9 +342,14 @@ def fuzzy_in_context_recall(vocab_size: int = 16, seq_len: int = 128, is_trainin
     return _finish_recall(inputs, targets, is_training)
 
 
-def selective_copying(vocab_size: int = 16, seq_len: int = 256, num_tokens_to_copy: int = 16,
-                      rng: np.random.Generator | None = None, blank_rng: np.random.RandomState | None = None,
-                      is_training: bool = True):
+def selective_copying(
+    vocab_size: int = 16,
+    seq_len: int = 256,
+    num_tokens_to_copy: int = 16,
+    rng: np.random.Generator | None = None,
+    blank_rng: np.random.RandomState | None = None,
+    is_training: bool = True,  # noqa: ARG001 (every task takes the same arguments)
+):
     """``n`` content tokens with ``L - 2n - 1`` blanks inserted among them (content order kept,
     never after the last one), the copy token, then ``n`` blanks. Targets: -100 up to and
     including the copy token, then the content tokens in order. ``blank_rng`` (legacy
@@ -336,8 +371,7 @@ def selective_copying(vocab_size: int = 16, seq_len: int = 256, num_tokens_to_co
     return inputs, targets
 
 
-def compression(vocab_size: int = 16, seq_len: int = 32, rng: np.random.Generator | None = None,
-                is_training: bool = True):
+def compression(vocab_size: int = 16, seq_len: int = 32, rng: np.random.Generator | None = None, is_training: bool = True):  # noqa: ARG001 (every task takes the same arguments)
     """``L-1`` content tokens then the compression token ``V-1``; the target is the input."""
     rng = np.random.default_rng() if rng is None else rng
     x = np.concatenate([rng.integers(0, vocab_size - 1, size=seq_len - 1), [vocab_size - 1]]).astype(np.int64)
@@ -354,8 +388,13 @@ def memorization_table(vocab_size: int, seed: int = SEED) -> dict[int, int]:
     return {int(k): int(v) for k, v in zip(keys, values)}
 
 
-def memorization(vocab_size: int = 256, seq_len: int = 32, rng: np.random.Generator | None = None,
-                 table: dict[int, int] | None = None, is_training: bool = True):
+def memorization(
+    vocab_size: int = 256,
+    seq_len: int = 32,
+    rng: np.random.Generator | None = None,
+    table: dict[int, int] | None = None,
+    is_training: bool = True,  # noqa: ARG001 (every task takes the same arguments)
+):
     """``L/2`` (key, insert token) pairs; target -100 at keys and the key's value (from the
     fixed :func:`memorization_table`) at each insert token."""
     rng = np.random.default_rng() if rng is None else rng
@@ -373,20 +412,30 @@ def memorization(vocab_size: int = 256, seq_len: int = 32, rng: np.random.Genera
 # ----------------------------------------------------------------------------- datasets
 
 
-def generate_instance_pairs(setting: MADSetting, n: int, is_training: bool, rng: np.random.Generator,
-                            blank_rng: np.random.RandomState | None = None, table: dict | None = None):
+def generate_instance_pairs(
+    setting: MADSetting,
+    n: int,
+    is_training: bool,
+    rng: np.random.Generator,
+    blank_rng: np.random.RandomState | None = None,
+    table: dict | None = None,
+):
     """``n`` instances of ``setting`` drawn in sequence from ``rng``: arrays ``[n, L]`` (int64)."""
     s = setting
     if s.task in ("in-context-recall", "noisy-in-context-recall"):
+
         def gen():
             return in_context_recall(s.vocab_size, s.seq_len, is_training, rng, s.frac_noise, s.noise_vocab_size)
     elif s.task == "fuzzy-in-context-recall":
+
         def gen():
             return fuzzy_in_context_recall(s.vocab_size, s.seq_len, is_training, rng, s.k_motif_size, s.v_motif_size)
     elif s.task == "selective-copying":
+
         def gen():
             return selective_copying(s.vocab_size, s.seq_len, s.num_tokens_to_copy, rng, blank_rng)
     elif s.task == "compression":
+
         def gen():
             return compression(s.vocab_size, s.seq_len, rng)
     else:
@@ -394,6 +443,7 @@ def generate_instance_pairs(setting: MADSetting, n: int, is_training: bool, rng:
 
         def gen():
             return memorization(s.vocab_size, s.seq_len, rng, table)
+
     pairs = [gen() for _ in range(n)]
     x = np.stack([p[0] for p in pairs])
     y = np.stack([p[1] for p in pairs])

@@ -98,8 +98,12 @@ def load_mnist_sequences(path) -> PixelData:
     to_x = lambda a: torch.from_numpy(a.reshape(a.shape[0], -1).astype(np.float32) / 255.0)  # noqa: E731
     to_y = lambda a: torch.from_numpy(a.astype(np.int64))  # noqa: E731
     return PixelData(
-        "mnist", to_x(arrs["train_images"]), to_y(arrs["train_labels"]), to_x(arrs["test_images"]),
-        to_y(arrs["test_labels"]), source=str(folder),
+        "mnist",
+        to_x(arrs["train_images"]),
+        to_y(arrs["train_labels"]),
+        to_x(arrs["test_images"]),
+        to_y(arrs["test_labels"]),
+        source=str(folder),
     )
 
 

@@ -12,8 +12,7 @@ __all__ = ["shared_data_dirs", "find_shared"]
 def shared_data_dirs() -> list[pathlib.Path]:
     """The folders searched for shared data, in order."""
     repository = pathlib.Path(__file__).resolve().parents[2]
-    dirs = [os.environ.get("EFLA_DATA_DIR"), pathlib.Path.cwd().parent / "shared" / "data",
-            repository.parent / "shared" / "data"]
+    dirs = [os.environ.get("EFLA_DATA_DIR"), pathlib.Path.cwd().parent / "shared" / "data", repository.parent / "shared" / "data"]
     return [pathlib.Path(os.path.normpath(d)) for d in dirs if d]
 
 

@@ -69,7 +69,7 @@ def strip_gutenberg(text: str) -> str:
     m = _GUTENBERG_START.search(text)
     if m is None:
         return text
-    body = text[m.end():]
+    body = text[m.end() :]
     e = _GUTENBERG_END.search(body)
     if e is not None:
         body = body[: e.start()]
@@ -89,8 +89,9 @@ def expand_paths(paths: list[str]) -> list[str]:
         if p.startswith("hf:"):
             out.append(p)
         elif os.path.isdir(p):
-            found = sorted(os.path.join(root, f) for root, _, files in os.walk(p) for f in files
-                           if f.lower().endswith(TEXT_SUFFIXES))
+            found = sorted(
+                os.path.join(root, f) for root, _, files in os.walk(p) for f in files if f.lower().endswith(TEXT_SUFFIXES)
+            )
             if not found:
                 raise FileNotFoundError(f"--data {p}: directory has no {'/'.join(TEXT_SUFFIXES)} files")
             out.extend(found)
@@ -115,8 +116,10 @@ class TextCheck:
     has_text: bool = False  # anything but whitespace
 
     def describe(self) -> str:
-        return (f"{self.path}:{self.first_invalid_line}: not UTF-8 ({self.invalid_bytes} undecodable byte(s) "
-                f"in the file, the first on line {self.first_invalid_line})")
+        return (
+            f"{self.path}:{self.first_invalid_line}: not UTF-8 ({self.invalid_bytes} undecodable byte(s) "
+            f"in the file, the first on line {self.first_invalid_line})"
+        )
 
 
 def _looks_binary(head: bytes) -> bool:
@@ -154,8 +157,7 @@ def check_text_file(path: str, chunk_bytes: int = 1 << 20, option: str = "--data
     return found
 
 
-def check_text_files(paths: list[str], accept_invalid_utf8: bool = False, warn=None,
-                     option: str = "--data") -> list[TextCheck]:
+def check_text_files(paths: list[str], accept_invalid_utf8: bool = False, warn=None, option: str = "--data") -> list[TextCheck]:
     """:func:`check_text_file` of every local file named by ``paths`` (``hf:`` specs skipped).
 
     Undecodable bytes are refused (``UsageError`` naming the file, the count, the first line and ``option``)
@@ -167,8 +169,9 @@ def check_text_files(paths: list[str], accept_invalid_utf8: bool = False, warn=N
         if not c.invalid_bytes:
             continue
         if not accept_invalid_utf8:
-            raise UsageError(f"{c.describe()}; convert the file to UTF-8, or pass --accept-invalid-utf8 to "
-                             f"read them as U+FFFD ({option})")
+            raise UsageError(
+                f"{c.describe()}; convert the file to UTF-8, or pass --accept-invalid-utf8 to read them as U+FFFD ({option})"
+            )
         if warn is not None:
             warn(f"{c.describe()}: read as U+FFFD (--accept-invalid-utf8)")
     return found
@@ -188,8 +191,9 @@ def _read_hf(spec: str, text_field: str) -> Iterator[str]:
             yield t
 
 
-def read_documents(paths: list[str], text_field: str = "text", gutenberg: bool = True,
-                   accept_invalid_utf8: bool = False) -> Iterator[str]:
+def read_documents(
+    paths: list[str], text_field: str = "text", gutenberg: bool = True, accept_invalid_utf8: bool = False
+) -> Iterator[str]:
     """Documents (strings) from ``paths`` in order (see the module docstring); empty ones skipped.
 
     Bytes that are not UTF-8 raise ``ValueError`` (file and line) unless ``accept_invalid_utf8``, which
@@ -202,8 +206,9 @@ def read_documents(paths: list[str], text_field: str = "text", gutenberg: bool =
         try:
             yield from _read_file_documents(path, text_field, gutenberg, errors)
         except UnicodeDecodeError as e:
-            raise ValueError(f"{check_text_file(path).describe()} ({e.reason}); pass --accept-invalid-utf8 to "
-                             "read them as U+FFFD (--data)") from e
+            raise ValueError(
+                f"{check_text_file(path).describe()} ({e.reason}); pass --accept-invalid-utf8 to read them as U+FFFD (--data)"
+            ) from e
 
 
 def _read_file_documents(path: str, text_field: str, gutenberg: bool, errors: str) -> Iterator[str]:
@@ -215,8 +220,7 @@ def _read_file_documents(path: str, text_field: str, gutenberg: bool, errors: st
                 try:
                     t = json.loads(line)[text_field]
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}:{n}: expected a JSON object with a {text_field!r} string "
-                                     "(--text-field)") from e
+                    raise ValueError(f"{path}:{n}: expected a JSON object with a {text_field!r} string (--text-field)") from e
                 if isinstance(t, str) and t.strip():
                     yield t
         return
@@ -270,13 +274,20 @@ def _fingerprint(paths: list[str], tokenizer, extra: dict) -> str:
     return h.hexdigest()[:20]
 
 
-def load_token_stream(paths: list[str], tokenizer, eos_id: int, cache_dir: str | None = None,
-                      text_field: str = "text", gutenberg: bool = True, accept_invalid_utf8: bool = False,
-                      log=None) -> np.ndarray:
+def load_token_stream(
+    paths: list[str],
+    tokenizer,
+    eos_id: int,
+    cache_dir: str | None = None,
+    text_field: str = "text",
+    gutenberg: bool = True,
+    accept_invalid_utf8: bool = False,
+    log=None,
+) -> np.ndarray:
     """:func:`tokenize_documents` of :func:`read_documents`, cached as ``.npy`` in ``cache_dir`` (keyed by
     the files' paths, sizes and mtimes, the tokenizer and the options). ``log(message)``, if given, is
     told before each step that may take a while: reading the cache, tokenizing, writing the cache."""
-    log = log or (lambda message: None)
+    log = log or (lambda _message: None)
     path = None
     if cache_dir is not None and not any(p.startswith("hf:") for p in paths):
         key = _fingerprint(paths, tokenizer, dict(eos=eos_id, field=text_field, gutenberg=gutenberg))
@@ -312,7 +323,7 @@ class PackedData:
     def sequences(self, idx) -> np.ndarray:
         """``[len(idx), seq_len]`` int64 tokens of the sequences ``self.index[idx]``."""
         starts = self.index[np.asarray(idx, dtype=np.int64)] * self.seq_len
-        return np.stack([self.tokens[s: s + self.seq_len] for s in starts]).astype(np.int64)
+        return np.stack([self.tokens[s : s + self.seq_len] for s in starts]).astype(np.int64)
 
     def fingerprint(self) -> str:
         h = hashlib.sha256()
@@ -322,8 +333,9 @@ class PackedData:
         return h.hexdigest()[:16]
 
 
-def split_train_val(tokens: np.ndarray, seq_len: int, val_sequences: int = 0, val_seed: int = 0,
-                    val_tokens: np.ndarray | None = None) -> tuple[PackedData, PackedData | None]:
+def split_train_val(
+    tokens: np.ndarray, seq_len: int, val_sequences: int = 0, val_seed: int = 0, val_tokens: np.ndarray | None = None
+) -> tuple[PackedData, PackedData | None]:
     """Training and validation sequences. With ``val_tokens`` (a separate held-out stream) all of
     ``tokens`` is training data; otherwise ``val_sequences`` sequences chosen with ``val_seed`` are held
     out (never trained on)."""
@@ -337,8 +349,10 @@ def split_train_val(tokens: np.ndarray, seq_len: int, val_sequences: int = 0, va
         if nv < 1:
             raise ValueError(f"validation data: {len(val_tokens)} tokens do not fill one sequence of {seq_len}")
         nv = min(nv, val_sequences) if val_sequences else nv
-        return (PackedData(tokens, seq_len, np.arange(n, dtype=np.int64)),
-                PackedData(val_tokens, seq_len, np.arange(nv, dtype=np.int64)))
+        return (
+            PackedData(tokens, seq_len, np.arange(n, dtype=np.int64)),
+            PackedData(val_tokens, seq_len, np.arange(nv, dtype=np.int64)),
+        )
     if val_sequences <= 0:
         return PackedData(tokens, seq_len, np.arange(n, dtype=np.int64)), None
     if val_sequences >= n:
@@ -378,7 +392,7 @@ class SequenceOrder:
         while count > 0:
             epoch, i = divmod(position, self.n)
             k = min(count, self.n - i)
-            out.append(self.perm(epoch)[i: i + k])
+            out.append(self.perm(epoch)[i : i + k])
             position += k
             count -= k
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
@@ -392,7 +406,7 @@ def rank_slice(global_idx: np.ndarray, rank: int, world: int) -> np.ndarray:
     if len(global_idx) % world:
         raise ValueError(f"global batch of {len(global_idx)} sequences does not split over {world} ranks")
     per = len(global_idx) // world
-    return global_idx[rank * per: (rank + 1) * per]
+    return global_idx[rank * per : (rank + 1) * per]
 
 
 def make_batch(seqs: np.ndarray, eos_id: int | None = None, varlen: bool = False) -> dict:

@@ -24,14 +24,19 @@ SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 
 def _wrap(tok_obj):
     """A transformers fast tokenizer around a ``tokenizers.Tokenizer`` with our special tokens."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 (lazy: transformers and tokenizers take seconds to import)
 
-    return PreTrainedTokenizerFast(tokenizer_object=tok_obj, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token=None, model_max_length=1_000_000_000)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok_obj,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token=None,
+        model_max_length=1_000_000_000,
+    )
 
 
-def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 4096, save_dir: str | None = None,
-                        min_frequency: int = 2):
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 4096, save_dir: str | None = None, min_frequency: int = 2):
     """Train a byte-level BPE (GPT-2 style byte alphabet, so every input is encodable and decoding is
     lossless) with ``vocab_size`` entries (256 bytes + 3 special tokens + merges).
 
@@ -48,16 +53,22 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 4096, save_dir: 
     Raises:
         ValueError: ``vocab_size`` < 259.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415 (lazy: transformers and tokenizers take seconds to import)
 
     if not isinstance(vocab_size, int) or vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size: expected an int >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens), "
-                         f"got {vocab_size!r}")
+        raise ValueError(
+            f"vocab_size: expected an int >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens), got {vocab_size!r}"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     hf = _wrap(tok)
     if save_dir is not None:
@@ -69,7 +80,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 4096, save_dir: 
 def load_tokenizer(name_or_path: str):
     """``AutoTokenizer.from_pretrained(name_or_path)`` (a local directory, or a Hub name when online).
     A tokenizer without an end-of-sequence token is refused: packing separates documents with it."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # noqa: PLC0415 (lazy: transformers and tokenizers take seconds to import)
 
     tok = AutoTokenizer.from_pretrained(name_or_path)
     if tokenizer_eos_id(tok) is None:

@@ -54,6 +54,7 @@ __all__ = [
 
 # -- where each rank's part lies --------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class ShardLayout:
     """One rank's contiguous part of a sequence of ``T`` tokens (along dim 1).
@@ -137,8 +138,9 @@ def shard_layout(total_length: int, world_size: int, rank: int, cu_seqlens=None)
     if total_length < world_size:
         raise ValueError(f"total_length: {total_length} tokens cannot give each of {world_size} ranks a token")
     documents = _as_offsets(cu_seqlens)
-    if documents is not None and (documents[0] != 0 or documents[-1] != total_length
-                                  or any(b <= a for a, b in zip(documents, documents[1:]))):
+    if documents is not None and (
+        documents[0] != 0 or documents[-1] != total_length or any(b <= a for a, b in zip(documents, documents[1:]))
+    ):
         raise ValueError(f"cu_seqlens: expected increasing offsets from 0 to {total_length}, got {documents}")
     bounds = tuple(i * total_length // world_size for i in range(world_size + 1))
     return ShardLayout(rank=rank, bounds=bounds, documents=documents)
@@ -150,6 +152,7 @@ def shard(x: torch.Tensor, layout: ShardLayout, dim: int = 1) -> torch.Tensor:
 
 
 # -- autograd-aware collectives ---------------------------------------------------------------------
+
 
 class _AllGather(torch.autograd.Function):
     """Stack every rank's ``x`` (same shape) into ``[world, ...]``; the gradient of a rank's ``x``
@@ -198,17 +201,19 @@ def _depend_on(x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
 
 # -- the op over parts ------------------------------------------------------------------------------
 
+
 def _check_layout(layout: ShardLayout, group, q: torch.Tensor, cu_seqlens) -> None:
     if layout.world_size != dist.get_world_size(group) or layout.rank != dist.get_rank(group):
-        raise ValueError(f"layout: made for rank {layout.rank} of {layout.world_size}, but this is rank "
-                         f"{dist.get_rank(group)} of {dist.get_world_size(group)} in the group")
+        raise ValueError(
+            f"layout: made for rank {layout.rank} of {layout.world_size}, but this is rank "
+            f"{dist.get_rank(group)} of {dist.get_world_size(group)} in the group"
+        )
     if q.shape[1] != layout.length:
         raise ValueError(f"q: expected {layout.length} tokens (this rank's part), got shape {tuple(q.shape)}")
     if layout.documents is not None and q.shape[0] != 1:
         raise ValueError(f"q: packed documents need batch size 1, got shape {tuple(q.shape)}")
     if cu_seqlens is not None and _as_offsets(cu_seqlens) != layout.local_offsets:
-        raise ValueError(f"cu_seqlens: expected this rank's offsets {layout.local_offsets}, got "
-                         f"{_as_offsets(cu_seqlens)}")
+        raise ValueError(f"cu_seqlens: expected this rank's offsets {layout.local_offsets}, got {_as_offsets(cu_seqlens)}")
 
 
 def _first_piece(args: Sequence[torch.Tensor], layout: ShardLayout):
@@ -309,8 +314,13 @@ def context_parallel(
     local_cu = layout.local_cu_seqlens(q.device)
 
     def local_passes():
-        o, states = op(*args, scale=scale, initial_state=_own_initial_state(initial_state, layout),
-                       output_final_state=True, cu_seqlens=local_cu)
+        o, states = op(
+            *args,
+            scale=scale,
+            initial_state=_own_initial_state(initial_state, layout),
+            output_final_state=True,
+            cu_seqlens=local_cu,
+        )
         o_P, P = _transition_pass(op, args, layout, scale) if layout.continues_previous else (None, None)
         return o, states, o_P, P
 
@@ -345,6 +355,7 @@ def _on_every_rank_or_none(fn, group, device):
 
 # -- short-convolution history ----------------------------------------------------------------------
 
+
 def _tails(x: torch.Tensor, width: int) -> torch.Tensor:
     """The last ``width`` tokens of ``x [B, T, D]``, zero-padded on the left when ``T < width``."""
     tail = x[:, -width:]
@@ -363,7 +374,7 @@ def _history(gathered: torch.Tensor, layout: ShardLayout, width: int) -> torch.T
         if have >= needed:
             break
         valid = min(width, layout.bounds[j + 1] - layout.bounds[j])
-        pieces.insert(0, gathered[j][:, width - valid:])
+        pieces.insert(0, gathered[j][:, width - valid :])
         have += valid
     zeros = gathered.new_zeros(gathered.shape[1], width, gathered.shape[3])
     if needed == 0:
@@ -389,6 +400,7 @@ def conv_histories(xs: Sequence[torch.Tensor], width: int, layout: ShardLayout, 
 
 # -- a scope the token mixers consult ---------------------------------------------------------------
 
+
 @dataclass
 class ContextParallel:
     """An active split: the layout and group, and counters of the calls routed through it."""
@@ -398,15 +410,23 @@ class ContextParallel:
     op_calls: int = 0
     conv_calls: int = 0
 
-    def run(self, op: Callable, *args, scale=None, initial_state=None, output_final_state=False,
-            cu_seqlens=None, **per_token_options):
+    def run(
+        self, op: Callable, *args, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, **per_token_options
+    ):
         # per-token options (the in-op q/k normalisation) act on every op call of the split alike
         self.op_calls += 1
         if per_token_options:
             op = functools.partial(op, **per_token_options)
-        return context_parallel(op, *args, layout=self.layout, group=self.group, scale=scale,
-                                initial_state=initial_state, output_final_state=output_final_state,
-                                cu_seqlens=cu_seqlens)
+        return context_parallel(
+            op,
+            *args,
+            layout=self.layout,
+            group=self.group,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
+        )
 
     def conv_states(self, xs: Sequence[torch.Tensor], width: int) -> tuple[torch.Tensor, ...]:
         self.conv_calls += 1

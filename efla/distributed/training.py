@@ -33,8 +33,7 @@ class ContextParallelTraining:
     data_world: int
 
 
-def setup_context_parallel(size: int, *, fsdp: bool = False,
-                           grad_checkpointing: bool = False) -> ContextParallelTraining:
+def setup_context_parallel(size: int, *, fsdp: bool = False, grad_checkpointing: bool = False) -> ContextParallelTraining:
     """Create the context-parallel groups (every rank must call this, in the same order)."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("context_parallel: needs several processes (torchrun --nproc_per_node N)")
@@ -44,11 +43,13 @@ def setup_context_parallel(size: int, *, fsdp: bool = False,
     if fsdp:
         raise ValueError("context_parallel: not supported with fsdp (use DDP)")
     if grad_checkpointing:
-        raise ValueError("context_parallel: not supported with grad_checkpointing (the recomputation would "
-                         "run outside the split)")
+        raise ValueError(
+            "context_parallel: not supported with grad_checkpointing (the recomputation would run outside the split)"
+        )
     groups = [dist.new_group(list(range(first, first + size))) for first in range(0, world, size)]
-    return ContextParallelTraining(size=size, group=groups[rank // size], rank=rank % size,
-                                   data_rank=rank // size, data_world=world // size)
+    return ContextParallelTraining(
+        size=size, group=groups[rank // size], rank=rank % size, data_rank=rank // size, data_world=world // size
+    )
 
 
 def next_token_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,7 +76,8 @@ def _check_routed(context: ContextParallel, model) -> None:
             f"context_parallel: the forward ran {context.op_calls} recurrence op(s) and {context.conv_calls} "
             f"convolution history exchange(s) through the split, expected {expected[0]} and {expected[1]}: the "
             "token mixers must call their op through efla.distributed.context_parallel_aware and take their "
-            "convolution caches from efla.distributed.context_parallel_conv_states")
+            "convolution caches from efla.distributed.context_parallel_conv_states"
+        )
 
 
 def context_parallel_lm_loss(model, batch: dict, cp: ContextParallelTraining) -> torch.Tensor:
@@ -91,8 +93,7 @@ def context_parallel_lm_loss(model, batch: dict, cp: ContextParallelTraining) ->
     target = next_token_targets(batch.get("labels", ids), cu_seqlens)
     layout = shard_layout(ids.shape[1], cp.size, cp.rank, cu_seqlens)
     with context_parallel_scope(layout, cp.group) as context:
-        logits = model(input_ids=shard(ids, layout), cu_seqlens=layout.local_cu_seqlens(ids.device),
-                       use_cache=False).logits
+        logits = model(input_ids=shard(ids, layout), cu_seqlens=layout.local_cu_seqlens(ids.device), use_cache=False).logits
     _check_routed(context, model)
     part = shard(target, layout)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -52,7 +52,7 @@ def output_dir(path: str, option: str = "--out") -> None:
 
 
 def device(name: str, option: str = "--device") -> None:
-    import torch
+    import torch  # noqa: PLC0415 (lazy: option checks answer before torch loads)
 
     kind = name.split(":")[0]
     if kind not in ("auto", "cpu", "cuda"):

@@ -14,18 +14,29 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from efla.errors import CheckpointError
 
 from . import harness
 
-__all__ = ["CKPT_FILES", "CheckpointError", "list_checkpoints", "verify_checkpoint", "find_resume_checkpoint",
-           "load_checkpoint_state", "rng_state", "set_rng_state", "write_checkpoint"]
+__all__ = [
+    "CKPT_FILES",
+    "CheckpointError",
+    "list_checkpoints",
+    "verify_checkpoint",
+    "find_resume_checkpoint",
+    "load_checkpoint_state",
+    "rng_state",
+    "set_rng_state",
+    "write_checkpoint",
+]
 
 CKPT_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "trainer_state.json")
 
@@ -118,8 +129,11 @@ def find_resume_checkpoint(out: str) -> str | None:
                 break
             except CheckpointError:
                 continue
-        hint = (f"The previous good checkpoint is {good}: resume from it with --resume-from {good} "
-                f"(or delete {latest})." if good else "No earlier good checkpoint exists.")
+        hint = (
+            f"The previous good checkpoint is {good}: resume from it with --resume-from {good} (or delete {latest})."
+            if good
+            else "No earlier good checkpoint exists."
+        )
         raise CheckpointError(f"refusing to resume from the latest checkpoint: {e}. {hint}") from e
 
 
@@ -127,9 +141,11 @@ def rng_state() -> dict:
     """This process's RNG states as tensors, ints and lists only (loadable with ``weights_only=True``)."""
     version, mt_state, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    st = {"python": [version, torch.tensor(mt_state, dtype=torch.int64), gauss],
-          "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
-          "torch": torch.get_rng_state()}
+    st = {
+        "python": [version, torch.tensor(mt_state, dtype=torch.int64), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         st["cuda"] = torch.cuda.get_rng_state()
     return st
@@ -157,7 +173,6 @@ def load_checkpoint_state(path: str):
     Raises:
         CheckpointError: the file holds anything else (a crafted pickle, or an object that needs code).
     """
-    import pickle
 
     try:
         with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):  # RNG states of checkpoints before 0.1.1
@@ -165,18 +180,27 @@ def load_checkpoint_state(path: str):
     except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError, EOFError) as e:
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         reason = next((ln for ln in lines if "unsupported global" in ln.lower()), lines[-1] if lines else type(e).__name__)
-        raise CheckpointError(f"{path}: refused: it holds more than tensors and plain values, and loading it "
-                              f"could run code ({reason[:200]})") from None
+        raise CheckpointError(
+            f"{path}: refused: it holds more than tensors and plain values, and loading it could run code ({reason[:200]})"
+        ) from None
 
 
 _NUMPY_CORE = getattr(np, "_core", None) or np.core
 _NUMPY_ARRAY_GLOBALS = [_NUMPY_CORE.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
-def write_checkpoint(out: str, step: int, *, model_state: dict, optimizer_state: dict, scheduler_state: dict,
-                     rng_states: list, trainer_state: dict, keep: int) -> str:
+def write_checkpoint(
+    out: str,
+    step: int,
+    *,
+    model_state: dict,
+    optimizer_state: dict,
+    scheduler_state: dict,
+    rng_states: list,
+    trainer_state: dict,
+    keep: int,
+) -> str:
     """Writes ``out/checkpoints/step-<step>`` atomically and keeps only the newest ``keep`` checkpoints."""
-    from safetensors.torch import save_file
 
     root = os.path.join(out, "checkpoints")
     os.makedirs(root, exist_ok=True)
@@ -184,8 +208,9 @@ def write_checkpoint(out: str, step: int, *, model_state: dict, optimizer_state:
     tmp = os.path.join(root, f".tmp-step-{step:07d}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    save_file({k: v.contiguous() for k, v in model_state.items()}, os.path.join(tmp, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in model_state.items()}, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"}
+    )
     torch.save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
     torch.save(scheduler_state, os.path.join(tmp, "scheduler.pt"))
     torch.save(rng_states, os.path.join(tmp, "rng.pt"))
@@ -196,7 +221,7 @@ def write_checkpoint(out: str, step: int, *, model_state: dict, optimizer_state:
         shutil.rmtree(path)
     os.rename(tmp, path)
     _fsync_dir(root)
-    for old in list_checkpoints(out)[:-max(1, keep)]:
+    for old in list_checkpoints(out)[: -max(1, keep)]:
         shutil.rmtree(old, ignore_errors=True)
     return path
 

@@ -12,9 +12,12 @@ from __future__ import annotations
 import os
 import time
 
+from efla.data import load_digits_sequences
+from efla.data.mad_tasks import MADSetting, make_dataset
 from efla.variants import colour, label
 
 from . import harness
+from .mad.training import RunConfig, train_run
 from .onestep import one_step_table
 from .robustness.model import TrainConfig, evaluate_perturbations, train_classifier
 from .timing import op_timings
@@ -27,8 +30,7 @@ PART_SHARE = {"one_step": 0.01, "robustness": 0.40, "mad": 0.54, "cpu_timings": 
 # Fewer epochs than this is a smoke run: the MAD part trains as few epochs and one small shape is timed.
 SMOKE_EPOCHS = 3
 SMOKE_TIMING_SHAPES = ((1, 128, 2, 32),)
-PART_TITLE = {"one_step": "(a) one step", "robustness": "(b) digits", "mad": "(c) MAD recall",
-              "cpu_timings": "(d) CPU timings"}
+PART_TITLE = {"one_step": "(a) one step", "robustness": "(b) digits", "mad": "(c) MAD recall", "cpu_timings": "(d) CPU timings"}
 
 
 def _cpu_times() -> tuple[int, int] | None:
@@ -76,9 +78,6 @@ DEMO_LEVELS = {"scale": [1.0, 2.0, 3.0, 5.0, 10.0], "noise": [0.0, 0.2, 0.4, 0.6
 def run_mad_demo_task(quick: bool = False, epochs: int | None = None, progress_factory=None) -> dict:
     """In-context recall at a small size (vocab 16, length 64, 1024 training sequences), EFLA vs
     DeltaNet with the MAD backbone (width 64, 4 heads) and the MAD recipe, on the CPU."""
-    from efla.data.mad_tasks import MADSetting, make_dataset
-
-    from .mad.training import RunConfig, train_run
 
     setting = MADSetting("in-context-recall", 16, 64, num_train_examples=1024, num_test_examples=256)
     dataset = make_dataset(setting)
@@ -94,10 +93,10 @@ def run_mad_demo_task(quick: bool = False, epochs: int | None = None, progress_f
     return out
 
 
-def run_demo(quick: bool = False, progress_factory=None, log=lambda msg: None, epochs: int | None = None,
-             on_part_done=lambda res: None) -> dict:
+def run_demo(
+    quick: bool = False, progress_factory=None, log=lambda _msg: None, epochs: int | None = None, on_part_done=lambda _res: None
+) -> dict:
     """Runs the four parts; ``on_part_done(res)`` is called after each with the results so far."""
-    from efla.data import load_digits_sequences
 
     smoke = epochs is not None and epochs < SMOKE_EPOCHS
     mad_epochs = epochs if smoke else None
@@ -119,8 +118,15 @@ def run_demo(quick: bool = False, progress_factory=None, log=lambda msg: None, e
     log("(b) EFLA vs DeltaNet on the embedded 8x8 digits (scikit-learn, no download)")
     data = load_digits_sequences()
     epochs = epochs or (12 if quick else 30)
-    robustness = {"dataset": data.source, "n_train": len(data.x_train), "n_test": len(data.x_test),
-                  "epochs": epochs, "lr": 3e-3, "levels": DEMO_LEVELS, "rules": {}}
+    robustness = {
+        "dataset": data.source,
+        "n_train": len(data.x_train),
+        "n_test": len(data.x_test),
+        "epochs": epochs,
+        "lr": 3e-3,
+        "levels": DEMO_LEVELS,
+        "rules": {},
+    }
     for rule in ("exact", "euler"):
         cfg = TrainConfig(rule=rule, lr=3e-3, epochs=epochs, batch_size=64, width=64, seed=0)
         steps = epochs * -(-len(data.x_train) // cfg.batch_size)
@@ -130,8 +136,13 @@ def run_demo(quick: bool = False, progress_factory=None, log=lambda msg: None, e
             bar.close()
         ev = evaluate_perturbations(model, data, DEMO_LEVELS)
         stiff = model.stiffness(data.x_test[:200] * 5.0)
-        robustness["rules"][rule] = dict(losses=tr.losses, final_train_loss=tr.final_train_loss, eval=ev,
-                                         stiffness_x5_median=stiff.median().item(), stiffness_x5_max=stiff.max().item())
+        robustness["rules"][rule] = dict(
+            losses=tr.losses,
+            final_train_loss=tr.final_train_loss,
+            eval=ev,
+            stiffness_x5_median=stiff.median().item(),
+            stiffness_x5_max=stiff.max().item(),
+        )
     res["robustness"] = robustness
     finished("robustness")
 
@@ -161,8 +172,13 @@ def side_by_side(res: dict) -> list[tuple[str, str, str]]:
         me = sum(e[kind]["accuracy"]) / len(e[kind]["accuracy"])
         md = sum(d[kind]["accuracy"]) / len(d[kind]["accuracy"])
         rows.append((f"digits: mean accuracy over {kind} levels", f"{me:.3f}", f"{md:.3f}"))
-    rows.append(("digits: median beta*||k||^2 at x5 intensity", f"{rb['exact']['stiffness_x5_median']:.2f}",
-                 f"{rb['euler']['stiffness_x5_median']:.2f}"))
+    rows.append(
+        (
+            "digits: median beta*||k||^2 at x5 intensity",
+            f"{rb['exact']['stiffness_x5_median']:.2f}",
+            f"{rb['euler']['stiffness_x5_median']:.2f}",
+        )
+    )
     return rows + _mad_rows(res)
 
 
@@ -245,30 +261,47 @@ def write_demo_outputs(res: dict, out_dir: str) -> list[str]:
 
 
 def one_step_rows_table(res: dict) -> harness.Table:
-    table = harness.Table(title="(a) One step: exact flow vs Euler",
-                          columns=["β·λ", "Euler eigenvalue 1−βλ", "EFLA eigenvalue exp(−βλ)",
-                                   "‖S_exact − S_Euler‖/‖S_0‖", "Euler"], right={0, 1, 2, 3, 4})
+    table = harness.Table(
+        title="(a) One step: exact flow vs Euler",
+        columns=["β·λ", "Euler eigenvalue 1−βλ", "EFLA eigenvalue exp(−βλ)", "‖S_exact − S_Euler‖/‖S_0‖", "Euler"],
+        right={0, 1, 2, 3, 4},
+    )
     for r in res["one_step"]:
-        table.add_row(f"{r['beta_lambda']:g}", f"{r['euler_eigenvalue']:+.4f}", f"{r['exact_eigenvalue']:.4f}",
-                      f"{r['one_step_rel_diff']:.2e}", "[red]expands[/red]" if r["euler_expands"] else "contracts")
+        table.add_row(
+            f"{r['beta_lambda']:g}",
+            f"{r['euler_eigenvalue']:+.4f}",
+            f"{r['exact_eigenvalue']:.4f}",
+            f"{r['one_step_rel_diff']:.2e}",
+            "[red]expands[/red]" if r["euler_expands"] else "contracts",
+        )
     return table
 
 
 def side_by_side_table(res: dict) -> harness.Table:
-    table = harness.Table(title="(b, c) EFLA vs DeltaNet, side by side (small CPU runs, one seed)",
-                          columns=["metric", "EFLA", "DeltaNet"], right={1, 2})
+    table = harness.Table(
+        title="(b, c) EFLA vs DeltaNet, side by side (small CPU runs, one seed)",
+        columns=["metric", "EFLA", "DeltaNet"],
+        right={1, 2},
+    )
     for row in side_by_side(res) or _mad_rows(res):
         table.add_row(*row)
     return table
 
 
 def timings_table(res: dict) -> harness.Table:
-    table = harness.Table(title="(d) CPU time, float32 (median ms)",
-                          columns=["[B, T, H, D]", "chunk fwd", "recurrent fwd", "chunk fwd+bwd", "recurrent fwd+bwd"],
-                          right={0, 1, 2, 3, 4})
+    table = harness.Table(
+        title="(d) CPU time, float32 (median ms)",
+        columns=["[B, T, H, D]", "chunk fwd", "recurrent fwd", "chunk fwd+bwd", "recurrent fwd+bwd"],
+        right={0, 1, 2, 3, 4},
+    )
     for t in res["cpu_timings"]:
-        table.add_row(str(t["shape"]), f"{t['chunk_fwd_ms']:.1f}", f"{t['recurrent_fwd_ms']:.1f}",
-                      f"{t['chunk_fwd_bwd_ms']:.1f}", f"{t['recurrent_fwd_bwd_ms']:.1f}")
+        table.add_row(
+            str(t["shape"]),
+            f"{t['chunk_fwd_ms']:.1f}",
+            f"{t['recurrent_fwd_ms']:.1f}",
+            f"{t['chunk_fwd_bwd_ms']:.1f}",
+            f"{t['recurrent_fwd_bwd_ms']:.1f}",
+        )
     return table
 
 
@@ -285,12 +318,15 @@ def demo_tables(res: dict) -> list[harness.Table]:
 
 
 def _report_lines(res: dict) -> list[str]:
-    lines = ["# EFLA demo", "",
-             "A small CPU demonstration (minutes, no downloads). The full experiments are `efla robustness`, "
-             "`efla lr-sweep`, `efla mad`, `efla train` and `efla eval` (see the README).", ""]
+    lines = [
+        "# EFLA demo",
+        "",
+        "A small CPU demonstration (minutes, no downloads). The full experiments are `efla robustness`, "
+        "`efla lr-sweep`, `efla mad`, `efla train` and `efla eval` (see the README).",
+        "",
+    ]
     if "one_step" in res:
-        lines += ["## One step: exact flow vs Euler", "", "![one step](one_step.png)", "",
-                  *one_step_rows_table(res).markdown()]
+        lines += ["## One step: exact flow vs Euler", "", "![one step](one_step.png)", "", *one_step_rows_table(res).markdown()]
     if "robustness" in res or "mad" in res:
         lines += ["", "## EFLA vs DeltaNet", ""] + (["![robustness](robustness.png)", ""] if "robustness" in res else [])
         lines += side_by_side_table(res).markdown()
@@ -299,7 +335,11 @@ def _report_lines(res: dict) -> list[str]:
     missing = [PART_TITLE[p] for p in PART_SHARE if p not in res]
     if missing:
         lines += ["", f"Not finished yet: {', '.join(missing)} (the demo was still running or was interrupted)."]
-    lines += ["", f"{'Time so far' if missing else 'Total time'}: {res.get('seconds', 0):.0f} s. "
-              "One seed on a tiny dataset: read it as an illustration, "
-              "not as evidence; `docs/results/` holds the recorded runs.", ""]
+    lines += [
+        "",
+        f"{'Time so far' if missing else 'Total time'}: {res.get('seconds', 0):.0f} s. "
+        "One seed on a tiny dataset: read it as an illustration, "
+        "not as evidence; `docs/results/` holds the recorded runs.",
+        "",
+    ]
     return lines

@@ -17,17 +17,30 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["versions", "default_device", "command_line", "Provenance", "atomic_write", "atomic_write_json", "atomic_write_csv",
-           "atomic_save_figure", "write_records", "read_records", "recorded", "progress_factory", "Table"]
+__all__ = [
+    "versions",
+    "default_device",
+    "command_line",
+    "Provenance",
+    "atomic_write",
+    "atomic_write_json",
+    "atomic_write_csv",
+    "atomic_save_figure",
+    "write_records",
+    "read_records",
+    "recorded",
+    "progress_factory",
+    "Table",
+]
 
 
 def versions(*extra_modules: str) -> dict:
     """Versions of efla, torch, python and ``extra_modules`` (those installed), the machine and the GPU."""
-    import importlib
+    import importlib  # noqa: PLC0415 (lazy: the command line's helpers answer before torch loads)
 
-    import torch
+    import torch  # noqa: PLC0415 (lazy: the command line's helpers answer before torch loads)
 
-    import efla
+    import efla  # noqa: PLC0415 (lazy: the command line's helpers answer before torch loads)
 
     found = {"efla": efla.__version__, "torch": torch.__version__}
     for name in extra_modules:
@@ -36,15 +49,18 @@ def versions(*extra_modules: str) -> dict:
         except ImportError:
             continue
         found[name] = getattr(module, "__version__", "installed")
-    found.update(python=platform.python_version(), machine=platform.machine(),
-                 cuda_device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+    found.update(
+        python=platform.python_version(),
+        machine=platform.machine(),
+        cuda_device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    )
     return found
 
 
 def default_device() -> str:
     """``cuda`` when a GPU is usable, else ``cpu`` (the default of the experiments' ``--device``)."""
     try:
-        import torch
+        import torch  # noqa: PLC0415 (lazy: the command line's helpers answer before torch loads)
 
         return "cuda" if torch.cuda.is_available() else "cpu"
     except Exception:  # noqa: BLE001  a broken CUDA setup must not break ``efla --help``
@@ -71,8 +87,9 @@ class Provenance:
         return time.time() - self.started
 
     def record(self, *extra_modules: str) -> dict:
-        return dict(command=self.command, versions=versions(*extra_modules), device=self.device,
-                    wall_seconds=round(self.wall_seconds, 3))
+        return dict(
+            command=self.command, versions=versions(*extra_modules), device=self.device, wall_seconds=round(self.wall_seconds, 3)
+        )
 
 
 def _atomic_replace(path: str, write, binary: bool) -> None:
@@ -98,7 +115,7 @@ def atomic_write(path: str, text: str) -> None:
 
 def atomic_save_torch(path: str, obj) -> None:
     """``torch.save(obj)`` to ``path`` in one step, like :func:`atomic_write`."""
-    import torch
+    import torch  # noqa: PLC0415 (lazy: the command line's helpers answer before torch loads)
 
     _atomic_replace(path, lambda f: torch.save(obj, f), binary=True)
 
@@ -183,7 +200,7 @@ class Table:
         self.rows.append([str(c) for c in cells])
 
     def rich(self):
-        from rich.table import Table as RichTable
+        from rich.table import Table as RichTable  # noqa: PLC0415 (lazy: the command line's helpers answer before torch loads)
 
         table = RichTable(title=self.title)
         for i, name in enumerate(self.columns):
@@ -194,13 +211,12 @@ class Table:
 
     def markdown(self) -> list[str]:
         """The table's lines in Markdown (no title: the caller writes the heading it wants)."""
-        from rich.text import Text
+        from rich.text import Text  # noqa: PLC0415 (lazy: the command line's helpers answer before torch loads)
 
         def plain(cell: str) -> str:
             return Text.from_markup(cell).plain.replace("|", "\\|")
 
-        lines = ["| " + " | ".join(plain(c) for c in self.columns) + " |",
-                 "| " + " | ".join("---" for _ in self.columns) + " |"]
+        lines = ["| " + " | ".join(plain(c) for c in self.columns) + " |", "| " + " | ".join("---" for _ in self.columns) + " |"]
         for i, row in enumerate(self.rows):
             cells = [plain(c) for c in row]
             if i in self.bold_rows:

@@ -42,20 +42,20 @@ def check_out_dir(path: str, overwrite: bool) -> None:
     if overwrite or is_efla_run(path) or not os.listdir(path):
         return
     shown = ", ".join(sorted(os.listdir(path))[:4])
-    raise UsageError(f"{path} is not empty and holds no efla run ({shown}...); choose a new or empty directory, "
-                     "or pass --overwrite to write into it anyway (--out)")
+    raise UsageError(
+        f"{path} is not empty and holds no efla run ({shown}...); choose a new or empty directory, "
+        "or pass --overwrite to write into it anyway (--out)"
+    )
 
 
 def _holder_record(command: str) -> dict:
-    return dict(pid=os.getpid(), host=socket.gethostname(), command=command,
-                started=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    return dict(pid=os.getpid(), host=socket.gethostname(), command=command, started=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 
 def _describe_holder(record: dict) -> str:
     if not record:
         return "another process"
-    return (f"pid {record.get('pid')} on {record.get('host')} since {record.get('started')} "
-            f"({record.get('command')})")
+    return f"pid {record.get('pid')} on {record.get('host')} since {record.get('started')} ({record.get('command')})"
 
 
 @dataclass
@@ -67,7 +67,7 @@ class RunLock:
     stale_holder: dict | None = None
 
     def release(self) -> None:
-        import fcntl
+        import fcntl  # noqa: PLC0415 (lazy: POSIX only; elsewhere runs go unlocked)
 
         if self.fd < 0:
             return
@@ -93,7 +93,7 @@ def claim_run_dir(path: str, command: str | None = None) -> RunLock:
     Raises:
         UsageError: another live process holds the lock (the message names it).
     """
-    import fcntl
+    import fcntl  # noqa: PLC0415 (lazy: POSIX only; elsewhere runs go unlocked)
 
     os.makedirs(path, exist_ok=True)
     fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
@@ -102,8 +102,9 @@ def claim_run_dir(path: str, command: str | None = None) -> RunLock:
     except BlockingIOError:
         holder = _read_record(fd)
         os.close(fd)
-        raise UsageError(f"{path} is in use by {_describe_holder(holder)}; wait for it to finish or choose "
-                         "another directory (--out)") from None
+        raise UsageError(
+            f"{path} is in use by {_describe_holder(holder)}; wait for it to finish or choose another directory (--out)"
+        ) from None
     stale = _read_record(fd) or None
     record = json.dumps(_holder_record(command or "efla " + " ".join(sys.argv[1:])))
     os.ftruncate(fd, 0)

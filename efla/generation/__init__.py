@@ -10,5 +10,14 @@ from .engine import Bucket, DecodeEngine, bucket_size, engine_for, release
 from .generate import generate
 from .sampling import choose_tokens, filter_logits, sampling_rows
 
-__all__ = ["generate", "DecodeEngine", "Bucket", "bucket_size", "engine_for", "release", "choose_tokens",
-           "filter_logits", "sampling_rows"]
+__all__ = [
+    "generate",
+    "DecodeEngine",
+    "Bucket",
+    "bucket_size",
+    "engine_for",
+    "release",
+    "choose_tokens",
+    "filter_logits",
+    "sampling_rows",
+]

@@ -142,11 +142,15 @@ class DecodeEngine:
         if size not in self.buckets:
             dev = self.device
             self.buckets[size] = Bucket(
-                size=size, slots=torch.full((size,), self.scratch_slot, dtype=torch.long, device=dev),
+                size=size,
+                slots=torch.full((size,), self.scratch_slot, dtype=torch.long, device=dev),
                 tokens=torch.zeros(size, dtype=torch.long, device=dev),
                 finished=torch.zeros(size, dtype=torch.bool, device=dev),
-                temperature=torch.zeros(size, device=dev), top_k=torch.zeros(size, dtype=torch.long, device=dev),
-                top_p=torch.ones(size, device=dev), noise=torch.ones(size, self.vocab, device=dev))
+                temperature=torch.zeros(size, device=dev),
+                top_k=torch.zeros(size, dtype=torch.long, device=dev),
+                top_p=torch.ones(size, device=dev),
+                noise=torch.ones(size, self.vocab, device=dev),
+            )
         return self.buckets[size]
 
     def assign(self, bucket: Bucket, slots: torch.Tensor) -> None:
@@ -156,8 +160,7 @@ class DecodeEngine:
         bucket.slots.fill_(self.scratch_slot)
         bucket.slots[:n] = slots
         bucket.finished.fill_(True)
-        bucket.first_rows = not self.use_graphs and n == bucket.size and torch.equal(
-            slots.cpu(), torch.arange(n))
+        bucket.first_rows = not self.use_graphs and n == bucket.size and torch.equal(slots.cpu(), torch.arange(n))
         self._views = None
 
     def set_stop_tokens(self, stop_tokens: list[int], pad_token: int) -> None:
@@ -165,7 +168,7 @@ class DecodeEngine:
             raise ValueError(f"eos_token_id: at most {MAX_STOP_TOKENS} stop tokens, got {len(stop_tokens)}")
         self.stop_tokens.fill_(-1)
         if stop_tokens:
-            self.stop_tokens[:len(stop_tokens)] = torch.tensor(stop_tokens, dtype=torch.long)
+            self.stop_tokens[: len(stop_tokens)] = torch.tensor(stop_tokens, dtype=torch.long)
         self.pad_token.fill_(int(pad_token))
 
     def is_stop_token(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -223,11 +226,15 @@ class DecodeEngine:
         bucket = self.prefill_buckets.get(shape)
         if bucket is None:
             r, n, dev = *shape, self.device
-            bucket = PrefillBucket(r, n, ids=torch.zeros(r, n, dtype=torch.long, device=dev),
-                                   lengths=torch.ones(r, dtype=torch.long, device=dev),
-                                   slots=torch.full((r,), self.scratch_slot, dtype=torch.long, device=dev),
-                                   fresh=torch.ones(r, dtype=torch.bool, device=dev),
-                                   logits=torch.zeros(r, self.vocab, device=dev))
+            bucket = PrefillBucket(
+                r,
+                n,
+                ids=torch.zeros(r, n, dtype=torch.long, device=dev),
+                lengths=torch.ones(r, dtype=torch.long, device=dev),
+                slots=torch.full((r,), self.scratch_slot, dtype=torch.long, device=dev),
+                fresh=torch.ones(r, dtype=torch.bool, device=dev),
+                logits=torch.zeros(r, self.vocab, device=dev),
+            )
             if self.use_graphs:
                 self.prefill_buckets[shape] = bucket
         return bucket
@@ -243,12 +250,14 @@ class DecodeEngine:
         n, scratch = len(pieces), self.scratch_slot
         ids = torch.zeros(bucket.rows, bucket.length, dtype=torch.long)
         for row, piece in enumerate(pieces):
-            ids[row, :len(piece)] = torch.tensor(piece, dtype=torch.long)
+            ids[row, : len(piece)] = torch.tensor(piece, dtype=torch.long)
         padding_rows = bucket.rows - n
-        for static, values in ((bucket.ids, ids),
-                               (bucket.lengths, torch.tensor([len(p) for p in pieces] + [1] * padding_rows)),
-                               (bucket.slots, torch.tensor(list(slots) + [scratch] * padding_rows)),
-                               (bucket.fresh, torch.tensor(list(fresh) + [True] * padding_rows))):
+        for static, values in (
+            (bucket.ids, ids),
+            (bucket.lengths, torch.tensor([len(p) for p in pieces] + [1] * padding_rows)),
+            (bucket.slots, torch.tensor(list(slots) + [scratch] * padding_rows)),
+            (bucket.fresh, torch.tensor(list(fresh) + [True] * padding_rows)),
+        ):
             static.copy_(values.pin_memory() if self.device.type == "cuda" else values, non_blocking=True)
         if self.use_graphs:
             bucket.graph.replay()
@@ -279,8 +288,9 @@ class DecodeEngine:
             with unchecked_values():  # the model's own inputs: no value read back (none can be while captured)
                 positions = torch.arange(bucket.length, device=self.device)
                 mask = (positions < bucket.lengths[:, None]).long()
-                hidden = self.decoder(input_ids=bucket.ids, attention_mask=mask, past_key_values=cache,
-                                      use_cache=True).last_hidden_state
+                hidden = self.decoder(
+                    input_ids=bucket.ids, attention_mask=mask, past_key_values=cache, use_cache=True
+                ).last_hidden_state
                 rows = torch.arange(bucket.rows, device=self.device)
                 last = hidden[rows, (bucket.lengths - 1).clamp(min=0)]
                 bucket.logits.copy_(self.head(last).float())
@@ -320,8 +330,13 @@ class DecodeEngine:
         bucket.tokens[:n] = tokens
         bucket.finished[:n] = self.is_stop_token(tokens)
 
-    def step(self, bucket: Bucket, sampling: bool, generator: torch.Generator | None = None,
-             fill_noise: Callable[[torch.Tensor], None] | None = None) -> None:
+    def step(
+        self,
+        bucket: Bucket,
+        sampling: bool,
+        generator: torch.Generator | None = None,
+        fill_noise: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
         """One decoding step of the whole bucket: ``bucket.tokens`` becomes the next token. When
         sampling, the step's ``Exp(1)`` noise ``[size, vocab]`` is drawn from ``generator``, or by
         ``fill_noise(bucket.noise)`` (a server draws each request's row from its own generator, so a
@@ -351,8 +366,9 @@ class DecodeEngine:
                     bucket.graphs[sampling] = self._capture(bucket, sampling)
 
     def _step(self, bucket: Bucket, sampling: bool) -> None:
-        hidden = self.decoder(input_ids=bucket.tokens[:, None], past_key_values=self._step_cache(bucket),
-                              use_cache=True).last_hidden_state
+        hidden = self.decoder(
+            input_ids=bucket.tokens[:, None], past_key_values=self._step_cache(bucket), use_cache=True
+        ).last_hidden_state
         logits = self.head(hidden[:, 0]).float()
         if sampling:
             tokens = choose_tokens(logits, bucket.temperature, bucket.top_k, bucket.top_p, bucket.noise)
@@ -392,8 +408,12 @@ def engine_for(model: torch.nn.Module, use_cuda_graph: bool | None = None) -> De
     engine = model.__dict__.get(_ENGINE_ATTR)
     weight = next(model.parameters())
     wanted = weight.device.type == "cuda" if use_cuda_graph is None else bool(use_cuda_graph)
-    if engine is None or engine.device != weight.device or engine.dtype != weight.dtype \
-            or engine.use_graphs != (wanted and weight.device.type == "cuda"):
+    if (
+        engine is None
+        or engine.device != weight.device
+        or engine.dtype != weight.dtype
+        or engine.use_graphs != (wanted and weight.device.type == "cuda")
+    ):
         release(model)
         engine = model.__dict__[_ENGINE_ATTR] = DecodeEngine(model, use_cuda_graph)
     return engine

@@ -14,10 +14,15 @@ _SYNC_EVERY_STREAMING = 2
 
 def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
     """Each row's real tokens (those under a 1 of the left-padding mask)."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (
-            torch.long, torch.int, torch.int16, torch.uint8):
-        raise ValueError(f"input_ids: expected an integer tensor [B, T], got "
-                         f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}")
+    if (
+        not isinstance(input_ids, torch.Tensor)
+        or input_ids.dim() != 2
+        or input_ids.dtype not in (torch.long, torch.int, torch.int16, torch.uint8)
+    ):
+        raise ValueError(
+            f"input_ids: expected an integer tensor [B, T], got "
+            f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}"
+        )
     if input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids: expected at least one row of at least one token, got {tuple(input_ids.shape)}")
     if attention_mask is None:
@@ -34,7 +39,7 @@ def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> li
     if bool((lengths == 0).any()):
         raise ValueError(f"attention_mask: row {int((lengths == 0).nonzero()[0])} has no token")
     ids = input_ids.long()
-    return [ids[i, ids.shape[1] - int(n):] for i, n in enumerate(lengths)]
+    return [ids[i, ids.shape[1] - int(n) :] for i, n in enumerate(lengths)]
 
 
 def _stop_tokens(model, eos_token_id) -> list[int]:
@@ -89,7 +94,7 @@ class _HostReads:
         """Queue the copies of the tokens made so far (for the streamer) and of the stop flag."""
         self.collect()
         all_finished = self.finished.all()
-        tokens = self.new_tokens[:, self.streamed:steps] if self.streamer is not None else None
+        tokens = self.new_tokens[:, self.streamed : steps] if self.streamer is not None else None
         if self.new_tokens.is_cuda:
             all_finished = all_finished.to("cpu", non_blocking=True)
             tokens = tokens.to("cpu", non_blocking=True) if tokens is not None else None
@@ -124,10 +129,21 @@ def _new_tokens_needed(new_tokens: torch.Tensor, steps: int, engine: DecodeEngin
 
 
 @torch.no_grad()
-def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 32,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             eos_token_id: int | list[int] | None = None, seed: int | None = None, streamer=None, *,
-             pad_token_id: int | None = None, use_cuda_graph: bool | None = None) -> torch.Tensor:
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | list[int] | None = None,
+    seed: int | None = None,
+    streamer=None,
+    *,
+    pad_token_id: int | None = None,
+    use_cuda_graph: bool | None = None,
+) -> torch.Tensor:
     """Generate up to ``max_new_tokens`` tokens after each prompt, like transformers'
     ``model.generate``, through the decoding engine (``efla.generation.DecodeEngine``).
 
@@ -168,8 +184,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     rows = torch.arange(batch, device=engine.device)
     engine.assign(bucket, rows)
     sampling = temperature > 0
-    for tensor, value in ((bucket.temperature, float(temperature)), (bucket.top_k, int(top_k or 0)),
-                          (bucket.top_p, 1.0 if top_p is None else float(top_p))):
+    for tensor, value in (
+        (bucket.temperature, float(temperature)),
+        (bucket.top_k, int(top_k or 0)),
+        (bucket.top_p, 1.0 if top_p is None else float(top_p)),
+    ):
         tensor.fill_(value)
     generator = _generator(engine.device, seed) if sampling else None
     if streamer is not None:

@@ -17,13 +17,14 @@ __all__ = ["filter_logits", "choose_tokens", "sampling_rows"]
 
 def sampling_rows(batch: int, temperature: float, top_k: int | None, top_p: float | None, device) -> tuple:
     """``(temperature, top_k, top_p)`` tensors of ``batch`` rows for one setting (``None``: off)."""
-    return (torch.full((batch,), float(temperature), dtype=torch.float32, device=device),
-            torch.full((batch,), int(top_k or 0), dtype=torch.long, device=device),
-            torch.full((batch,), 1.0 if top_p is None else float(top_p), dtype=torch.float32, device=device))
+    return (
+        torch.full((batch,), float(temperature), dtype=torch.float32, device=device),
+        torch.full((batch,), int(top_k or 0), dtype=torch.long, device=device),
+        torch.full((batch,), 1.0 if top_p is None else float(top_p), dtype=torch.float32, device=device),
+    )
 
 
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """``logits [B, V]`` (float32) divided by each row's temperature (rows at 0 stay as they are), then
     every token outside the row's top-k and top-p set to ``-inf``, as transformers' warpers do."""
     vocab = logits.shape[-1]
@@ -40,8 +41,9 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return scaled.masked_fill(outside_k | outside_p, float("-inf"))
 
 
-def choose_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  noise: torch.Tensor) -> torch.Tensor:
+def choose_tokens(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, noise: torch.Tensor
+) -> torch.Tensor:
     """The next token of every row: the argmax where the row's temperature is 0, else a draw from
     its filtered distribution using ``noise [B, V] ~ Exp(1)``."""
     greedy = logits.argmax(-1)

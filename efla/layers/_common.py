@@ -25,12 +25,18 @@ def _bare_linear(layer: nn.Module) -> bool:
     """Whether ``layer`` computes ``x @ weight.T`` and nothing else: a wrapped or hooked projection
     (PEFT's LoRA, accelerate's offloading, weight norm, a quantised weight) must run itself."""
     module = nn.modules.module
-    hooked = (layer._forward_hooks or layer._forward_pre_hooks or "forward" in layer.__dict__
-              or layer._backward_hooks or layer._backward_pre_hooks
-              or module._global_forward_hooks or module._global_forward_pre_hooks
-              or module._global_backward_hooks or module._global_backward_pre_hooks)
-    return (type(layer) is nn.Linear and type(layer.weight) is nn.Parameter and layer.bias is None
-            and not hooked)
+    hooked = (
+        layer._forward_hooks
+        or layer._forward_pre_hooks
+        or "forward" in layer.__dict__
+        or layer._backward_hooks
+        or layer._backward_pre_hooks
+        or module._global_forward_hooks
+        or module._global_forward_pre_hooks
+        or module._global_backward_hooks
+        or module._global_backward_pre_hooks
+    )
+    return type(layer) is nn.Linear and type(layer.weight) is nn.Parameter and layer.bias is None and not hooked
 
 
 class _StackedLinear(torch.autograd.Function):
@@ -72,8 +78,9 @@ def project(x: torch.Tensor, layers: list, fuse: bool) -> list[torch.Tensor]:
     return [layer(x) for layer in layers]
 
 
-def check_hidden_states(hidden_states: torch.Tensor, hidden_size: int,
-                        expected_dtype: torch.dtype | None = None) -> tuple[int, int]:
+def check_hidden_states(
+    hidden_states: torch.Tensor, hidden_size: int, expected_dtype: torch.dtype | None = None
+) -> tuple[int, int]:
     """``(B, T)`` of ``hidden_states [B, T, hidden_size]``; ``expected_dtype`` is the layer's own
     (its projections fail on another with an unrelated error)."""
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
@@ -87,9 +94,7 @@ def check_hidden_states(hidden_states: torch.Tensor, hidden_size: int,
     if not hidden_states.is_floating_point():
         raise ValueError(f"hidden_states: expected a floating-point tensor, got dtype {hidden_states.dtype}")
     if expected_dtype is not None and hidden_states.dtype != expected_dtype:
-        raise ValueError(
-            f"hidden_states: expected dtype {expected_dtype} (the layer's parameters), got {hidden_states.dtype}"
-        )
+        raise ValueError(f"hidden_states: expected dtype {expected_dtype} (the layer's parameters), got {hidden_states.dtype}")
     # checked here, not only by the op: a NaN or Inf would otherwise surface as a message about q or k
     if values_checked(hidden_states) and not all_finite(hidden_states):
         bad = (~torch.isfinite(hidden_states)).sum().item()
@@ -103,8 +108,9 @@ def check_num_v_heads(num_v_heads: int | None, num_heads: int) -> int:
         return num_heads
     is_count = isinstance(num_v_heads, int) and not isinstance(num_v_heads, bool)
     if not is_count or num_v_heads < 1 or num_v_heads % num_heads != 0:
-        raise ValueError(f"num_v_heads: expected a positive multiple of num_heads = {num_heads} "
-                         f"(or None for num_heads), got {num_v_heads!r}")
+        raise ValueError(
+            f"num_v_heads: expected a positive multiple of num_heads = {num_heads} (or None for num_heads), got {num_v_heads!r}"
+        )
     return num_v_heads
 
 
@@ -156,9 +162,7 @@ def get_layer_state(cache: Any, layer_idx: int | None) -> dict | None:
     if layer_idx is None:
         raise ValueError("layer_idx: a layer used with a cache needs its layer_idx set at construction")
     if not hasattr(cache, "get_layer_state") or not hasattr(cache, "update_layer_state"):
-        raise ValueError(
-            f"past_key_values: expected an efla cache (efla.models.EFLACache), got {type(cache).__name__}"
-        )
+        raise ValueError(f"past_key_values: expected an efla cache (efla.models.EFLACache), got {type(cache).__name__}")
     return cache.get_layer_state(layer_idx)
 
 
@@ -167,12 +171,13 @@ def empty_recurrent_state(layer, num_slots: int, device, dtype: torch.dtype) -> 
     matrix states in float32 (float64 for float64 models) and the q, k, v convolution histories
     ``[S, D, W]`` in the model's dtype (``None`` without short convolutions)."""
     state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    state = torch.zeros(num_slots, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, device=device,
-                        dtype=state_dtype)
+    state = torch.zeros(num_slots, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, device=device, dtype=state_dtype)
     conv = None
     if layer.use_short_conv:
-        conv = tuple(torch.zeros(num_slots, width, layer.conv_size, device=device, dtype=dtype)
-                     for width in (layer.key_dim, layer.key_dim, layer.value_dim))
+        conv = tuple(
+            torch.zeros(num_slots, width, layer.conv_size, device=device, dtype=dtype)
+            for width in (layer.key_dim, layer.key_dim, layer.value_dim)
+        )
     return {"recurrent_state": state, "conv_state": conv}
 
 

@@ -52,7 +52,7 @@ def _unpack_rows(x: torch.Tensor, cu_seqlens: torch.Tensor, fill) -> torch.Tenso
     out = x.new_full((len(lens), max(lens), *x.shape[2:]), fill)
     for row, (start, n) in enumerate(zip(cu[:-1], lens)):
         if n:
-            out[row, -n:] = x[0, start:start + n]
+            out[row, -n:] = x[0, start : start + n]
     return out
 
 
@@ -83,14 +83,24 @@ class Attention(nn.Module):
         torch.Size([2, 10, 64])
     """
 
-    def __init__(self, hidden_size: int = 2048, num_heads: int = 32, num_kv_heads: int | None = None,
-                 qkv_bias: bool = False, window_size: int | None = None, rope_theta: float = 10000.0,
-                 max_position_embeddings: int | None = None, layer_idx: int | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        hidden_size: int = 2048,
+        num_heads: int = 32,
+        num_kv_heads: int | None = None,
+        qkv_bias: bool = False,
+        window_size: int | None = None,
+        rope_theta: float = 10000.0,
+        max_position_embeddings: int | None = None,  # noqa: ARG002 (accepted from the model's configuration)
+        layer_idx: int | None = None,
+        **kwargs: Any,
+    ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or hidden_size % num_heads or (hidden_size // num_heads) % 2:
-            raise ValueError(f"num_heads: expected a divisor of hidden_size = {hidden_size} giving an even head dim, "
-                             f"got {num_heads}")
+            raise ValueError(
+                f"num_heads: expected a divisor of hidden_size = {hidden_size} giving an even head dim, got {num_heads}"
+            )
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads: expected a divisor of num_heads = {num_heads}, got {num_kv_heads}")
         if window_size is not None and window_size < 1:
@@ -107,15 +117,19 @@ class Attention(nn.Module):
         self.stats = None
 
     def extra_repr(self) -> str:
-        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"window_size={self.window_size}, rope_theta={self.rope_theta}")
+        return (
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"window_size={self.window_size}, rope_theta={self.rope_theta}"
+        )
 
     def empty_state(self, num_slots: int, device, dtype: torch.dtype, max_length: int | None = None) -> dict:
         """Key/value buffers for ``num_slots`` rows of ``max_length`` positions (a key's row index is
         its position) and each row's length, zeroed (see ``EFLACache.for_model``)."""
         if max_length is None or max_length < 1:
-            raise ValueError("max_length: a model with softmax-attention layers needs the positions to allocate "
-                             f"for its key/value buffers, got {max_length!r}")
+            raise ValueError(
+                "max_length: a model with softmax-attention layers needs the positions to allocate "
+                f"for its key/value buffers, got {max_length!r}"
+            )
         shape = (num_slots, max_length, self.num_kv_heads, self.head_dim)
         kv = (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
         return {"kv_pool": kv, "lengths": torch.zeros(num_slots, dtype=torch.long, device=device)}
@@ -125,8 +139,10 @@ class Attention(nn.Module):
         value at the row's length, attend over the positions up to it (within the window)."""
         B, T = hidden_states.shape[:2]
         if T != 1:
-            raise ValueError(f"hidden_states: a slot cache's attention layers take one token per row, got {T} "
-                             "(prefill into an EFLACache and copy it over with write_slots)")
+            raise ValueError(
+                f"hidden_states: a slot cache's attention layers take one token per row, got {T} "
+                "(prefill into an EFLACache and copy it over with write_slots)"
+            )
         keys, values = pool["kv_pool"]
         slots = cache.slots if cache.slots is not None else torch.arange(B, device=hidden_states.device)
         # rows past the buffer's end can only be the engine's scratch row (padding of a batch bucket)
@@ -189,24 +205,36 @@ class Attention(nn.Module):
         if cu_seqlens is not None:  # one cache row per packed sequence, as the linear layers keep
             k, v = _unpack_rows(k, cu_seqlens, 0), _unpack_rows(v, cu_seqlens, 0)
             k_pos = _unpack_rows(k_pos, cu_seqlens, -1)
-        cache.update_attention_state(self.layer_idx, keys=k, values=v, key_positions=k_pos,
-                                     next_position=next_position, window_size=self.window_size, offset=offset)
+        cache.update_attention_state(
+            self.layer_idx,
+            keys=k,
+            values=v,
+            key_positions=k_pos,
+            next_position=next_position,
+            window_size=self.window_size,
+            offset=offset,
+        )
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                past_key_values: Any = None, use_cache: bool | None = False, output_attentions: bool | None = False,
-                cu_seqlens: torch.Tensor | None = None, **kwargs: Any):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = False,
+        output_attentions: bool | None = False,  # noqa: ARG002 (accepted from the model's configuration)
+        cu_seqlens: torch.Tensor | None = None,
+        **kwargs: Any,
+    ):
         B, T = check_hidden_states(hidden_states, self.hidden_size, self.q_proj.weight.dtype)
         if cu_seqlens is not None and B != 1:
-            raise ValueError(
-                f"cu_seqlens: packed input needs batch size 1, got hidden_states {tuple(hidden_states.shape)}")
+            raise ValueError(f"cu_seqlens: packed input needs batch size 1, got hidden_states {tuple(hidden_states.shape)}")
         if current_context() is not None:
             raise ValueError("context parallelism: softmax-attention layers (config attn) do not support it")
         mask = padding_mask(attention_mask, B, T, cu_seqlens)
         last_state = get_layer_state(past_key_values, self.layer_idx)
         if last_state is not None and "kv_pool" in last_state:
             if mask is not None or cu_seqlens is not None:
-                raise ValueError("attention_mask, cu_seqlens: a slot cache's attention layers take one unpadded "
-                                 "token per row")
+                raise ValueError("attention_mask, cu_seqlens: a slot cache's attention layers take one unpadded token per row")
             return self._pool_step(hidden_states, last_state, past_key_values), None, past_key_values
         use_cache = bool(use_cache) and past_key_values is not None
 

@@ -24,8 +24,14 @@ from efla.ops import fused_decode_available, fused_decode_step
 from . import fused
 from ._common import _bare_linear
 
-__all__ = ["stacked_projections", "refresh_stacked_weights", "merged_projections", "set_merged_projections",
-           "decode_pool", "fused_decode"]
+__all__ = [
+    "stacked_projections",
+    "refresh_stacked_weights",
+    "merged_projections",
+    "set_merged_projections",
+    "decode_pool",
+    "fused_decode",
+]
 
 _merge = True
 _STACK = "_decode_stacked_weight"
@@ -63,13 +69,17 @@ def _stacked_weight(owner: nn.Module, layers: list[nn.Module]) -> torch.Tensor:
     rows = sum(layer.weight.shape[0] for layer in layers)
     first = layers[0].weight
     stacked = held[2] if held is not None else None
-    if stacked is None or stacked.shape != (rows, first.shape[1]) or stacked.dtype != first.dtype \
-            or stacked.device != first.device:
+    if (
+        stacked is None
+        or stacked.shape != (rows, first.shape[1])
+        or stacked.dtype != first.dtype
+        or stacked.device != first.device
+    ):
         stacked = torch.empty(rows, first.shape[1], dtype=first.dtype, device=first.device)
     start = 0
     with torch.no_grad():
         for layer in layers:
-            stacked[start:start + layer.weight.shape[0]].copy_(layer.weight)
+            stacked[start : start + layer.weight.shape[0]].copy_(layer.weight)
             start += layer.weight.shape[0]
     owner.__dict__[_STACK] = (layers, key, stacked)
     return stacked
@@ -95,9 +105,18 @@ def refresh_stacked_weights(model: nn.Module) -> None:
 
 def decode_pool(layer, hidden_states, attention_mask, cache, use_cache, cu_seqlens) -> dict | None:
     """The layer's stored state when this call can take the fused decoding step, else ``None``."""
-    if not (use_cache and fused.enabled() and hidden_states.shape[1] == 1 and cu_seqlens is None
-            and attention_mask is None and cache is not None and layer.layer_idx is not None
-            and not torch.is_grad_enabled() and not layer.record_stats and context_parallel_inactive()):
+    if not (
+        use_cache
+        and fused.enabled()
+        and hidden_states.shape[1] == 1
+        and cu_seqlens is None
+        and attention_mask is None
+        and cache is not None
+        and layer.layer_idx is not None
+        and not torch.is_grad_enabled()
+        and not layer.record_stats
+        and context_parallel_inactive()
+    ):
         return None
     pool = cache.layer_pool(layer.layer_idx) if hasattr(cache, "layer_pool") else None
     spec = layer.decode_spec()
@@ -123,9 +142,20 @@ def fused_decode(layer, hidden_states, cache, pool, projections: list[str], gate
         convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
         conv = (tuple(c.weight.squeeze(1) for c in convs), tuple(c.bias for c in convs), pool["conv_state"])
     named = {role: outputs.get(name) for role, name in gates.items()}
-    o = fused_decode_step(layer.decode_spec(), outputs["q_proj"], outputs["k_proj"], outputs["v_proj"],
-                          named.get("beta"), named.get("a"), named.get("gate"), conv, pool["recurrent_state"],
-                          getattr(cache, "slots", None), getattr(layer, "A_log", None), getattr(layer, "dt_bias", None),
-                          layer.o_norm.weight)
+    o = fused_decode_step(
+        layer.decode_spec(),
+        outputs["q_proj"],
+        outputs["k_proj"],
+        outputs["v_proj"],
+        named.get("beta"),
+        named.get("a"),
+        named.get("gate"),
+        conv,
+        pool["recurrent_state"],
+        getattr(cache, "slots", None),
+        getattr(layer, "A_log", None),
+        getattr(layer, "dt_bias", None),
+        layer.o_norm.weight,
+    )
     cache.advance_layer(layer.layer_idx)
     return layer.o_proj(o)[:, None]

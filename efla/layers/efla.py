@@ -14,9 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from efla.ops import DecodeSpec, chunk_delta_rule, chunk_efla, recurrent_delta_rule, recurrent_efla
-
 from efla.distributed.context_parallel import context_parallel_aware, context_parallel_conv_states
+from efla.ops import DecodeSpec, chunk_delta_rule, chunk_efla, recurrent_delta_rule, recurrent_efla
 
 from ._common import (
     check_hidden_states,
@@ -143,12 +142,12 @@ class EFLA(nn.Module):
         self.key_dim = int(hidden_size * expand_k)
         self.value_dim = int(hidden_size * expand_v)
         if self.key_dim % num_heads != 0:
-            raise ValueError(
-                f"num_heads: key dim {self.key_dim} (hidden_size * expand_k) is not divisible by {num_heads}")
+            raise ValueError(f"num_heads: key dim {self.key_dim} (hidden_size * expand_k) is not divisible by {num_heads}")
         if self.value_dim % self.num_v_heads != 0:
             name = "num_v_heads" if num_v_heads is not None else "num_heads"
-            raise ValueError(f"{name}: value dim {self.value_dim} (hidden_size * expand_v) is not divisible by "
-                             f"{self.num_v_heads}")
+            raise ValueError(
+                f"{name}: value dim {self.value_dim} (hidden_size * expand_v) is not divisible by {self.num_v_heads}"
+            )
         self.head_k_dim = self.key_dim // num_heads
         self.head_v_dim = self.value_dim // self.num_v_heads
 
@@ -163,8 +162,10 @@ class EFLA(nn.Module):
             self.k_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, activation=qk_act)
             self.v_conv1d = ShortConvolution(self.value_dim, conv_size, bias=conv_bias, activation="silu")
         else:
-            warnings.warn("use_short_conv=False: the short convolutions matter for quality; keep them unless "
-                          "you know why not.", stacklevel=2)
+            warnings.warn(
+                "use_short_conv=False: the short convolutions matter for quality; keep them unless you know why not.",
+                stacklevel=2,
+            )
         if use_gate:
             self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
             self.o_norm = RMSNormGated(self.head_v_dim, eps=norm_eps)
@@ -177,8 +178,10 @@ class EFLA(nn.Module):
         self.stats: dict | None = None
 
     def extra_repr(self) -> str:
-        return (f"update_rule={self.update_rule!r}, num_heads={self.num_heads}, num_v_heads={self.num_v_heads}, "
-                f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}")
+        return (
+            f"update_rule={self.update_rule!r}, num_heads={self.num_heads}, num_v_heads={self.num_v_heads}, "
+            f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}"
+        )
 
     # -- pieces -------------------------------------------------------------------------------------
     def _qk_act(self, x: torch.Tensor) -> torch.Tensor:
@@ -219,8 +222,9 @@ class EFLA(nn.Module):
         group of value heads, as the op does), ``v [B, T, HV, V]``, ``beta [B, T, HV]`` (after
         convolution, activation, normalisation and padding mask), plus the new convolution states and
         the padding mask. Useful for tests and analysis."""
-        q, k, v, beta, conv_state, mask, _ = self._recurrence_inputs(hidden_states, attention_mask, last_state,
-                                                                     use_cache, cu_seqlens)
+        q, k, v, beta, conv_state, mask, _ = self._recurrence_inputs(
+            hidden_states, attention_mask, last_state, use_cache, cu_seqlens
+        )
         q_l2, k_l2 = self._l2_in_op()
         q, k = (l2_normalize(q) if q_l2 else q), (l2_normalize(k) if k_l2 else k)
         return per_value_head(q, self.num_v_heads), per_value_head(k, self.num_v_heads), v, beta, conv_state, mask
@@ -261,20 +265,27 @@ class EFLA(nn.Module):
         ``None`` for the activations and norms it does not cover (relu/elu, sum normalisation)."""
         if self.qk_norm != "l2" or self.qk_activation not in ("silu", "identity"):
             return None
-        return DecodeSpec(num_heads=self.num_heads, groups=self.num_v_heads // self.num_heads,
-                          head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim, exact=self.update_rule == "exact",
-                          gated=False, qk_silu=self.qk_activation == "silu",
-                          beta_scale=2.0 if self.allow_neg_eigval else 1.0, k_l2=self.update_rule == "euler",
-                          out_gate="swish" if self.use_gate else None, norm_eps=self.o_norm.eps,
-                          conv_size=self.conv_size)
+        return DecodeSpec(
+            num_heads=self.num_heads,
+            groups=self.num_v_heads // self.num_heads,
+            head_k_dim=self.head_k_dim,
+            head_v_dim=self.head_v_dim,
+            exact=self.update_rule == "exact",
+            gated=False,
+            qk_silu=self.qk_activation == "silu",
+            beta_scale=2.0 if self.allow_neg_eigval else 1.0,
+            k_l2=self.update_rule == "euler",
+            out_gate="swish" if self.use_gate else None,
+            norm_eps=self.o_norm.eps,
+            conv_size=self.conv_size,
+        )
 
-    def empty_state(self, num_slots: int, device, dtype: torch.dtype, max_length: int | None = None) -> dict:
+    def empty_state(self, num_slots: int, device, dtype: torch.dtype, max_length: int | None = None) -> dict:  # noqa: ARG002 (transformers' layer call; the attention layers' pool interface)
         """This layer's decoding state for ``num_slots`` rows, zeroed (see ``EFLACache.for_model``)."""
         return empty_recurrent_state(self, num_slots, device, dtype)
 
     def _fused_step(self, hidden_states, pool, cache):
-        names = ["q_proj", "k_proj", "v_proj"] + (["b_proj"] if self.use_beta else []) + \
-            (["g_proj"] if self.use_gate else [])
+        names = ["q_proj", "k_proj", "v_proj"] + (["b_proj"] if self.use_beta else []) + (["g_proj"] if self.use_gate else [])
         return fused_decode(self, hidden_states, cache, pool, names, {"beta": "b_proj", "gate": "g_proj"})
 
     # -- forward ------------------------------------------------------------------------------------
@@ -284,34 +295,44 @@ class EFLA(nn.Module):
         attention_mask: torch.Tensor | None = None,
         past_key_values: Any = None,
         use_cache: bool | None = False,
-        output_attentions: bool | None = False,
+        output_attentions: bool | None = False,  # noqa: ARG002 (transformers' layer call; the attention layers' pool interface)
         cu_seqlens: torch.Tensor | None = None,
         **kwargs: Any,
     ):
         B, T = check_hidden_states(hidden_states, self.hidden_size, self.q_proj.weight.dtype)
         if cu_seqlens is not None and B != 1:
-            raise ValueError(
-                f"cu_seqlens: packed input needs batch size 1, got hidden_states {tuple(hidden_states.shape)}")
+            raise ValueError(f"cu_seqlens: packed input needs batch size 1, got hidden_states {tuple(hidden_states.shape)}")
         pool = decode_pool(self, hidden_states, attention_mask, past_key_values, use_cache, cu_seqlens)
         if pool is not None:  # one token per row on the GPU: the fused step, the cache updated in place
             return self._fused_step(hidden_states, pool, past_key_values), None, past_key_values
         last_state = get_layer_state(past_key_values, self.layer_idx)
         use_cache = bool(use_cache) and past_key_values is not None
 
-        q, k, v, beta, conv_state, mask, gate = self._recurrence_inputs(hidden_states, attention_mask, last_state,
-                                                                        use_cache, cu_seqlens)
+        q, k, v, beta, conv_state, mask, gate = self._recurrence_inputs(
+            hidden_states, attention_mask, last_state, use_cache, cu_seqlens
+        )
         recurrent = self.mode == "recurrent" or (T == 1 and cu_seqlens is None)
         initial_state = last_state.get("recurrent_state") if last_state is not None else None
         q_l2, k_l2 = self._l2_in_op()
         op = context_parallel_aware(self._op(recurrent))
-        o, state = op(q, k, v, beta, initial_state=initial_state, output_final_state=use_cache,
-                      cu_seqlens=cu_seqlens, use_q_l2norm_in_kernel=q_l2, use_qk_l2norm_in_kernel=k_l2)
+        o, state = op(
+            q,
+            k,
+            v,
+            beta,
+            initial_state=initial_state,
+            output_final_state=use_cache,
+            cu_seqlens=cu_seqlens,
+            use_q_l2norm_in_kernel=q_l2,
+            use_qk_l2norm_in_kernel=k_l2,
+        )
         if self.record_stats:
             k_seen = per_value_head(l2_normalize(k) if k_l2 else k, self.num_v_heads)
             self.stats = stiffness_stats(k_seen, beta, None, self.update_rule)
         if use_cache:
-            past_key_values.update_layer_state(self.layer_idx, recurrent_state=state,
-                                               conv_state=conv_state if self.use_short_conv else None, offset=T)
+            past_key_values.update_layer_state(
+                self.layer_idx, recurrent_state=state, conv_state=conv_state if self.use_short_conv else None, offset=T
+            )
 
         if self.use_gate:
             o = self.o_norm(o, gate.reshape(B, T, self.num_v_heads, self.head_v_dim))

@@ -45,9 +45,14 @@ def _importable() -> bool:
             from fla.ops.gated_delta_rule.gate import fused_gdn_gate
 
             _kernels = SimpleNamespace(
-                rms_norm=rms_norm, rms_norm_gated=rms_norm_gated, causal_conv1d=causal_conv1d,
-                swiglu_linear=swiglu_linear, swiglu_forward=swiglu_fwd, CrossEntropyLoss=FusedCrossEntropyLoss,
-                LinearCrossEntropyLoss=FusedLinearCrossEntropyLoss, decay_gate=fused_gdn_gate,
+                rms_norm=rms_norm,
+                rms_norm_gated=rms_norm_gated,
+                causal_conv1d=causal_conv1d,
+                swiglu_linear=swiglu_linear,
+                swiglu_forward=swiglu_fwd,
+                CrossEntropyLoss=FusedCrossEntropyLoss,
+                LinearCrossEntropyLoss=FusedLinearCrossEntropyLoss,
+                decay_gate=fused_gdn_gate,
             )
         except Exception:  # noqa: BLE001  no triton / no fla / a broken install: the PyTorch code serves
             _kernels = False

@@ -15,13 +15,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from efla.ops import DecodeSpec, chunk_gated_delta_rule, chunk_gated_efla, recurrent_gated_delta_rule, recurrent_gated_efla
-
 from efla.distributed.context_parallel import (
     context_parallel_aware,
     context_parallel_conv_states,
     context_parallel_inactive,
 )
+from efla.ops import DecodeSpec, chunk_gated_delta_rule, chunk_gated_efla, recurrent_gated_delta_rule, recurrent_gated_efla
 
 from ._common import (
     check_hidden_states,
@@ -149,8 +148,10 @@ class GatedEFLA(nn.Module):
             self.k_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, activation="silu")
             self.v_conv1d = ShortConvolution(self.value_dim, conv_size, bias=conv_bias, activation="silu")
         else:
-            warnings.warn("use_short_conv=False: the short convolutions matter for quality; keep them unless "
-                          "you know why not.", stacklevel=2)
+            warnings.warn(
+                "use_short_conv=False: the short convolutions matter for quality; keep them unless you know why not.",
+                stacklevel=2,
+            )
         if use_gate:
             self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
             self.o_norm = RMSNormGated(self.head_v_dim, eps=norm_eps, activation=output_gate_activation)
@@ -163,8 +164,10 @@ class GatedEFLA(nn.Module):
         self.stats: dict | None = None
 
     def extra_repr(self) -> str:
-        return (f"update_rule={self.update_rule!r}, num_heads={self.num_heads}, num_v_heads={self.num_v_heads}, "
-                f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}")
+        return (
+            f"update_rule={self.update_rule!r}, num_heads={self.num_heads}, num_v_heads={self.num_v_heads}, "
+            f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}"
+        )
 
     @torch.no_grad()
     def reset_gate_parameters(self) -> None:
@@ -194,8 +197,9 @@ class GatedEFLA(nn.Module):
         """The recurrence inputs per value head, ``q, k [B, T, HV, K]`` (each q/k head repeated for
         its group of value heads, as the op does), ``v [B, T, HV, V]``, ``g, beta [B, T, HV]``
         (``g`` in float32), plus the new convolution states and the padding mask."""
-        q, k, v, g, beta, conv_state, mask, _ = self._recurrence_inputs(hidden_states, attention_mask, last_state,
-                                                                        use_cache, cu_seqlens)
+        q, k, v, g, beta, conv_state, mask, _ = self._recurrence_inputs(
+            hidden_states, attention_mask, last_state, use_cache, cu_seqlens
+        )
         k = l2_normalize(k) if self.update_rule == "euler" else k
         q, k = per_value_head(l2_normalize(q), self.num_v_heads), per_value_head(k, self.num_v_heads)
         return q, k, v, g, beta, conv_state, mask
@@ -241,12 +245,22 @@ class GatedEFLA(nn.Module):
         coefficient pass on the GPU): training and prefill on CUDA without statistics or context
         parallelism, and without padding (a mask of all ones counts as none); everything else
         activates them here, as before."""
-        return (self.update_rule == "exact" and not recurrent and hidden_states.is_cuda and not self.record_stats
-                and context_parallel_inactive())
+        return (
+            self.update_rule == "exact"
+            and not recurrent
+            and hidden_states.is_cuda
+            and not self.record_stats
+            and context_parallel_inactive()
+        )
 
     def _gate_kwargs(self) -> dict:
-        return dict(use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True,
-                    allow_neg_eigval=self.allow_neg_eigval)
+        return dict(
+            use_gate_in_kernel=True,
+            A_log=self.A_log,
+            dt_bias=self.dt_bias,
+            use_beta_sigmoid_in_kernel=True,
+            allow_neg_eigval=self.allow_neg_eigval,
+        )
 
     def _op(self, recurrent: bool):
         if self.update_rule == "exact":
@@ -255,13 +269,22 @@ class GatedEFLA(nn.Module):
 
     def decode_spec(self) -> DecodeSpec:
         """The constants of this layer's fused decoding step (``efla.ops.fused_decode_step``)."""
-        return DecodeSpec(num_heads=self.num_heads, groups=self.num_v_heads // self.num_heads,
-                          head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim, exact=self.update_rule == "exact",
-                          gated=True, qk_silu=True, beta_scale=2.0 if self.allow_neg_eigval else 1.0,
-                          k_l2=self.update_rule == "euler", out_gate=self.o_norm.activation if self.use_gate else None,
-                          norm_eps=self.o_norm.eps, conv_size=self.conv_size)
+        return DecodeSpec(
+            num_heads=self.num_heads,
+            groups=self.num_v_heads // self.num_heads,
+            head_k_dim=self.head_k_dim,
+            head_v_dim=self.head_v_dim,
+            exact=self.update_rule == "exact",
+            gated=True,
+            qk_silu=True,
+            beta_scale=2.0 if self.allow_neg_eigval else 1.0,
+            k_l2=self.update_rule == "euler",
+            out_gate=self.o_norm.activation if self.use_gate else None,
+            norm_eps=self.o_norm.eps,
+            conv_size=self.conv_size,
+        )
 
-    def empty_state(self, num_slots: int, device, dtype: torch.dtype, max_length: int | None = None) -> dict:
+    def empty_state(self, num_slots: int, device, dtype: torch.dtype, max_length: int | None = None) -> dict:  # noqa: ARG002 (transformers' layer call; the attention layers' pool interface)
         """This layer's decoding state for ``num_slots`` rows, zeroed (see ``EFLACache.for_model``)."""
         return empty_recurrent_state(self, num_slots, device, dtype)
 
@@ -275,14 +298,13 @@ class GatedEFLA(nn.Module):
         attention_mask: torch.Tensor | None = None,
         past_key_values: Any = None,
         use_cache: bool | None = False,
-        output_attentions: bool | None = False,
+        output_attentions: bool | None = False,  # noqa: ARG002 (transformers' layer call; the attention layers' pool interface)
         cu_seqlens: torch.Tensor | None = None,
         **kwargs: Any,
     ):
         B, T = check_hidden_states(hidden_states, self.hidden_size, self.q_proj.weight.dtype)
         if cu_seqlens is not None and B != 1:
-            raise ValueError(
-                f"cu_seqlens: packed input needs batch size 1, got hidden_states {tuple(hidden_states.shape)}")
+            raise ValueError(f"cu_seqlens: packed input needs batch size 1, got hidden_states {tuple(hidden_states.shape)}")
         pool = decode_pool(self, hidden_states, attention_mask, past_key_values, use_cache, cu_seqlens)
         if pool is not None:  # one token per row on the GPU: the fused step, the cache updated in place
             return self._fused_step(hidden_states, pool, past_key_values), None, past_key_values
@@ -291,20 +313,33 @@ class GatedEFLA(nn.Module):
 
         recurrent = self.mode == "recurrent" or (T == 1 and cu_seqlens is None)
         raw_gates = self._gates_in_op(hidden_states, recurrent)
-        q, k, v, g, beta, conv_state, mask, gate = self._recurrence_inputs(hidden_states, attention_mask, last_state,
-                                                                           use_cache, cu_seqlens, raw_gates)
+        q, k, v, g, beta, conv_state, mask, gate = self._recurrence_inputs(
+            hidden_states, attention_mask, last_state, use_cache, cu_seqlens, raw_gates
+        )
         initial_state = last_state.get("recurrent_state") if last_state is not None else None
         euler = self.update_rule == "euler"
         op = context_parallel_aware(self._op(recurrent))
         gate_kwargs = self._gate_kwargs() if raw_gates and mask is None else {}
-        o, state = op(q, k, v, g, beta, initial_state=initial_state, output_final_state=use_cache,
-                      cu_seqlens=cu_seqlens, use_q_l2norm_in_kernel=True, use_qk_l2norm_in_kernel=euler, **gate_kwargs)
+        o, state = op(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=initial_state,
+            output_final_state=use_cache,
+            cu_seqlens=cu_seqlens,
+            use_q_l2norm_in_kernel=True,
+            use_qk_l2norm_in_kernel=euler,
+            **gate_kwargs,
+        )
         if self.record_stats:
             k_seen = per_value_head(l2_normalize(k) if euler else k, self.num_v_heads)
             self.stats = stiffness_stats(k_seen, beta, g, self.update_rule)
         if use_cache:
-            past_key_values.update_layer_state(self.layer_idx, recurrent_state=state,
-                                               conv_state=conv_state if self.use_short_conv else None, offset=T)
+            past_key_values.update_layer_state(
+                self.layer_idx, recurrent_state=state, conv_state=conv_state if self.use_short_conv else None, offset=T
+            )
 
         if self.use_gate:
             o = self.o_norm(o, gate.reshape(B, T, self.num_v_heads, self.head_v_dim))

@@ -18,8 +18,7 @@ from ._common import _bare_linear
 from .decode import stacked_projections
 from .fused import kernels_for
 
-__all__ = ["ShortConvolution", "RMSNorm", "RMSNormGated", "GatedMLP", "decay_gate", "l2_normalize",
-           "mlp_intermediate_size"]
+__all__ = ["ShortConvolution", "RMSNorm", "RMSNormGated", "GatedMLP", "decay_gate", "l2_normalize", "mlp_intermediate_size"]
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -55,27 +54,35 @@ class ShortConvolution(nn.Conv1d):
         (torch.Size([2, 5, 8]), torch.Size([2, 8, 4]))
     """
 
-    def __init__(self, hidden_size: int, kernel_size: int, bias: bool = False, activation: str | None = "silu",
-                 device=None, dtype=None):
+    def __init__(
+        self, hidden_size: int, kernel_size: int, bias: bool = False, activation: str | None = "silu", device=None, dtype=None
+    ):
         if kernel_size < 1:
             raise ValueError(f"kernel_size: expected >= 1, got {kernel_size}")
-        super().__init__(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=bias,
-                         padding=0, device=device, dtype=dtype)
+        super().__init__(
+            hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=bias, padding=0, device=device, dtype=dtype
+        )
         if activation not in (None, "silu", "swish"):
             raise ValueError(f"activation: expected 'silu', 'swish' or None, got {activation!r}")
         self.hidden_size = hidden_size
         self.activation = activation
 
     def extra_repr(self) -> str:
-        return (f"{self.hidden_size}, kernel_size={self.kernel_size[0]}, bias={self.bias is not None}, "
-                f"activation={self.activation}")
+        return (
+            f"{self.hidden_size}, kernel_size={self.kernel_size[0]}, bias={self.bias is not None}, activation={self.activation}"
+        )
 
     def _act(self, y: torch.Tensor) -> torch.Tensor:
         return F.silu(y) if self.activation is not None else y
 
-    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, output_final_state: bool = False,
-                cu_seqlens: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: torch.Tensor | None = None,
+        output_final_state: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         y, state = self._forward(x, cache, output_final_state, cu_seqlens)
         if mask is not None and state is not None:
             state = self.history_until_last_real(x, cache, mask)
@@ -129,9 +136,13 @@ class ShortConvolution(nn.Conv1d):
             raise ValueError(f"cache: expected shape ({N}, {D}, {W}), got {tuple(cache.shape)}")
         return fused.causal_conv1d(
             # squeeze, not [:, 0]: a select's backward writes a zeroed copy (two more GPU ops per step)
-            x, weight=self.weight.squeeze(1), bias=self.bias,
+            x,
+            weight=self.weight.squeeze(1),
+            bias=self.bias,
             initial_state=cache.to(x.dtype) if cache is not None else None,
-            output_final_state=output_final_state, activation=self.activation, cu_seqlens=cu_seqlens,
+            output_final_state=output_final_state,
+            activation=self.activation,
+            cu_seqlens=cu_seqlens,
         )
 
     def _forward_varlen(self, x, cache, output_final_state, cu_seqlens):
@@ -222,8 +233,15 @@ class RMSNormGated(RMSNorm):
     the default) or ``"sigmoid"`` (flash-linear-attention's ``FusedRMSNormGated``).
     ``forward(x, g)``, same shapes."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, elementwise_affine: bool = True, activation: str = "swish",
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        activation: str = "swish",
+        device=None,
+        dtype=None,
+    ):
         super().__init__(hidden_size, eps=eps, elementwise_affine=elementwise_affine, device=device, dtype=dtype)
         if activation not in ("swish", "silu", "sigmoid"):
             raise ValueError(f"activation: expected 'swish', 'silu' or 'sigmoid', got {activation!r}")
@@ -274,8 +292,9 @@ class GatedMLP(nn.Module):
         hidden_act: only ``"swish"`` (SiLU). Default ``"swish"``.
     """
 
-    def __init__(self, hidden_size: int, hidden_ratio: float | None = 4, intermediate_size: int | None = None,
-                 hidden_act: str = "swish"):
+    def __init__(
+        self, hidden_size: int, hidden_ratio: float | None = 4, intermediate_size: int | None = None, hidden_act: str = "swish"
+    ):
         super().__init__()
         if hidden_act not in ("swish", "silu"):
             raise ValueError(f"hidden_act: expected 'swish' (SiLU), got {hidden_act!r}")
@@ -303,6 +322,7 @@ class GatedMLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         fused = kernels_for(x)
         h = fused.swiglu_forward(gate, up, output_contiguous=True) if fused is not None else F.silu(gate) * up
-        out = torch.addmm(residual.reshape(-1, self.hidden_size), h.reshape(-1, self.intermediate_size),
-                          self.down_proj.weight.t())
+        out = torch.addmm(
+            residual.reshape(-1, self.hidden_size), h.reshape(-1, self.intermediate_size), self.down_proj.weight.t()
+        )
         return out.view(residual.shape)

@@ -19,8 +19,9 @@ def _write_attention_rows(pool: dict, state: dict, slots: torch.Tensor) -> None:
     rows = slots[:, None].expand_as(positions)[real]
     pool_keys, pool_values = pool["kv_pool"]
     if bool((positions[real] >= pool_keys.shape[1]).any()):
-        raise ValueError(f"max_length: a prompt reaches position {int(positions.max())}, beyond the "
-                         f"{pool_keys.shape[1]} positions allocated")
+        raise ValueError(
+            f"max_length: a prompt reaches position {int(positions.max())}, beyond the {pool_keys.shape[1]} positions allocated"
+        )
     pool_keys[rows, positions[real]] = keys[real].to(pool_keys.dtype)
     pool_values[rows, positions[real]] = values[real].to(pool_values.dtype)
     pool["lengths"].index_copy_(0, slots, state["next_position"])
@@ -124,15 +125,22 @@ class EFLACache(Cache):
             return state
         if self.fresh_rows is None:
             return _map_tensors(state, lambda t: t.index_select(0, self.slots))
-        return _map_tensors(state, lambda t: t.index_select(0, self.slots).masked_fill_(
-            self.fresh_rows.view(-1, *(1,) * (t.dim() - 1)), 0))
+        return _map_tensors(
+            state, lambda t: t.index_select(0, self.slots).masked_fill_(self.fresh_rows.view(-1, *(1,) * (t.dim() - 1)), 0)
+        )
 
     def layer_pool(self, layer_idx: int) -> dict[str, Any] | None:
         """The layer's stored state itself (all pool rows), or ``None``."""
         return self.states[layer_idx] if layer_idx < len(self.states) else None
 
-    def update_layer_state(self, layer_idx: int, recurrent_state: torch.Tensor | None = None,
-                           conv_state: tuple | None = None, offset: int = 1, **kwargs: Any) -> dict[str, Any]:
+    def update_layer_state(
+        self,
+        layer_idx: int,
+        recurrent_state: torch.Tensor | None = None,
+        conv_state: tuple | None = None,
+        offset: int = 1,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
         self._grow(layer_idx)
         state = self.states[layer_idx] or {"recurrent_state": None, "conv_state": None}
         if recurrent_state is not None:
@@ -167,9 +175,16 @@ class EFLACache(Cache):
             for dst, src in zip(pool["conv_state"] or (), state["conv_state"] or ()):
                 dst.index_copy_(0, slots, src.to(dst.dtype))
 
-    def update_attention_state(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
-                               key_positions: torch.Tensor, next_position: torch.Tensor,
-                               window_size: int | None = None, offset: int = 1) -> dict[str, Any]:
+    def update_attention_state(
+        self,
+        layer_idx: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        key_positions: torch.Tensor,
+        next_position: torch.Tensor,
+        window_size: int | None = None,
+        offset: int = 1,
+    ) -> dict[str, Any]:
         """Store an attention layer's keys/values (all of them so far, the new ones included); with
         ``window_size`` drop the oldest keys that no row's later queries can see."""
         self._grow(layer_idx)
@@ -209,7 +224,7 @@ class EFLACache(Cache):
     def get_max_length(self) -> int | None:
         return None
 
-    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:  # noqa: ARG002 (transformers' Cache interface)
         return -1
 
     def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:

@@ -16,8 +16,10 @@ def _check_num_v_heads(num_v_heads, num_heads: int) -> int | None:
     if not isinstance(num_v_heads, int) or isinstance(num_v_heads, bool) or num_v_heads < 1:
         raise ValueError(f"num_v_heads: expected a positive int or None, got {num_v_heads!r}")
     if num_v_heads % num_heads != 0:
-        raise ValueError(f"num_v_heads: expected a multiple of num_heads = {num_heads} (each query/key head "
-                         f"serves num_v_heads // num_heads value heads), got {num_v_heads}")
+        raise ValueError(
+            f"num_v_heads: expected a multiple of num_heads = {num_heads} (each query/key head "
+            f"serves num_v_heads // num_heads value heads), got {num_v_heads}"
+        )
     return num_v_heads
 
 
@@ -145,8 +147,13 @@ class EFLAConfig(PretrainedConfig):
             raise ValueError(f"gated: expected True or False, got {gated!r}")
         if attn_mode not in ("chunk", "recurrent", "fused_recurrent"):
             raise ValueError(f"attn_mode: expected 'chunk' or 'recurrent', got {attn_mode!r}")
-        for name, val in (("vocab_size", vocab_size), ("hidden_size", hidden_size),
-                          ("num_hidden_layers", num_hidden_layers), ("num_heads", num_heads), ("conv_size", conv_size)):
+        for name, val in (
+            ("vocab_size", vocab_size),
+            ("hidden_size", hidden_size),
+            ("num_hidden_layers", num_hidden_layers),
+            ("num_heads", num_heads),
+            ("conv_size", conv_size),
+        ):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name}: expected a positive int, got {val!r}")
         if hidden_act not in ("swish", "silu"):
@@ -164,8 +171,7 @@ class EFLAConfig(PretrainedConfig):
         self.num_v_heads = _check_num_v_heads(num_v_heads, num_heads)
         self.use_gate = use_gate if use_gate is not None else gated
         if output_gate_activation not in ("swish", "silu", "sigmoid"):
-            raise ValueError(
-                f"output_gate_activation: expected 'swish', 'silu' or 'sigmoid', got {output_gate_activation!r}")
+            raise ValueError(f"output_gate_activation: expected 'swish', 'silu' or 'sigmoid', got {output_gate_activation!r}")
         self.output_gate_activation = output_gate_activation
         self.fuse_input_projections = bool(fuse_input_projections)
         self.use_short_conv = use_short_conv

@@ -25,19 +25,63 @@ FLA_MODEL_TYPES = {"delta_net": False, "gated_deltanet": True}  # model_type -> 
 # fla config fields that exist only for fla's fused kernels / losses and do not change the weights
 # or the function the model computes.
 _IGNORED = {
-    "fuse_norm", "fuse_swiglu", "fuse_cross_entropy", "fuse_linear_cross_entropy", "use_l2warp",
-    "use_output_norm", "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
-    "auto_map", "attnres_block_size", "_name_or_path",
+    "fuse_norm",
+    "fuse_swiglu",
+    "fuse_cross_entropy",
+    "fuse_linear_cross_entropy",
+    "use_l2warp",
+    "use_output_norm",
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "auto_map",
+    "attnres_block_size",
+    "_name_or_path",
 }
 _ARCH_FIELDS = [
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "expand_k", "expand_v", "head_dim",
-    "num_v_heads", "use_gate", "output_gate_activation", "use_short_conv", "conv_size", "conv_bias", "use_beta",
-    "qk_activation", "qk_norm", "allow_neg_eigval", "hidden_ratio", "intermediate_size", "hidden_act", "norm_eps",
-    "initializer_range", "max_position_embeddings", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id",
-    "tie_word_embeddings", "attn_mode", "attn",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_heads",
+    "expand_k",
+    "expand_v",
+    "head_dim",
+    "num_v_heads",
+    "use_gate",
+    "output_gate_activation",
+    "use_short_conv",
+    "conv_size",
+    "conv_bias",
+    "use_beta",
+    "qk_activation",
+    "qk_norm",
+    "allow_neg_eigval",
+    "hidden_ratio",
+    "intermediate_size",
+    "hidden_act",
+    "norm_eps",
+    "initializer_range",
+    "max_position_embeddings",
+    "use_cache",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "tie_word_embeddings",
+    "attn_mode",
+    "attn",
 ]
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                    "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "added_tokens.json",
+)
 
 
 def fla_config_to_efla(fla_cfg: dict, update_rule: str) -> EFLAConfig:
@@ -65,8 +109,10 @@ def _single_attn_spec(attn):
     if isinstance(attn, list) and len(attn) == 1:
         return attn[0]
     if isinstance(attn, list) and len(attn) > 1:
-        raise ValueError(f"src: config 'attn' lists {len(attn)} attention specifications (different settings per "
-                         "layer); only one (a dict) is supported")
+        raise ValueError(
+            f"src: config 'attn' lists {len(attn)} attention specifications (different settings per "
+            "layer); only one (a dict) is supported"
+        )
     return attn or None
 
 
@@ -82,8 +128,9 @@ def _load_tensors(src: pathlib.Path) -> dict[str, torch.Tensor]:
             out.update(load_file(str(src / s)))
         return out
     if any(src.glob("*.bin")) or any(src.glob("*.pt")):
-        raise ValueError(f"src: {src} holds only pickle weights (.bin/.pt); convert them to safetensors first "
-                         "(efla never unpickles weights)")
+        raise ValueError(
+            f"src: {src} holds only pickle weights (.bin/.pt); convert them to safetensors first (efla never unpickles weights)"
+        )
     raise ValueError(f"src: no model.safetensors or model.safetensors.index.json in {src}")
 
 
@@ -113,19 +160,20 @@ def convert_fla_checkpoint(src, dst, update_rule: str = "exact", dtype: torch.dt
         tensors.pop("lm_head.weight", None)
     missing = sorted(set(want) - set(tensors))
     unexpected = sorted(set(tensors) - set(want))
-    wrong = sorted(f"{k}: checkpoint {tuple(tensors[k].shape)}, model {want[k]}"
-                   for k in set(want) & set(tensors) if tuple(tensors[k].shape) != want[k])
+    wrong = sorted(
+        f"{k}: checkpoint {tuple(tensors[k].shape)}, model {want[k]}"
+        for k in set(want) & set(tensors)
+        if tuple(tensors[k].shape) != want[k]
+    )
     if missing or unexpected or wrong:
         parts = []
         if missing:
             parts.append(f"missing {len(missing)}: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}")
         if unexpected:
-            parts.append(f"unexpected {len(unexpected)}: {', '.join(unexpected[:10])}"
-                         f"{' ...' if len(unexpected) > 10 else ''}")
+            parts.append(f"unexpected {len(unexpected)}: {', '.join(unexpected[:10])}{' ...' if len(unexpected) > 10 else ''}")
         if wrong:
             parts.append(f"wrong shape {len(wrong)}: {'; '.join(wrong[:10])}")
-        raise ValueError(f"src: checkpoint does not match the {cfg.variant} architecture from its config: "
-                         + " | ".join(parts))
+        raise ValueError(f"src: checkpoint does not match the {cfg.variant} architecture from its config: " + " | ".join(parts))
     model = EFLAForCausalLM(cfg)
     model.load_state_dict(tensors, strict=not cfg.tie_word_embeddings)
     if dtype is not None:
@@ -142,7 +190,14 @@ def convert_fla_checkpoint(src, dst, update_rule: str = "exact", dtype: torch.dt
     if dst.exists():
         dst.rmdir()
     os.replace(tmp, dst)
-    return dict(src=str(src), dst=str(dst), model_type=fla_cfg["model_type"], variant=cfg.variant,
-                tensors=len(tensors), parameters=sum(p.numel() for p in model.parameters()),
-                attention_layers=list(cfg.attn["layers"]) if cfg.attn else [],
-                ignored_config_fields=cfg.converted_from["ignored_fields"], copied_files=copied)
+    return dict(
+        src=str(src),
+        dst=str(dst),
+        model_type=fla_cfg["model_type"],
+        variant=cfg.variant,
+        tensors=len(tensors),
+        parameters=sum(p.numel() for p in model.parameters()),
+        attention_layers=list(cfg.attn["layers"]) if cfg.attn else [],
+        ignored_config_fields=cfg.converted_from["ignored_fields"],
+        copied_files=copied,
+    )

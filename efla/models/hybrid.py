@@ -29,8 +29,10 @@ def _check_layers(layers: Any, num_hidden_layers: int) -> list[int]:
         if not _is_int(i):
             raise ValueError(f"attn['layers']: expected int layer indices, got {i!r}")
         if not 0 <= i < num_hidden_layers:
-            raise ValueError(f"attn['layers']: layer {i} is out of range for num_hidden_layers = {num_hidden_layers} "
-                             f"(expected 0 <= index < {num_hidden_layers})")
+            raise ValueError(
+                f"attn['layers']: layer {i} is out of range for num_hidden_layers = {num_hidden_layers} "
+                f"(expected 0 <= index < {num_hidden_layers})"
+            )
     duplicates = sorted({i for i in layers if list(layers).count(i) > 1})
     if duplicates:
         raise ValueError(f"attn['layers']: layer(s) {duplicates} listed more than once")
@@ -44,8 +46,10 @@ def _check_heads(num_heads: Any, num_kv_heads: Any, hidden_size: int) -> int:
     if hidden_size % num_heads:
         raise ValueError(f"attn['num_heads']: {num_heads} heads do not divide hidden_size = {hidden_size}")
     if (hidden_size // num_heads) % 2:
-        raise ValueError(f"attn['num_heads']: head dim hidden_size / num_heads = {hidden_size // num_heads} must be "
-                         "even (rotary embeddings rotate pairs of channels)")
+        raise ValueError(
+            f"attn['num_heads']: head dim hidden_size / num_heads = {hidden_size // num_heads} must be "
+            "even (rotary embeddings rotate pairs of channels)"
+        )
     if num_heads % num_kv_heads:
         raise ValueError(f"attn['num_kv_heads']: {num_kv_heads} key/value heads do not divide num_heads = {num_heads}")
     return num_kv_heads
@@ -73,8 +77,10 @@ def parse_attn_spec(attn: Any, num_hidden_layers: int, hidden_size: int) -> dict
     if attn is None:
         return None
     if isinstance(attn, list):
-        raise ValueError("attn: expected one dict of attention settings; a list of several specifications "
-                         "(different settings per layer) is not supported")
+        raise ValueError(
+            "attn: expected one dict of attention settings; a list of several specifications "
+            "(different settings per layer) is not supported"
+        )
     if not isinstance(attn, dict):
         raise ValueError(f"attn: expected None or a dict like {{'layers': [1], 'num_heads': 4}}, got {attn!r}")
     missing = [k for k in _REQUIRED if k not in attn]
@@ -105,6 +111,13 @@ def build_attention_layer(config: Any, layer_idx: int) -> Attention | None:
     spec = attn_spec_for_layer(getattr(config, "attn", None), layer_idx)
     if spec is None:
         return None
-    return Attention(hidden_size=config.hidden_size, num_heads=spec["num_heads"], num_kv_heads=spec["num_kv_heads"],
-                     qkv_bias=spec["qkv_bias"], window_size=spec["window_size"], rope_theta=spec["rope_theta"],
-                     max_position_embeddings=config.max_position_embeddings, layer_idx=layer_idx)
+    return Attention(
+        hidden_size=config.hidden_size,
+        num_heads=spec["num_heads"],
+        num_kv_heads=spec["num_kv_heads"],
+        qkv_bias=spec["qkv_bias"],
+        window_size=spec["window_size"],
+        rope_theta=spec["rope_theta"],
+        max_position_embeddings=config.max_position_embeddings,
+        layer_idx=layer_idx,
+    )

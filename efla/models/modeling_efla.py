@@ -140,14 +140,22 @@ class EFLABlock(_BlockBase):
         self.attn_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.attn = build_token_mixer(config, layer_idx)
         self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, hidden_ratio=config.hidden_ratio,
-                            intermediate_size=config.intermediate_size, hidden_act=config.hidden_act)
+        self.mlp = GatedMLP(
+            config.hidden_size,
+            hidden_ratio=config.hidden_ratio,
+            intermediate_size=config.intermediate_size,
+            hidden_act=config.hidden_act,
+        )
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False, cu_seqlens=None,
-                **kwargs):
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, use_cache=False, cu_seqlens=None, **kwargs):
         residual = hidden_states
-        h, _, past_key_values = self.attn(self.attn_norm(hidden_states), attention_mask=attention_mask,
-                                          past_key_values=past_key_values, use_cache=use_cache, cu_seqlens=cu_seqlens)
+        h, _, past_key_values = self.attn(
+            self.attn_norm(hidden_states),
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            cu_seqlens=cu_seqlens,
+        )
         h, residual = self.mlp_norm(h, residual, prenorm=True)  # residual += h, then the norm: one kernel on GPU
         return self.mlp.add_to(h, residual)
 
@@ -233,9 +241,13 @@ class EFLAModel(EFLAPreTrainedModel):
             raise ValueError(f"input_ids: expected shape [B, T], got {tuple(input_ids.shape)}")
         hidden_states = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         T = hidden_states.shape[1]
-        if (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.shape[1] >= T
-                and not (attention_mask.is_cuda and torch.cuda.is_current_stream_capturing())
-                and bool((attention_mask[:, -T:] == 1).all())):
+        if (
+            isinstance(attention_mask, torch.Tensor)
+            and attention_mask.dim() == 2
+            and attention_mask.shape[1] >= T
+            and not (attention_mask.is_cuda and torch.cuda.is_current_stream_capturing())
+            and bool((attention_mask[:, -T:] == 1).all())
+        ):
             attention_mask = None  # no padding among these tokens: one check here instead of one per layer
         if use_cache and past_key_values is None:
             past_key_values = EFLACache(len(self.layers))
@@ -245,8 +257,13 @@ class EFLAModel(EFLAPreTrainedModel):
             for layer in self.layers:
                 if output_hidden_states:
                     all_hidden += (hidden_states,)
-                hidden_states = layer(hidden_states, attention_mask=attention_mask, past_key_values=past_key_values,
-                                      use_cache=use_cache, cu_seqlens=cu_seqlens)
+                hidden_states = layer(
+                    hidden_states,
+                    attention_mask=attention_mask,
+                    past_key_values=past_key_values,
+                    use_cache=use_cache,
+                    cu_seqlens=cu_seqlens,
+                )
         hidden_states = self.norm(hidden_states)
         if output_hidden_states:
             all_hidden += (hidden_states,)
@@ -254,8 +271,9 @@ class EFLAModel(EFLAPreTrainedModel):
         out_cache = past_key_values if use_cache else None
         if not return_dict:
             return tuple(x for x in (hidden_states, out_cache, all_hidden) if x is not None)
-        return BaseModelOutputWithPast(**{"last_hidden_state": hidden_states, _CACHE_FIELD: out_cache,
-                                          "hidden_states": all_hidden})
+        return BaseModelOutputWithPast(
+            **{"last_hidden_state": hidden_states, _CACHE_FIELD: out_cache, "hidden_states": all_hidden}
+        )
 
     # -- analysis -------------------------------------------------------------------------------------
     def set_record_stats(self, enabled: bool = True) -> None:
@@ -366,8 +384,9 @@ class EFLAForCausalLM(EFLAPreTrainedModel, GenerationMixin):
         if not return_dict:
             rest = tuple(x for x in (logits, out_cache, outputs.hidden_states) if x is not None)
             return ((loss,) + rest) if loss is not None else rest
-        return CausalLMOutputWithPast(**{"loss": loss, "logits": logits, _CACHE_FIELD: out_cache,
-                                         "hidden_states": outputs.hidden_states})
+        return CausalLMOutputWithPast(
+            **{"loss": loss, "logits": logits, _CACHE_FIELD: out_cache, "hidden_states": outputs.hidden_states}
+        )
 
     @staticmethod
     def shift(labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -411,8 +430,9 @@ class EFLAForCausalLM(EFLAPreTrainedModel, GenerationMixin):
         training_step = self.training and torch.is_grad_enabled()
         logits = None
         if fused is not None and self.config.fuse_linear_cross_entropy and training_step:
-            loss = fused.LinearCrossEntropyLoss(reduction=reduction)(hidden_states, target, self.lm_head.weight,
-                                                                     self.lm_head.bias)
+            loss = fused.LinearCrossEntropyLoss(reduction=reduction)(
+                hidden_states, target, self.lm_head.weight, self.lm_head.bias
+            )
         else:
             logits = self.lm_head(hidden_states)
             if fused is not None:
@@ -420,8 +440,9 @@ class EFLAForCausalLM(EFLAPreTrainedModel, GenerationMixin):
                 # less, as in fla's models): the returned logits are valid until backward
                 loss = _fused_cross_entropy(fused, logits, target, reduction, inplace_backward=training_step)
             else:
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1),
-                                       ignore_index=-100, reduction=reduction)
+                loss = F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=-100, reduction=reduction
+                )
         if num_items_in_batch is not None:
             loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device, dtype=loss.dtype)
         return logits, loss
@@ -438,10 +459,12 @@ class EFLAForCausalLM(EFLAPreTrainedModel, GenerationMixin):
     def num_parameters_by_part(self) -> dict[str, int]:
         """Parameter counts: ``embeddings``, ``lm_head`` (0 when tied), ``token_mixers`` (with their
         output norms), ``mlps``, ``norms`` (block and final RMSNorms), ``total``."""
-        parts = {"embeddings": self.model.embeddings.weight.numel(),
-                 "lm_head": 0 if self.config.tie_word_embeddings else self.lm_head.weight.numel(),
-                 "token_mixers": sum(p.numel() for layer in self.model.layers for p in layer.attn.parameters()),
-                 "mlps": sum(p.numel() for layer in self.model.layers for p in layer.mlp.parameters())}
+        parts = {
+            "embeddings": self.model.embeddings.weight.numel(),
+            "lm_head": 0 if self.config.tie_word_embeddings else self.lm_head.weight.numel(),
+            "token_mixers": sum(p.numel() for layer in self.model.layers for p in layer.attn.parameters()),
+            "mlps": sum(p.numel() for layer in self.model.layers for p in layer.mlp.parameters()),
+        }
         total = sum(p.numel() for p in self.parameters())
         parts["norms"] = total - sum(parts.values())
         parts["total"] = total

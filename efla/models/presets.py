@@ -55,9 +55,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
 GATED_LAYERS: dict[str, int] = {"340m": 22, "1.3b": 22}
 
 _COMMON: dict[str, Any] = dict(
-    conv_size=4, use_short_conv=True, hidden_ratio=4, norm_eps=1e-6, initializer_range=0.02,
+    conv_size=4,
+    use_short_conv=True,
+    hidden_ratio=4,
+    norm_eps=1e-6,
+    initializer_range=0.02,
     tie_word_embeddings=False,
 )
+
 
 def _preset(size: str, variant: str) -> dict[str, Any]:
     preset = {**_COMMON, **SIZES[size], **VARIANTS[variant]}

@@ -27,13 +27,13 @@ uses raw keys). CUDA tensors go to the GPU backend when it is installed
 
 from __future__ import annotations
 
+from ..variants import Variant
 from .api import run as _run
 from .coefficients import efla_coefficient, gated_efla_coefficients
+from .cuda.key_checks import check_keys, deferred_key_checks
 from .decode import DecodeSpec, fused_decode_available, fused_decode_step
 from .gates import raw_gates
 from .normalize import l2_normalize
-from .cuda.key_checks import check_keys, deferred_key_checks
-from ..variants import Variant
 
 __all__ = [
     "DecodeSpec",
@@ -120,21 +120,73 @@ def _make(rule: str, mode: str, title: str):
     name = f"{mode}_{rule}"
 
     if gated:
-        def op(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-               use_q_l2norm_in_kernel=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
-               dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False):
+
+        def op(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            *,
+            scale=None,
+            initial_state=None,
+            output_final_state=False,
+            cu_seqlens=None,
+            use_q_l2norm_in_kernel=False,
+            use_qk_l2norm_in_kernel=False,
+            use_gate_in_kernel=False,
+            A_log=None,
+            dt_bias=None,
+            use_beta_sigmoid_in_kernel=False,
+            allow_neg_eigval=False,
+        ):
             gates = raw_gates(use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
-            return _run(rule, mode, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                        q_l2norm=bool(use_q_l2norm_in_kernel or use_qk_l2norm_in_kernel),
-                        k_l2norm=bool(use_qk_l2norm_in_kernel), gates=gates)
+            return _run(
+                rule,
+                mode,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                scale=scale,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens,
+                q_l2norm=bool(use_q_l2norm_in_kernel or use_qk_l2norm_in_kernel),
+                k_l2norm=bool(use_qk_l2norm_in_kernel),
+                gates=gates,
+            )
     else:
-        def op(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-               use_q_l2norm_in_kernel=False, use_qk_l2norm_in_kernel=False):
-            return _run(rule, mode, q, k, v, None, beta, scale=scale, initial_state=initial_state,
-                        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                        q_l2norm=bool(use_q_l2norm_in_kernel or use_qk_l2norm_in_kernel),
-                        k_l2norm=bool(use_qk_l2norm_in_kernel))
+
+        def op(
+            q,
+            k,
+            v,
+            beta,
+            *,
+            scale=None,
+            initial_state=None,
+            output_final_state=False,
+            cu_seqlens=None,
+            use_q_l2norm_in_kernel=False,
+            use_qk_l2norm_in_kernel=False,
+        ):
+            return _run(
+                rule,
+                mode,
+                q,
+                k,
+                v,
+                None,
+                beta,
+                scale=scale,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                cu_seqlens=cu_seqlens,
+                q_l2norm=bool(use_q_l2norm_in_kernel or use_qk_l2norm_in_kernel),
+                k_l2norm=bool(use_qk_l2norm_in_kernel),
+            )
 
     op.__name__ = op.__qualname__ = name
     op.__doc__ = _DOC.format(

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from ..variants import Variant
 from .chunk import chunk_generic
 from .coefficients import coefficients
+from .cuda.key_checks import key_checks_enabled
 from .gates import RawGates, activate, check_gate_parameters
 from .normalize import l2_normalize
 from .recurrent import recurrent_generic
-from .cuda.key_checks import key_checks_enabled
 from .validate import check_key_energy, check_result, compute_dtype, host_offsets, validate, values_checked
-from ..variants import Variant
 
 _cuda_backend = None  # False once the import failed; the module once it succeeded
 
@@ -24,7 +24,7 @@ def _cuda_importable() -> bool:
     global _cuda_backend
     if _cuda_backend is None:
         try:
-            from . import cuda as backend
+            from . import cuda as backend  # noqa: PLC0415 (lazy: the GPU backend imports triton)
 
             _cuda_backend = backend
         except Exception:  # noqa: BLE001  any failure (no triton, no fla, broken install) -> PyTorch path
@@ -61,8 +61,23 @@ def expand_query_key_heads(q: torch.Tensor, k: torch.Tensor, groups: int) -> tup
     return q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
 
 
-def run(rule, mode, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, q_l2norm=False,
-        k_l2norm=False, gates: RawGates | None = None):
+def run(
+    rule,
+    mode,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale,
+    initial_state,
+    output_final_state,
+    cu_seqlens,
+    q_l2norm=False,
+    k_l2norm=False,
+    gates: RawGates | None = None,
+):
     gated = Variant.parse(rule).gated
     g = g if gated else None
     if gates is not None and not _gates_in_kernel(rule, mode, q):
@@ -71,11 +86,10 @@ def run(rule, mode, q, k, v, g, beta, *, scale, initial_state, output_final_stat
     dims = validate(q, k, v, beta, g, initial_state=initial_state, cu_seqlens=cu_seqlens, scale=scale, gated=gated)
     if gates is not None:
         check_gate_parameters(gates, dims.HV, q.device)
-    scale = float(dims.K ** -0.5) if scale is None else float(scale)
+    scale = float(dims.K**-0.5) if scale is None else float(scale)
     norms = (q_l2norm, k_l2norm)
     q, k = expand_query_key_heads(q, k, dims.groups)
-    o, final = _compute(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms,
-                        gates)
+    o, final = _compute(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms, gates)
     if values_checked(q):
         check_result(o, final, q, k, v, beta, initial_state)
     return o, final
@@ -84,8 +98,14 @@ def run(rule, mode, q, k, v, g, beta, *, scale, initial_state, output_final_stat
 def _gates_in_kernel(rule, mode, q) -> bool:
     """Whether raw gates may reach the GPU backend (the Gated EFLA chunk kernels take them; value
     checks and compiled code see the activated values)."""
-    return (rule == "gated_efla" and mode == "chunk" and isinstance(q, torch.Tensor) and q.is_cuda
-            and not values_checked(q) and not torch.compiler.is_compiling())
+    return (
+        rule == "gated_efla"
+        and mode == "chunk"
+        and isinstance(q, torch.Tensor)
+        and q.is_cuda
+        and not values_checked(q)
+        and not torch.compiler.is_compiling()
+    )
 
 
 def _activated(q, g, beta, gates):
@@ -104,24 +124,37 @@ def _activated(q, g, beta, gates):
     return activate(g, beta, gates)
 
 
-def _compute(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms,
-             gates=None):
+def _compute(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms, gates=None):
     q_l2norm, k_l2norm = norms
     if q.is_cuda:
         backend = _cuda()
         if backend is not None:
-            out = backend.dispatch(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                   q_l2norm=q_l2norm, k_l2norm=k_l2norm, gates=gates)
+            out = backend.dispatch(
+                rule,
+                mode,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                scale,
+                initial_state,
+                output_final_state,
+                cu_seqlens,
+                q_l2norm=q_l2norm,
+                k_l2norm=k_l2norm,
+                gates=gates,
+            )
             if out is not None:
                 return out
     g, beta = activate(g, beta, gates)
-    if q.is_cuda and not (values_checked(k) or torch.compiler.is_compiling()
-                          or torch.cuda.is_current_stream_capturing() or not key_checks_enabled()):
+    if q.is_cuda and not (
+        values_checked(k) or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing() or not key_checks_enabled()
+    ):
         # the PyTorch engines form k k^T in float32 like the CPU, which always checks this
         # (one device sync per call)
         check_key_energy(k)
-    return _compute_torch(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims,
-                          norms)
+    return _compute_torch(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms)
 
 
 def _compute_torch(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms):
@@ -129,8 +162,7 @@ def _compute_torch(rule, mode, q, k, v, g, beta, scale, initial_state, output_fi
     chunk or scan form, in float32 (float64) whatever autocast is on: autocast would run some of the
     engines' products in bf16 and hand their backward mixed dtypes."""
     with torch.autocast(q.device.type, enabled=False):
-        return _engines(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims,
-                        norms)
+        return _engines(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms)
 
 
 def _engines(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms):
@@ -172,6 +204,7 @@ def _engine(mode, q, k, v, gamma, a, w, h0):
     the final state ``[B * H, K, V]``."""
     B, T, H, V = v.shape
     if mode == "chunk":
+
         def batch_major(x):  # [B, T, H, ...] -> [B*H, T, ...]
             return x.transpose(1, 2).reshape(B * H, T, *x.shape[3:])
 

@@ -182,7 +182,7 @@ def efla_coefficient(beta: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 def gated_exact_coefficients(beta: torch.Tensor, g: torch.Tensor, lam: torch.Tensor):
     """Gated EFLA's ``(log_decay, erase, write)`` in float64 from ``beta``, ``g`` and ``lam = ||k||^2``
-   , with gradients in closed forms (see ``_ExactErase`` and ``_GatedWrite``)."""
+    , with gradients in closed forms (see ``_ExactErase`` and ``_GatedWrite``)."""
     b, g64 = beta.to(COEF_DTYPE), g.to(COEF_DTYPE)
     log_decay = torch.expm1(g64)  # -delta = -(1 - e^g)
     erase = exact_erase(torch.exp(g64) * b, lam)  # (1 - e^{-rho lambda}) / lambda, rho = e^g beta

@@ -49,17 +49,18 @@ def fused_decode_available(spec: DecodeSpec, x: torch.Tensor, state: torch.Tenso
         return x.dtype in (torch.float32, torch.float64) and state.dtype in (torch.float32, torch.float64)
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
-    from .api import _cuda
+    from .api import _cuda  # noqa: PLC0415 (lazy: the GPU backend imports triton)
 
     if _cuda() is None:
         return False
-    from .cuda import decode
+    from .cuda import decode  # noqa: PLC0415 (lazy: the GPU backend imports triton)
 
     return decode.supported(spec, state)
 
 
-def fused_decode_step(spec: DecodeSpec, q, k, v, beta, a, gate, conv, state, slots, A_log=None, dt_bias=None,
-                      norm_weight=None) -> torch.Tensor:
+def fused_decode_step(
+    spec: DecodeSpec, q, k, v, beta, a, gate, conv, state, slots, A_log=None, dt_bias=None, norm_weight=None
+) -> torch.Tensor:
     """``o [N, HV * V]``: the normalised (and gated) output of one token per row (where
     ``fused_decode_available``).
 
@@ -72,7 +73,7 @@ def fused_decode_step(spec: DecodeSpec, q, k, v, beta, a, gate, conv, state, slo
     (row ``n`` is pool row ``n``)."""
     if q.device.type == "cpu":
         return _decode_step_torch(spec, q, k, v, beta, a, gate, conv, state, slots, A_log, dt_bias, norm_weight)
-    from .cuda import decode
+    from .cuda import decode  # noqa: PLC0415 (lazy: the GPU backend imports triton)
 
     return decode.decode_step(spec, q, k, v, beta, a, gate, conv, state, slots, A_log, dt_bias, norm_weight)
 
@@ -110,11 +111,10 @@ def _decode_step_torch(spec, q, k, v, beta, a, gate, conv, state, slots, A_log, 
         v = _conv_push(v, wv, bv, cv, slots, True)
     else:
         q, k, v = (F.silu(q), F.silu(k), F.silu(v)) if spec.qk_silu else (q, k, F.silu(v))
-    q = (l2_normalize(q.view(N, H, K)) * K ** -0.5).repeat_interleave(G, dim=1)  # [N, HV, K]
+    q = (l2_normalize(q.view(N, H, K)) * K**-0.5).repeat_interleave(G, dim=1)  # [N, HV, K]
     k = (l2_normalize(k.view(N, H, K)) if spec.k_l2 else k.view(N, H, K)).repeat_interleave(G, dim=1)
     v = v.view(N, H * G, V)
-    b = spec.beta_scale * torch.sigmoid(beta.to(cdt)) if beta is not None else torch.full((N, H * G), spec.beta_scale,
-                                                                                            dtype=cdt)
+    b = spec.beta_scale * torch.sigmoid(beta.to(cdt)) if beta is not None else torch.full((N, H * G), spec.beta_scale, dtype=cdt)
     g = -A_log.to(cdt).exp() * F.softplus(a.to(cdt) + dt_bias.to(cdt)) if spec.gated else None
     rule = ("gated_efla" if spec.gated else "efla") if spec.exact else ("gated_delta_rule" if spec.gated else "delta_rule")
     gamma, erase, write = coefficients(rule, k[:, None], b[:, None], None if g is None else g[:, None])

@@ -34,16 +34,19 @@ class RawGates:
         return self.A_log is not None
 
 
-def raw_gates(use_gate_in_kernel: bool, A_log, dt_bias, use_beta_sigmoid_in_kernel: bool,
-              allow_neg_eigval: bool) -> RawGates | None:
+def raw_gates(
+    use_gate_in_kernel: bool, A_log, dt_bias, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool
+) -> RawGates | None:
     """The op's gate keywords as one object; ``None`` when both activations are outside the op."""
     if use_gate_in_kernel and A_log is None:
         raise ValueError("A_log: required with use_gate_in_kernel=True (the decay's per-head parameter, [HV])")
     if not use_gate_in_kernel and (A_log is not None or dt_bias is not None):
         raise ValueError("A_log, dt_bias: only used with use_gate_in_kernel=True; pass it, or leave them out")
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
-        raise ValueError("allow_neg_eigval: only used with use_beta_sigmoid_in_kernel=True (it doubles the step "
-                         "sigmoid(beta)); double a given beta yourself, or pass the logit")
+        raise ValueError(
+            "allow_neg_eigval: only used with use_beta_sigmoid_in_kernel=True (it doubles the step "
+            "sigmoid(beta)); double a given beta yourself, or pass the logit"
+        )
     if not (use_gate_in_kernel or use_beta_sigmoid_in_kernel):
         return None
     beta_scale = (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else None

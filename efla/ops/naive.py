@@ -28,8 +28,16 @@ from .normalize import l2_normalize
 from .validate import compute_dtype
 
 __all__ = [
-    "efla", "gated_efla", "delta_rule", "gated_delta_rule",
-    "efla_step", "gated_efla_step", "delta_rule_step", "gated_delta_rule_step", "delta_update", "scan",
+    "efla",
+    "gated_efla",
+    "delta_rule",
+    "gated_delta_rule",
+    "efla_step",
+    "gated_efla_step",
+    "delta_rule_step",
+    "gated_delta_rule_step",
+    "delta_update",
+    "scan",
 ]
 
 
@@ -93,14 +101,27 @@ def _per_value_head(q, k, v, q_l2norm, k_l2norm):
     return q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2), v
 
 
-def scan(step, q, k, v, beta, g=None, *, scale=None, initial_state=None, output_final_state=False,
-         cu_seqlens=None, use_q_l2norm_in_kernel=False, use_qk_l2norm_in_kernel=False):
+def scan(
+    step,
+    q,
+    k,
+    v,
+    beta,
+    g=None,
+    *,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    use_q_l2norm_in_kernel=False,
+    use_qk_l2norm_in_kernel=False,
+):
     """Run ``step`` token by token over each sequence, reading ``o_t = S_t^T (scale q_t)`` after
     each step; every sequence starts from its row of ``initial_state`` (or zeros)."""
     out_dtype, (B, T, _, K) = q.dtype, q.shape
     q, k, v = _per_value_head(q, k, v, use_q_l2norm_in_kernel or use_qk_l2norm_in_kernel, use_qk_l2norm_in_kernel)
     HV, V = v.shape[2], v.shape[3]
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     gate = () if g is None else (g,)
     outputs, finals = [], []
     for n, (b, start, end) in enumerate(_sequences(B, T, cu_seqlens)):

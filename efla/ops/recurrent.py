@@ -103,9 +103,7 @@ class _RecurrentFn(torch.autograd.Function):
             t1 = min(T, t0 + SEGMENT)
             L = t1 - t0
             buf[0] = checkpoints[si]
-            r_all[t0:t1] = _scan_segment(
-                checkpoints[si], k[t0:t1], wv[t0:t1], e[t0:t1], None if d is None else d[t0:t1], buf
-            )
+            r_all[t0:t1] = _scan_segment(checkpoints[si], k[t0:t1], wv[t0:t1], e[t0:t1], None if d is None else d[t0:t1], buf)
             for j in range(L - 1, -1, -1):
                 t = t0 + j
                 # read-out o_t = S_t^T q_t adds q do^T; then back through S_t = d S + k r^T

@@ -208,9 +208,7 @@ def check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
         raise ValueError(f"cu_seqlens: varlen input needs batch size B == 1 (sequences packed along T), got B = {B}")
     cs = host_offsets(cu_seqlens)
     if int(cs[0]) != 0 or int(cs[-1]) != T:
-        raise ValueError(
-            f"cu_seqlens: expected to start at 0 and end at T = {T}, got first {int(cs[0])}, last {int(cs[-1])}"
-        )
+        raise ValueError(f"cu_seqlens: expected to start at 0 and end at T = {T}, got first {int(cs[0])}, last {int(cs[-1])}")
     if bool((cs[1:] < cs[:-1]).any()):
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets, got {cs.tolist()}")
     return cs.numel() - 1
@@ -220,9 +218,7 @@ def _check_initial_state(initial_state, shape: tuple[int, int, int, int], device
     _check_tensor("initial_state", initial_state, 4)
     if initial_state.shape != shape:
         N, HV, K, V = shape
-        raise ValueError(
-            f"initial_state: expected shape ({N}, {HV}, {K}, {V}) = [N, HV, K, V], got {_shape(initial_state)}"
-        )
+        raise ValueError(f"initial_state: expected shape ({N}, {HV}, {K}, {V}) = [N, HV, K, V], got {_shape(initial_state)}")
     if initial_state.device != device:
         raise ValueError(f"initial_state: expected device {device} (same as q), got {initial_state.device}")
 
@@ -272,9 +268,7 @@ def validate_coefficient_inputs(beta, k, g=None) -> None:
         if not x.is_floating_point():
             raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
     if k.dim() < 1 or beta.shape != k.shape[:-1]:
-        raise ValueError(
-            f"beta: expected shape {tuple(k.shape[:-1])} (k's shape without the last dim), got {_shape(beta)}"
-        )
+        raise ValueError(f"beta: expected shape {tuple(k.shape[:-1])} (k's shape without the last dim), got {_shape(beta)}")
     if g is not None and g.shape != beta.shape:
         raise ValueError(f"g: expected shape {tuple(beta.shape)} (beta's shape), got {_shape(g)}")
     for name, x in named[1:]:

@@ -10,13 +10,24 @@ from .prefix_cache import PrefixCache
 from .requests import ErrorEvent, FinishEvent, QueueFull, Request, SamplingParams, ShuttingDown, TokenEvent
 from .scheduler import Scheduler, prefill_defaults
 
-__all__ = ["Scheduler", "SamplingParams", "Request", "TokenEvent", "FinishEvent", "ErrorEvent", "QueueFull",
-           "ShuttingDown", "PrefixCache", "create_app", "prefill_defaults"]
+__all__ = [
+    "Scheduler",
+    "SamplingParams",
+    "Request",
+    "TokenEvent",
+    "FinishEvent",
+    "ErrorEvent",
+    "QueueFull",
+    "ShuttingDown",
+    "PrefixCache",
+    "create_app",
+    "prefill_defaults",
+]
 
 
 def __getattr__(name):
     if name == "create_app":  # FastAPI is an optional dependency: imported when the app is asked for
-        from .app import create_app
+        from .app import create_app  # noqa: PLC0415 (lazy: fastapi is the optional efla[serve] extra)
 
         return create_app
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,8 +23,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .protocol import (DEFAULTS_ONLY, APIError, CompletionRequest, choice, completion_object, error_body, model_list,
-                       new_completion_id, usage)
+from .protocol import (
+    DEFAULTS_ONLY,
+    APIError,
+    CompletionRequest,
+    choice,
+    completion_object,
+    error_body,
+    model_list,
+    new_completion_id,
+    usage,
+)
 from .requests import ErrorEvent, FinishEvent, QueueFull, SamplingParams, ShuttingDown
 from .scheduler import Scheduler
 
@@ -37,7 +46,7 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str, api_key: str
     created = int(time.time())
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(_app: FastAPI):
         scheduler.start()
         yield
         await run_in_threadpool(scheduler.close)
@@ -53,8 +62,12 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str, api_key: str
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         if body.model != model_name:
-            raise APIError(404, f"The model '{body.model}' does not exist; this server serves '{model_name}'",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model '{body.model}' does not exist; this server serves '{model_name}'",
+                param="model",
+                code="model_not_found",
+            )
         prompts = await run_in_threadpool(_encode, tokenizer, body.prompts)
         _check_lengths(prompts, body.max_tokens, scheduler.max_context)
         completion = _Completion(scheduler, model_name, prompts, _sampling(body))
@@ -66,8 +79,9 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str, api_key: str
     @app.get("/health")
     async def health():
         alive = scheduler.running
-        return JSONResponse({"status": "ok" if alive else "stopped", "model": model_name, **scheduler.status()},
-                            status_code=200 if alive else 503)
+        return JSONResponse(
+            {"status": "ok" if alive else "stopped", "model": model_name, **scheduler.status()}, status_code=200 if alive else 503
+        )
 
     app.include_router(v1)
     return app
@@ -79,8 +93,10 @@ def _key_check(api_key: str | None):
             return
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), api_key.encode()):
-            raise APIError(401, "Missing or incorrect API key: send the header 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")
+            raise APIError(
+                401, "Missing or incorrect API key: send the header 'Authorization: Bearer KEY'", code="invalid_api_key"
+            )
+
     return check
 
 
@@ -93,17 +109,31 @@ def _check_lengths(prompts: list[list[int]], max_tokens: int, max_context: int) 
         if not ids:
             raise APIError(400, "prompt: a prompt encodes to no tokens", param="prompt")
         if len(ids) >= max_context:
-            raise APIError(400, f"prompt: {len(ids)} tokens, but this server's context is {max_context} tokens "
-                           "(prompt and completion)", param="prompt", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"prompt: {len(ids)} tokens, but this server's context is {max_context} tokens (prompt and completion)",
+                param="prompt",
+                code="context_length_exceeded",
+            )
         if len(ids) + max_tokens > max_context:
-            raise APIError(400, f"max_tokens: the prompt's {len(ids)} tokens and max_tokens = {max_tokens} exceed "
-                           f"this server's context of {max_context} tokens", param="max_tokens",
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"max_tokens: the prompt's {len(ids)} tokens and max_tokens = {max_tokens} exceed "
+                f"this server's context of {max_context} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
 
 
 def _sampling(body: CompletionRequest) -> SamplingParams:
-    return SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0),
-                          top_p=body.top_p, seed=body.seed, stop=body.stop_strings)
+    return SamplingParams(
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        top_k=max(body.top_k, 0),
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=body.stop_strings,
+    )
 
 
 class _Completion:
@@ -123,8 +153,7 @@ class _Completion:
         try:
             self.requests = scheduler.submit(prompts, params, on_event)
         except QueueFull as error:
-            raise APIError(429, f"The server is busy: {error}; retry later", type="rate_limit_error",
-                           code="queue_full") from None
+            raise APIError(429, f"The server is busy: {error}; retry later", type="rate_limit_error", code="queue_full") from None
         except ShuttingDown as error:
             raise APIError(503, f"{error}; retry on another server", type="server_error", code="shutting_down") from None
         except ValueError as error:
@@ -175,10 +204,12 @@ class _Completion:
     def _cancel_on_disconnect(self, request: Request) -> asyncio.Task:
         """A task that cancels the requests when the client disconnects, also while no event is due
         (a request waiting for a slot)."""
+
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
             self.scheduler.cancel(self.requests)
+
         return asyncio.ensure_future(watch())
 
     async def _collect(self):
@@ -203,18 +234,21 @@ def _sse(obj: dict) -> str:
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(request: Request, error: APIError):
+    async def api_error(_request: Request, error: APIError):
         return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(request: Request, error: RequestValidationError):
+    async def invalid_request(_request: Request, error: RequestValidationError):
         message, param = _validation_message(error.errors())
         return JSONResponse(error_body(message, param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException):
-        return JSONResponse(error_body(str(error.detail), code=str(error.status_code)), status_code=error.status_code,
-                            headers=getattr(error, "headers", None))
+    async def http_error(_request: Request, error: StarletteHTTPException):
+        return JSONResponse(
+            error_body(str(error.detail), code=str(error.status_code)),
+            status_code=error.status_code,
+            headers=getattr(error, "headers", None),
+        )
 
 
 def _validation_message(errors) -> tuple[str, str | None]:

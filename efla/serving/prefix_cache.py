@@ -57,7 +57,7 @@ class PrefixCache:
         after it (``i >= 1``), each chained on the one before."""
         keys, key = [], 0
         for end in range(self.block, len(tokens), self.block):
-            key = hash((key, tuple(tokens[end - self.block:end])))
+            key = hash((key, tuple(tokens[end - self.block : end])))
             keys.append(key)
         return keys
 
@@ -108,7 +108,15 @@ class PrefixCache:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"enabled": True, "block": self.block, "entries": len(self._entries), "bytes": self.bytes,
-                    "max_bytes": self.max_bytes, "lookups": self.lookups, "hits": self.hits,
-                    "hit_rate": self.hits / self.lookups if self.lookups else 0.0,
-                    "tokens_saved": self.tokens_saved, "evictions": self.evictions}
+            return {
+                "enabled": True,
+                "block": self.block,
+                "entries": len(self._entries),
+                "bytes": self.bytes,
+                "max_bytes": self.max_bytes,
+                "lookups": self.lookups,
+                "hits": self.hits,
+                "hit_rate": self.hits / self.lookups if self.lookups else 0.0,
+                "tokens_saved": self.tokens_saved,
+                "evictions": self.evictions,
+            }

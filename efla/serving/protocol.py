@@ -14,8 +14,18 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["CompletionRequest", "StreamOptions", "APIError", "error_body", "completion_object", "choice", "usage",
-           "model_list", "new_completion_id", "DEFAULTS_ONLY"]
+__all__ = [
+    "CompletionRequest",
+    "StreamOptions",
+    "APIError",
+    "error_body",
+    "completion_object",
+    "choice",
+    "usage",
+    "model_list",
+    "new_completion_id",
+    "DEFAULTS_ONLY",
+]
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 DEFAULTS_ONLY = ("n", "best_of", "echo", "logprobs", "suffix", "logit_bias", "presence_penalty", "frequency_penalty")
@@ -24,8 +34,9 @@ DEFAULTS_ONLY = ("n", "best_of", "echo", "logprobs", "suffix", "logit_bias", "pr
 class APIError(Exception):
     """An error answered in OpenAI's shape with an HTTP status."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -33,8 +44,7 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -106,16 +116,18 @@ def choice(index: int, text: str, finish_reason: str | None) -> dict:
 
 
 def completion_object(completion_id: str, model: str, choices: list[dict], usage: dict | None) -> dict:
-    obj = {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": model,
-           "choices": choices}
+    obj = {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices}
     if usage is not None:
         obj["usage"] = usage
     return obj
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def model_list(name: str, created: int) -> dict:

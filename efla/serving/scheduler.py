@@ -11,9 +11,8 @@ its end. Every iteration of the loop
    starting from the prefix cache's state when it holds a prefix of the prompt;
 4. prefills at most ``prefill_chunk`` prompt tokens, continuing each prompt from its slot's state
    (so a long prompt delays the running requests by one chunk per step, never by all of it), and
-   picks the first token of every prompt that is complete. Pieces of up to ``ROW_TOKENS`` tokens
-   of several prompts run as the rows of one of the engine's prefill buckets (one CUDA graph per
-   shape on the GPU); a hybrid model's prompts run packed, eagerly;
+   picks the first token of every prompt that is complete (``efla.serving.prefill``: pieces of up
+   to ``ROW_TOKENS`` tokens of several prompts as the rows of one call, captured on the GPU);
 5. rebuilds the decoding batch when requests ended or joined: the bucket's rows point at their
    slots through ``bucket.slots``, so the same captured step serves any assignment.
 
@@ -36,23 +35,16 @@ from dataclasses import dataclass, field
 import torch
 
 from efla.generation import DecodeEngine, choose_tokens
-from efla.models.cache import EFLACache
 
+from .prefill import ROW_TOKENS, plan_rounds, plan_rows, run_round, run_rows, to_device
 from .prefix_cache import PrefixCache
 from .requests import ErrorEvent, FinishEvent, QueueFull, Request, SamplingParams, ShuttingDown, TokenEvent
-from .states import has_attention_layers, restore_row, rows_cache, snapshot_row
+from .states import has_attention_layers, restore_row, snapshot_row
 from .text import CompletionText
 
 __all__ = ["Scheduler", "prefill_defaults"]
 
 logger = logging.getLogger("efla.serving")
-
-
-@dataclass(eq=False)
-class _Piece:
-    request: Request
-    start: int
-    end: int
 
 
 class _HostCopy:
@@ -92,11 +84,6 @@ class _PhaseClock:
         self.last = now
 
 
-# The most tokens of one prompt in one prefill call: a long prompt leaves room for others beside it,
-# and a GPU's prefill graphs cover rows up to this length.
-ROW_TOKENS = 256
-
-
 def prefill_defaults(device: torch.device) -> tuple[int, int]:
     """``(prefill_chunk, prefill_every)`` for a model on ``device``: small prefills between every two
     decoding steps, so the running requests wait a short while often rather than long and seldom
@@ -128,16 +115,32 @@ class Scheduler:
             when the scheduler starts.
     """
 
-    def __init__(self, model, tokenizer=None, *, max_batch: int = 64, max_queue: int = 256, max_context: int = 2048,
-                 prefill_chunk: int | None = None, prefill_every: int | None = None,
-                 prefix_cache: PrefixCache | None = None, stop_tokens=(),
-                 pad_token: int | None = None, seed: int | None = None, use_cuda_graph: bool | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        max_batch: int = 64,
+        max_queue: int = 256,
+        max_context: int = 2048,
+        prefill_chunk: int | None = None,
+        prefill_every: int | None = None,
+        prefix_cache: PrefixCache | None = None,
+        stop_tokens=(),
+        pad_token: int | None = None,
+        seed: int | None = None,
+        use_cuda_graph: bool | None = None,
+    ):
         default_chunk, default_every = prefill_defaults(next(model.parameters()).device)
         prefill_chunk = default_chunk if prefill_chunk is None else prefill_chunk
         prefill_every = default_every if prefill_every is None else prefill_every
-        for name, value, least in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0),
-                                   ("max_context", max_context, 2), ("prefill_chunk", prefill_chunk, 1),
-                                   ("prefill_every", prefill_every, 1)):
+        for name, value, least in (
+            ("max_batch", max_batch, 1),
+            ("max_queue", max_queue, 0),
+            ("max_context", max_context, 2),
+            ("prefill_chunk", prefill_chunk, 1),
+            ("prefill_every", prefill_every, 1),
+        ):
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"{name}: expected an int >= {least}, got {value!r}")
         self.model, self.tokenizer = model, tokenizer
@@ -149,8 +152,9 @@ class Scheduler:
         self.engine.reserve(max_batch, max_context + 2)  # + 2: a finished row may step once more
         self.stop_tokens = [int(t) for t in stop_tokens]
         self._stop_set = set(self.stop_tokens)
-        self.engine.set_stop_tokens(self.stop_tokens, pad_token if pad_token is not None else
-                                    (self.stop_tokens[0] if self.stop_tokens else 0))
+        self.engine.set_stop_tokens(
+            self.stop_tokens, pad_token if pad_token is not None else (self.stop_tokens[0] if self.stop_tokens else 0)
+        )
         self.hybrid = has_attention_layers(self.engine.cache)
         self.prefix_cache = None if self.hybrid else prefix_cache
         self.vocab = self.engine.vocab
@@ -174,20 +178,30 @@ class Scheduler:
         self._thread: threading.Thread | None = None
 
     # -- the outside: submit, cancel, start, stop, status --------------------------------------------
-    def submit(self, prompts: list[list[int]], params: SamplingParams,
-               on_event: Callable[[Request, object], None]) -> list[Request]:
+    def submit(
+        self, prompts: list[list[int]], params: SamplingParams, on_event: Callable[[Request, object], None]
+    ) -> list[Request]:
         """Queue one request per prompt (token ids); raises ``ValueError`` naming a wrong field,
         ``QueueFull`` or ``ShuttingDown``."""
         self._check(prompts, params)
-        requests = [Request(list(p), params, on_event, index=i,
-                            text=CompletionText(self.tokenizer, list(params.stop)) if self.tokenizer else None)
-                    for i, p in enumerate(prompts)]
+        requests = [
+            Request(
+                list(p),
+                params,
+                on_event,
+                index=i,
+                text=CompletionText(self.tokenizer, list(params.stop)) if self.tokenizer else None,
+            )
+            for i, p in enumerate(prompts)
+        ]
         with self._cond:
             if not self._accepting:
                 raise ShuttingDown("the server is shutting down")
             if len(self._waiting) + self._holding + len(requests) > self.max_batch + self.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting for one of {self.max_batch} slots "
-                                f"(at most {self.max_queue} may wait)")
+                raise QueueFull(
+                    f"{len(self._waiting)} requests are waiting for one of {self.max_batch} slots "
+                    f"(at most {self.max_queue} may wait)"
+                )
             self._waiting.extend(requests)
             self._cond.notify()
         return requests
@@ -205,8 +219,10 @@ class Scheduler:
             if min(ids) < 0 or max(ids) >= self.vocab:
                 raise ValueError(f"prompt: token ids must be in [0, {self.vocab})")
             if len(ids) + params.max_tokens > self.max_context:
-                raise ValueError(f"max_tokens: the prompt's {len(ids)} tokens and max_tokens = {params.max_tokens} "
-                                 f"exceed the context of {self.max_context} tokens")
+                raise ValueError(
+                    f"max_tokens: the prompt's {len(ids)} tokens and max_tokens = {params.max_tokens} "
+                    f"exceed the context of {self.max_context} tokens"
+                )
 
     def cancel(self, requests: list[Request]) -> None:
         """End these requests soon (their slots are freed at the next step); ended ones are left alone."""
@@ -245,15 +261,27 @@ class Scheduler:
     def status(self) -> dict:
         with self._cond:
             waiting, holding = len(self._waiting), self._holding
-        cache = self.prefix_cache.stats() if self.prefix_cache is not None else {
-            "enabled": False, "reason": "hybrid model (attention layers)" if self.hybrid else "off"}
-        return {"slots_total": self.max_batch, "slots_free": self.max_batch - holding, "waiting": waiting,
-                "max_queue": self.max_queue, "decoding": len(self._rows), "steps": self.steps,
-                "peak_batch": self.peak_batch, "requests_served": self.served,
-                "requests_cancelled": self.cancelled, "tokens_generated": self.generated,
-                "prompt_tokens_prefilled": self.prompt_tokens_prefilled, "prefill_calls": self.prefill_calls,
-                "prefix_cache": cache,
-                "loop_seconds": {k: round(v, 3) for k, v in self.phase_seconds.items()}}
+        cache = (
+            self.prefix_cache.stats()
+            if self.prefix_cache is not None
+            else {"enabled": False, "reason": "hybrid model (attention layers)" if self.hybrid else "off"}
+        )
+        return {
+            "slots_total": self.max_batch,
+            "slots_free": self.max_batch - holding,
+            "waiting": waiting,
+            "max_queue": self.max_queue,
+            "decoding": len(self._rows),
+            "steps": self.steps,
+            "peak_batch": self.peak_batch,
+            "requests_served": self.served,
+            "requests_cancelled": self.cancelled,
+            "tokens_generated": self.generated,
+            "prompt_tokens_prefilled": self.prompt_tokens_prefilled,
+            "prefill_calls": self.prefill_calls,
+            "prefix_cache": cache,
+            "loop_seconds": {k: round(v, 3) for k, v in self.phase_seconds.items()},
+        }
 
     # -- the loop -----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -268,8 +296,7 @@ class Scheduler:
 
     def _wait_for_work(self) -> bool:
         with self._cond:
-            while not (self._stopping or self._waiting or self._rows or self._prefilling or self._pending
-                       or self._cancellations):
+            while not (self._stopping or self._waiting or self._rows or self._prefilling or self._pending or self._cancellations):
                 self._cond.wait()
             return not self._stopping
 
@@ -411,55 +438,16 @@ class Scheduler:
             return False
         return 2 * len(self._rows) < self.max_batch or self.steps - self._last_prefill_step >= self.prefill_every
 
-    def _plan_rows(self) -> list[_Piece]:
-        """This iteration's prefill, one piece per prompt, first come first served: up to ``ROW_TOKENS``
-        tokens each, cut at the next save point, as many as fit in ``prefill_chunk`` tokens once padded
-        (rows times the longest piece, as the engine's bucket rounds them)."""
-        pieces, longest = [], 0
-        for request in self._prefilling:
-            start = request.prefilled
-            end = min(len(request.prompt), start + min(ROW_TOKENS, self.prefill_chunk),
-                      *(p for p in request.save_points if p > start))
-            rows, length = self.engine.prefill_shape(len(pieces) + 1, max(longest, end - start))
-            if pieces and rows * length > self.prefill_chunk:
-                break
-            pieces.append(_Piece(request, start, end))
-            longest = max(longest, end - start)
-        return pieces
-
-    def _run_rows(self, pieces: list[_Piece]) -> list[torch.Tensor | None]:
-        """Prefill ``pieces`` as the rows of one engine prefill bucket; each piece's last-token logits
-        where it completes its prompt, else ``None``."""
-        logits = self.engine.prefill_rows([p.request.prompt[p.start:p.end] for p in pieces],
-                                          [p.request.slot for p in pieces], [p.start == 0 for p in pieces])
-        return [row if p.end == len(p.request.prompt) else None for p, row in zip(pieces, logits)]
-
-    def _plan(self) -> list[list[_Piece]]:
-        """A hybrid model's prefill: up to ``prefill_chunk`` tokens, first come first served, each
-        request's share cut at its save points (pieces of one request go to successive rounds)."""
-        rounds: list[list[_Piece]] = []
-        budget = self.prefill_chunk
-        for request in self._prefilling:
-            if budget == 0:
-                break
-            start = request.prefilled
-            end = min(len(request.prompt), start + budget)
-            budget -= end - start
-            bounds = [p for p in request.save_points if start < p < end] + [end]
-            for i, stop in enumerate(bounds):
-                if i == len(rounds):
-                    rounds.append([])
-                rounds[i].append(_Piece(request, start, stop))
-                start = stop
-        return rounds
-
     def _prefill(self) -> tuple[list[Request], torch.Tensor | None]:
         """Run this iteration's prefill; the requests whose prompt is complete and their first tokens."""
         self._last_prefill_step, self.prefill_calls = self.steps, self.prefill_calls + 1
         complete, logits = [], []
-        rounds, run = ([self._plan_rows()], self._run_rows) if not self.hybrid else (self._plan(), self._run_round)
+        if self.hybrid:
+            rounds, run = plan_rounds(self._prefilling, self.prefill_chunk), run_round
+        else:
+            rounds, run = [plan_rows(self._prefilling, self.engine, self.prefill_chunk)], run_rows
         for pieces in rounds:
-            for piece, piece_logits in zip(pieces, run(pieces)):
+            for piece, piece_logits in zip(pieces, run(self.engine, pieces)):
                 request = piece.request
                 request.prefilled = piece.end
                 self.prompt_tokens_prefilled += piece.end - piece.start
@@ -476,37 +464,6 @@ class Scheduler:
     def _save_prefix(self, request: Request, length: int) -> None:
         key = request.block_keys[length // self.prefix_cache.block - 1]
         self.prefix_cache.put(request.prompt[:length], key, snapshot_row(self.engine.cache, request.slot))
-
-    def _run_round(self, pieces: list[_Piece]) -> list[torch.Tensor | None]:
-        """Prefill a hybrid model's ``pieces`` (at most one per request) into their slots; each piece's
-        last-token logits where it completes its prompt, else ``None``. Prompts starting at their
-        first token run as ``generate`` prefills them (packed, no initial state); the others continue
-        from their slots' states one by one (attention layers take no packed continuation)."""
-        num_layers = len(self.engine.cache.states)
-        fresh = [p for p in pieces if p.start == 0]
-        going_on = [p for p in pieces if p.start > 0]
-        groups = [(fresh, EFLACache(num_layers))] if fresh else []
-        for group in [[p] for p in going_on]:
-            groups.append((group, rows_cache(self.engine.cache, self._device_long([p.request.slot for p in group]),
-                                             [p.start for p in group])))
-        logits = {}
-        for group, cache in groups:
-            logits.update(zip(group, self._forward(group, cache)))
-        return [logits[p] for p in pieces]
-
-    def _forward(self, pieces: list[_Piece], cache: EFLACache) -> list[torch.Tensor | None]:
-        lengths = [p.end - p.start for p in pieces]
-        ids = self._device_long(list(itertools.chain.from_iterable(p.request.prompt[p.start:p.end] for p in pieces)))
-        ends = list(itertools.accumulate(lengths))
-        cu_seqlens = self._device_long([0, *ends]) if len(pieces) > 1 else None
-        out = self.engine.decoder(input_ids=ids[None], cu_seqlens=cu_seqlens, past_key_values=cache, use_cache=True)
-        self.engine.cache.write_slots(self._device_long([p.request.slot for p in pieces]), cache)
-        complete = [i for i, p in enumerate(pieces) if p.end == len(p.request.prompt)]
-        if not complete:
-            return [None] * len(pieces)
-        last = out.last_hidden_state[0, self._device_long([ends[i] - 1 for i in complete])]
-        rows = dict(zip(complete, self.engine.head(last).float()))
-        return [rows.get(i) for i in range(len(pieces))]
 
     def _first_tokens(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
         if not any(r.params.temperature > 0 for r in requests):
@@ -548,20 +505,17 @@ class Scheduler:
 
     def _sampling_rows(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         params = [r.params for r in requests]
-        return (self._device([p.temperature for p in params], torch.float32),
-                self._device_long([p.top_k for p in params]),
-                self._device([p.top_p for p in params], torch.float32))
+        return (
+            self._device([p.temperature for p in params], torch.float32),
+            self._device_long([p.top_k for p in params]),
+            self._device([p.top_p for p in params], torch.float32),
+        )
 
     def _device_long(self, values: list[int]) -> torch.Tensor:
-        return self._device(values, torch.long)
+        return to_device(values, torch.long, self.engine.device)
 
     def _device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """``values`` on the engine's device; on CUDA through pinned memory, without waiting for the
-        device (the pinned block is not reused before the copy ran)."""
-        host = torch.tensor(values, dtype=dtype)
-        if self.engine.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.engine.device, non_blocking=True)
+        return to_device(values, dtype, self.engine.device)
 
     # -- failures and shutdown ----------------------------------------------------------------------
     def _fail_active(self, message: str) -> None:
@@ -577,4 +531,3 @@ class Scheduler:
             request.done = True
             request.on_event(request, ErrorEvent("the server is shutting down"))
         self._fail_active("the server is shutting down")
-

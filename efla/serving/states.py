@@ -31,8 +31,10 @@ def rows_cache(pool: EFLACache, slots: torch.Tensor, lengths: list[int]) -> EFLA
             cache.states[i] = _attention_rows(state, slots, lengths)
             continue
         conv = state["conv_state"]
-        cache.states[i] = {"recurrent_state": state["recurrent_state"].index_select(0, slots),
-                           "conv_state": tuple(c.index_select(0, slots) for c in conv) if conv is not None else None}
+        cache.states[i] = {
+            "recurrent_state": state["recurrent_state"].index_select(0, slots),
+            "conv_state": tuple(c.index_select(0, slots) for c in conv) if conv is not None else None,
+        }
     return cache
 
 
@@ -44,8 +46,11 @@ def _attention_rows(state: dict, slots: torch.Tensor, lengths: list[int]) -> dic
     positions = torch.arange(span, device=keys.device).expand(len(lengths), span)
     row_lengths = torch.tensor(lengths, device=keys.device)
     positions = positions.masked_fill(positions >= row_lengths[:, None], -1)
-    return {"attn_state": (keys[:, :span].index_select(0, slots), values[:, :span].index_select(0, slots)),
-            "key_positions": positions, "next_position": row_lengths}
+    return {
+        "attn_state": (keys[:, :span].index_select(0, slots), values[:, :span].index_select(0, slots)),
+        "key_positions": positions,
+        "next_position": row_lengths,
+    }
 
 
 class RowSnapshot:
@@ -59,8 +64,12 @@ class RowSnapshot:
 
 def snapshot_row(pool: EFLACache, slot: int) -> RowSnapshot:
     """Every layer's state of pool row ``slot``, copied (linear-attention pools only)."""
-    return RowSnapshot([(state["recurrent_state"][slot].clone(), tuple(c[slot].clone() for c in state["conv_state"] or ()))
-                        for state in pool.states])
+    return RowSnapshot(
+        [
+            (state["recurrent_state"][slot].clone(), tuple(c[slot].clone() for c in state["conv_state"] or ()))
+            for state in pool.states
+        ]
+    )
 
 
 def restore_row(pool: EFLACache, slot: int, snapshot: RowSnapshot) -> None:

@@ -45,14 +45,14 @@ class CompletionText:
         return self._take(len(self.text))
 
     def _take(self, end: int) -> str:
-        piece = self.text[self.sent:end] if end > self.sent else ""
+        piece = self.text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return piece
 
     def _cut_at_stop(self, searched_from: int) -> None:
         found = [i for i in (self.text.find(s, searched_from) for s in self.stop) if i >= 0]
         if found:
-            self.text = self.text[:min(found)]
+            self.text = self.text[: min(found)]
             self.stopped = True
 
     def _held_back(self) -> int:

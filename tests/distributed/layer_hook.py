@@ -20,6 +20,7 @@ def _already_routed(layer_class) -> bool:
 def _routed_op(original):
     def _op(self, recurrent):
         return context_parallel_aware(original(self, recurrent))
+
     return _op
 
 
@@ -30,6 +31,7 @@ def _prepare_with_history(original):
             inputs = (self.q_proj(x), self.k_proj(x), self.v_proj(x))
             last_state = {"conv_state": context_parallel_conv_states(inputs, self.conv_size)}
         return original(self, hidden_states, attention_mask, last_state, use_cache, cu_seqlens)
+
     return prepare_qkv_beta
 
 

@@ -16,8 +16,9 @@ COLLECTIVE_TIMEOUT_S = 60
 def _entry(rank: int, world: int, workdir: str, fn, args) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(workdir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    )
     try:
         result = fn(rank, world, *args)
         with open(os.path.join(workdir, f"result-{rank}.pkl"), "wb") as f:
@@ -33,8 +34,7 @@ def run_in_processes(fn, world: int, workdir, args=(), deadline_s: float = 240) 
     ``deadline_s`` are killed and the call fails."""
     workdir = str(workdir)
     os.makedirs(workdir, exist_ok=True)
-    context = mp.start_processes(_entry, args=(world, workdir, fn, args), nprocs=world, join=False,
-                                 start_method="spawn")
+    context = mp.start_processes(_entry, args=(world, workdir, fn, args), nprocs=world, join=False, start_method="spawn")
     waited = 0.0
     try:
         while not context.join(timeout=5):

@@ -31,9 +31,12 @@ def _model(preset: str) -> EFLAForCausalLM:
 
 def _batches() -> dict:
     gen = torch.Generator().manual_seed(1)
-    return {"batch": dict(input_ids=torch.randint(3, 50, (2, 24), generator=gen)),
-            "varlen": dict(input_ids=torch.randint(3, 50, (1, 40), generator=gen),
-                           cu_seqlens=torch.tensor(DOCUMENTS, dtype=torch.int32))}
+    return {
+        "batch": dict(input_ids=torch.randint(3, 50, (2, 24), generator=gen)),
+        "varlen": dict(
+            input_ids=torch.randint(3, 50, (1, 40), generator=gen), cu_seqlens=torch.tensor(DOCUMENTS, dtype=torch.int32)
+        ),
+    }
 
 
 def _mean_loss(logits, batch) -> torch.Tensor:
@@ -80,7 +83,8 @@ def compare_models(rank: int, world: int) -> dict:
                 errors[f"{preset}/{name}"] = dict(
                     loss=float((loss - loss_ref).abs()),
                     grads=max(float((g - r).abs().max()) for g, r in zip(grads, grads_ref)),
-                    grad_scale=max(float(r.abs().max()) for r in grads_ref))
+                    grad_scale=max(float(r.abs().max()) for r in grads_ref),
+                )
     return errors
 
 
@@ -90,5 +94,7 @@ def test_split_model_matches_single_process(world, tmp_path):
     bad = {case: e for case, e in errors.items() if not (e["loss"] < LOSS_TOL and e["grads"] < GRAD_TOL)}
     assert not bad, f"errors above {LOSS_TOL} (loss) or {GRAD_TOL} (gradients): {bad}"
     assert min(e["grad_scale"] for e in errors.values()) > 1e-3  # the gradients compared are not all zero
-    print(f"world {world}: max loss error {max(e['loss'] for e in errors.values()):.2e}, "
-          f"max gradient error {max(e['grads'] for e in errors.values()):.2e}")
+    print(
+        f"world {world}: max loss error {max(e['loss'] for e in errors.values()):.2e}, "
+        f"max gradient error {max(e['grads'] for e in errors.values()):.2e}"
+    )

@@ -29,7 +29,9 @@ LAYOUTS = [
     ("batch-tiny", 2, 9, None),
 ]
 OPS = [f"chunk_{rule}" for rule in ("efla", "gated_efla", "delta_rule", "gated_delta_rule")] + [
-    "recurrent_efla", "recurrent_gated_efla"]
+    "recurrent_efla",
+    "recurrent_gated_efla",
+]
 CONV_WIDTH = 4
 LOW_PRECISION = {torch.float32: 1e-5, torch.bfloat16: 3e-2}  # relative to the largest reference value
 
@@ -45,8 +47,13 @@ def _inputs(rule: str, B: int, T: int, N: int, seed: int, dtype=torch.float64, g
     k = rand(B, T, H, K)
     if "efla" not in rule:  # the Euler rules are stable only with unit keys
         k = torch.nn.functional.normalize(k, dim=-1)
-    x = dict(q=rand(B, T, H, K), k=k, v=rand(B, T, HV, V),
-             beta=torch.rand(B, T, HV, generator=gen, dtype=torch.float64), h0=rand(N, HV, K, V))
+    x = dict(
+        q=rand(B, T, H, K),
+        k=k,
+        v=rand(B, T, HV, V),
+        beta=torch.rand(B, T, HV, generator=gen, dtype=torch.float64),
+        h0=rand(N, HV, K, V),
+    )
     if rule.startswith("gated"):
         x["g"] = -torch.rand(B, T, HV, generator=gen, dtype=torch.float64)
     state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -60,8 +67,7 @@ def _op_args(x: dict, cut=lambda t: t) -> list:
 
 def _weights(o_shape, s_shape, seed: int):
     gen = torch.Generator().manual_seed(seed + 1)
-    return (torch.randn(*o_shape, generator=gen, dtype=torch.float64),
-            torch.randn(*s_shape, generator=gen, dtype=torch.float64))
+    return (torch.randn(*o_shape, generator=gen, dtype=torch.float64), torch.randn(*s_shape, generator=gen, dtype=torch.float64))
 
 
 def _reference(op, x, documents, seed):
@@ -81,8 +87,13 @@ def _final_rows(layout, n_rows: int) -> list[int]:
 
 
 def _split_run(op, x, layout, seed):
-    o, S = context_parallel(op, *_op_args(x, lambda t: shard(t, layout)), layout=layout,
-                            initial_state=x["h0"][layout.document_rows], output_final_state=True)
+    o, S = context_parallel(
+        op,
+        *_op_args(x, lambda t: shard(t, layout)),
+        layout=layout,
+        initial_state=x["h0"][layout.document_rows],
+        output_final_state=True,
+    )
     w_o, w_s = _weights((x["v"].shape), (x["h0"].shape), seed)
     rows = _final_rows(layout, S.shape[0])
     global_rows = torch.arange(x["h0"].shape[0])[layout.document_rows][rows]
@@ -96,8 +107,9 @@ def _max_error(a: torch.Tensor, b: torch.Tensor, relative: bool) -> torch.Tensor
     return error / b.double().abs().max() if relative else error
 
 
-def _case_errors(op_name: str, name: str, B: int, T: int, documents, rank: int, world: int,
-                 dtype=torch.float64, groups: int = 1) -> dict:
+def _case_errors(
+    op_name: str, name: str, B: int, T: int, documents, rank: int, world: int, dtype=torch.float64, groups: int = 1
+) -> dict:
     """Largest differences to the single-process op: absolute in float64, relative to the largest
     reference value in lower precision."""
     op = getattr(ops, op_name)
@@ -149,8 +161,9 @@ def _conv_errors(name: str, B: int, T: int, documents, rank: int, world: int) ->
     caches = conv_histories(parts, CONV_WIDTH, layout)
     outs = [c(p, cache=h, cu_seqlens=layout.local_cu_seqlens())[0] for c, p, h in zip(convs, parts, caches)]
     sum((o * shard(w, layout)).sum() for o, w in zip(outs, ws)).backward()
-    errors = torch.tensor([max((o.detach() - shard(r, layout)).abs().max() for o, r in zip(outs, outputs_ref)), 0.0],
-                          dtype=torch.float64)
+    errors = torch.tensor(
+        [max((o.detach() - shard(r, layout)).abs().max() for o, r in zip(outs, outputs_ref)), 0.0], dtype=torch.float64
+    )
     for t, ref in zip((*xs_split, *(p for c in convs for p in c.parameters())), reference):
         grad = t.grad.clone()
         dist.all_reduce(grad)
@@ -162,10 +175,12 @@ def _conv_errors(name: str, B: int, T: int, documents, rank: int, world: int) ->
 def _flagging_on_rank(rank: int, flagging_rank: int):
     """``chunk_efla`` as it acts on a GPU whose coefficient pass flagged an overflowing key on one
     rank: the flag goes to an enclosing ``deferred_key_checks()`` if one takes it, else it raises."""
+
     def op(*args, **kwargs):
         if rank == flagging_rank and not defer_key_check(torch.ones(1, dtype=torch.int32)):
             raise ValueError("k: a key's squared norm ||k||^2 overflows float32")
         return ops.chunk_efla(*args, **kwargs)
+
     return op
 
 
@@ -201,13 +216,22 @@ def _refusals(rank: int, world: int) -> dict:
 
 def compare_all(rank: int, world: int) -> dict:
     errors = {"refusals": _refusals(rank, world)}
-    errors.update({f"{op}/{name}@{str(dtype)[6:]}": _case_errors(op, name, B, T, docs, rank, world, dtype)
-                   for dtype in LOW_PRECISION for op in ("chunk_efla", "chunk_gated_efla")
-                   for name, B, T, docs in LAYOUTS[:2]})
-    errors.update({f"{op}/{name}": _case_errors(op, name, B, T, docs, rank, world)
-              for op in OPS for name, B, T, docs in LAYOUTS})
-    errors.update({f"{op}/{name}/grouped-values": _case_errors(op, name, B, T, docs, rank, world, groups=2)
-                   for op in ("chunk_efla", "chunk_gated_efla") for name, B, T, docs in LAYOUTS[:2]})
+    errors.update(
+        {
+            f"{op}/{name}@{str(dtype)[6:]}": _case_errors(op, name, B, T, docs, rank, world, dtype)
+            for dtype in LOW_PRECISION
+            for op in ("chunk_efla", "chunk_gated_efla")
+            for name, B, T, docs in LAYOUTS[:2]
+        }
+    )
+    errors.update({f"{op}/{name}": _case_errors(op, name, B, T, docs, rank, world) for op in OPS for name, B, T, docs in LAYOUTS})
+    errors.update(
+        {
+            f"{op}/{name}/grouped-values": _case_errors(op, name, B, T, docs, rank, world, groups=2)
+            for op in ("chunk_efla", "chunk_gated_efla")
+            for name, B, T, docs in LAYOUTS[:2]
+        }
+    )
     errors.update({f"conv/{name}": _conv_errors(name, B, T, docs, rank, world) for name, B, T, docs in LAYOUTS})
     return errors
 

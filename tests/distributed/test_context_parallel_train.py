@@ -37,9 +37,23 @@ def corpus_and_tokenizer(tmp_path_factory):
 
 
 def _config(corpus: str, tokenizer: str, out: str, **overrides) -> TrainConfig:
-    base = dict(data=[corpus], tokenizer=tokenizer, out=out, cache_dir=out + "-cache", preset="tiny-efla",
-                seq_len=32, batch_tokens=128, micro_batch_size=2, max_steps=STEPS, lr=3e-3, min_lr=3e-4,
-                val_sequences=4, save_every=0, progress=False, threads=1)
+    base = dict(
+        data=[corpus],
+        tokenizer=tokenizer,
+        out=out,
+        cache_dir=out + "-cache",
+        preset="tiny-efla",
+        seq_len=32,
+        batch_tokens=128,
+        micro_batch_size=2,
+        max_steps=STEPS,
+        lr=3e-3,
+        min_lr=3e-4,
+        val_sequences=4,
+        save_every=0,
+        progress=False,
+        threads=1,
+    )
     return TrainConfig(**{**base, **overrides})
 
 
@@ -56,8 +70,7 @@ def train_split(rank: int, world: int, configs: list) -> list:
 
 def test_option_reaches_the_train_config():
     args = build_parser().parse_args(["train", "--out", "x", "--context-parallel", "4"])
-    assert TrainConfig(**{k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}
-                       ).context_parallel == 4
+    assert TrainConfig(**{k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}).context_parallel == 4
 
 
 def test_context_parallel_needs_processes(corpus_and_tokenizer, tmp_path):
@@ -67,17 +80,19 @@ def test_context_parallel_needs_processes(corpus_and_tokenizer, tmp_path):
 
 
 def _compare(tmp_path, corpus, tok, world: int, context_parallel: int, cases: list[dict]) -> None:
-    single = [_losses_and_grad_norms(train(_config(corpus, tok, str(tmp_path / f"single{i}"), **c)))
-              for i, c in enumerate(cases)]
-    configs = [_config(corpus, tok, str(tmp_path / f"split{i}"), context_parallel=context_parallel, **c)
-               for i, c in enumerate(cases)]
+    single = [_losses_and_grad_norms(train(_config(corpus, tok, str(tmp_path / f"single{i}"), **c))) for i, c in enumerate(cases)]
+    configs = [
+        _config(corpus, tok, str(tmp_path / f"split{i}"), context_parallel=context_parallel, **c) for i, c in enumerate(cases)
+    ]
     split = run_in_processes(train_split, world, tmp_path / "workers", args=(configs,))[0]
     for case, a, b in zip(cases, single, split):
         assert b.shape == (STEPS, 2)
         # float32: the split sums the loss and the gradients in another order
         np.testing.assert_allclose(b, a, rtol=2e-6, atol=0, err_msg=str(case))
-    print("max relative difference (loss, grad norm):",
-          np.max([np.abs(b / a - 1).max(axis=0) for a, b in zip(single, split)], axis=0))
+    print(
+        "max relative difference (loss, grad norm):",
+        np.max([np.abs(b / a - 1).max(axis=0) for a, b in zip(single, split)], axis=0),
+    )
 
 
 @pytest.mark.slow

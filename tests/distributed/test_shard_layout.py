@@ -28,12 +28,15 @@ def test_documents_spanning_parts():
     assert torch.equal(layouts[2].local_cu_seqlens(), torch.tensor([0, 7, 10], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("args, match", [
-    ((3, 4, 0), "total_length"),
-    ((10, 2, 2), "rank"),
-    ((10, 2, 0, [0, 4, 9]), "cu_seqlens"),
-    ((10, 2, 0, [0, 4, 4, 10]), "cu_seqlens"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((3, 4, 0), "total_length"),
+        ((10, 2, 2), "rank"),
+        ((10, 2, 0, [0, 4, 9]), "cu_seqlens"),
+        ((10, 2, 0, [0, 4, 4, 10]), "cu_seqlens"),
+    ],
+)
 def test_bad_layouts_are_refused(args, match):
     with pytest.raises(ValueError, match=match):
         shard_layout(*args)

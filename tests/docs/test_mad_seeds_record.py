@@ -29,7 +29,8 @@ def test_each_seed_accuracy_is_its_runs():
     listed = sum(len(cell[rule]["by_seed"]) for cell in results["cells"].values() for rule in ("exact", "euler"))
     assert listed == len(runs) == 12  # 3 seeds x 2 rules x 2 weight decays
     assert {(r["config"]["seed"], r["rule"], r["weight_decay"]) for r in runs} == {
-        (s, rule, wd) for s in (12345, 1, 2) for rule in ("exact", "euler") for wd in (0.0, 0.1)}
+        (s, rule, wd) for s in (12345, 1, 2) for rule in ("exact", "euler") for wd in (0.0, 0.1)
+    }
 
 
 def test_spreads_and_paired_differences_follow_from_the_seeds():

@@ -29,13 +29,11 @@ def _files(root: pathlib.Path, sub: str = "docs/results") -> list[pathlib.Path]:
 
 def log_files(root: pathlib.Path) -> list[str]:
     """Raw console logs: ``.log`` files under docs/results or benchmarks/."""
-    return [str(p.relative_to(root)) for sub in ("docs/results", "benchmarks")
-            for p in _files(root, sub) if p.suffix == ".log"]
+    return [str(p.relative_to(root)) for sub in ("docs/results", "benchmarks") for p in _files(root, sub) if p.suffix == ".log"]
 
 
 def progress_residue(root: pathlib.Path) -> list[str]:
-    return [str(p.relative_to(root)) for p in _files(root)
-            if p.suffix not in BINARY and PROGRESS.search(p.read_bytes())]
+    return [str(p.relative_to(root)) for p in _files(root) if p.suffix not in BINARY and PROGRESS.search(p.read_bytes())]
 
 
 def _json_strings(obj, key=None):
@@ -65,8 +63,11 @@ def temporary_paths(root: pathlib.Path) -> list[str]:
                 hits = [text] if TEMP_PATH.search(text) else []
             found += [f"{rel}: {h[:80]!r}" for h in hits]
         else:
-            found += [f"{rel}:{i}: {line[:80]!r}" for i, line in enumerate(text.splitlines(), 1)
-                      if TEMP_PATH.search(line) and not COMMAND_LINE.match(line)]
+            found += [
+                f"{rel}:{i}: {line[:80]!r}"
+                for i, line in enumerate(text.splitlines(), 1)
+                if TEMP_PATH.search(line) and not COMMAND_LINE.match(line)
+            ]
     return found
 
 
@@ -76,11 +77,15 @@ def summary_problems(root: pathlib.Path) -> list[str]:
     base = root / "docs/results"
     if not base.is_dir():
         return ["docs/results is missing"]
-    problems = [f"{d.relative_to(root)}: no summary.md" for d in sorted(base.iterdir())
-                if d.is_dir() and not (d / "summary.md").is_file()]
+    problems = [
+        f"{d.relative_to(root)}: no summary.md" for d in sorted(base.iterdir()) if d.is_dir() and not (d / "summary.md").is_file()
+    ]
     problems += [f"{p.relative_to(root)}: README.md instead of summary.md" for p in sorted(base.rglob("README.md"))]
-    problems += [f"{p.relative_to(root)}: no line 'Command as run: ...'" for p in sorted(base.rglob("summary.md"))
-                 if not any(COMMAND_LINE.match(line) for line in p.read_text().splitlines())]
+    problems += [
+        f"{p.relative_to(root)}: no line 'Command as run: ...'"
+        for p in sorted(base.rglob("summary.md"))
+        if not any(COMMAND_LINE.match(line) for line in p.read_text().splitlines())
+    ]
     return problems
 
 
@@ -102,8 +107,9 @@ def test_every_experiment_has_a_summary_naming_the_command():
 
 def uncited_benchmark_results(root: pathlib.Path) -> list[str]:
     """Files under ``benchmarks/results/`` that neither ``benchmarks/RESULTS.md`` nor the README names."""
-    pages = "".join((root / page).read_text(encoding="utf-8") for page in ("benchmarks/RESULTS.md", "README.md")
-                    if (root / page).is_file())
+    pages = "".join(
+        (root / page).read_text(encoding="utf-8") for page in ("benchmarks/RESULTS.md", "README.md") if (root / page).is_file()
+    )
     return [str(p.relative_to(root)) for p in _files(root, "benchmarks/results") if p.name not in pages]
 
 

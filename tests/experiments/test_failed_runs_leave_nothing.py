@@ -47,8 +47,11 @@ def test_too_little_data_for_one_sequence_is_named_and_leaves_nothing(tmp_path, 
     out = _out_dirs(tmp_path, user_made)
     assert main(["train", "--data", str(small), "--out", str(out), *_BPE]) == 2  # trains a tokenizer, fills a cache
     line = _one_error_line(capsys.readouterr().err)
-    assert re.fullmatch(rf"efla train: {re.escape(str(small))}: \d+ tokens do not fill one sequence of 256 tokens "
-                        r"\(--seq-len, or more --data\)", line), line
+    assert re.fullmatch(
+        rf"efla train: {re.escape(str(small))}: \d+ tokens do not fill one sequence of 256 tokens "
+        r"\(--seq-len, or more --data\)",
+        line,
+    ), line
     assert _left_as_it_was(out, user_made)
 
 

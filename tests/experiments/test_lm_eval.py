@@ -64,17 +64,21 @@ def tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([_corpus_text()], trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   model_max_length=10**9)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", model_max_length=10**9
+    )
 
 
 def _tiny_model(vocab: int, seed: int = 0, **kw) -> EFLAForCausalLM:
     torch.manual_seed(seed)
-    cfg = EFLAConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_heads=2, max_position_embeddings=256,
-                     **kw)
+    cfg = EFLAConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_heads=2, max_position_embeddings=256, **kw)
     return EFLAForCausalLM(cfg).eval()
 
 
@@ -126,8 +130,10 @@ def _full_forward_logprobs(model, ids: list[int]) -> torch.Tensor:
 # --------------------------------------------------------------------------- windows
 
 
-@pytest.mark.parametrize("n,context,stride", [(1, 8, 4), (2, 8, 4), (7, 8, 4), (8, 8, 4), (9, 8, 4), (100, 8, 1),
-                                              (100, 8, 7), (101, 16, 5), (1000, 64, 32)])
+@pytest.mark.parametrize(
+    "n,context,stride",
+    [(1, 8, 4), (2, 8, 4), (7, 8, 4), (8, 8, 4), (9, 8, 4), (100, 8, 1), (100, 8, 7), (101, 16, 5), (1000, 64, 32)],
+)
 def test_sliding_windows_score_every_target_exactly_once(n, context, stride):
     wins = sliding_windows(n, context, stride)
     scored = [t for b, e, f in wins for t in range(f, e)]
@@ -222,24 +228,29 @@ def test_lambada_accuracy_equals_direct_greedy_check(lambada_model, tokenizer, l
         ctx = tokenizer(ctx_text)["input_ids"]
         whole = tokenizer(text)["input_ids"]
         assert whole[: len(ctx)] == ctx
-        cont = whole[len(ctx):]
-        inp = (ctx + cont)[-(max_length + 1):]
+        cont = whole[len(ctx) :]
+        inp = (ctx + cont)[-(max_length + 1) :]
         ctx_in = inp[: len(inp) - len(cont)]
         # greedy decoding through the recurrent cache path
         with torch.no_grad():
-            gen = lambada_model.generate(torch.tensor([ctx_in]), attention_mask=torch.ones(1, len(ctx_in), dtype=torch.long),
-                                         max_new_tokens=len(cont), do_sample=False, pad_token_id=0)
-        correct = gen[0, len(ctx_in):].tolist() == cont
+            gen = lambada_model.generate(
+                torch.tensor([ctx_in]),
+                attention_mask=torch.ones(1, len(ctx_in), dtype=torch.long),
+                max_new_tokens=len(cont),
+                do_sample=False,
+                pad_token_id=0,
+            )
+        correct = gen[0, len(ctx_in) :].tolist() == cont
         direct.append(correct)
-        logprob = float(_full_forward_logprobs(lambada_model, inp)[-len(cont):].sum())
+        logprob = float(_full_forward_logprobs(lambada_model, inp)[-len(cont) :].sum())
         ex = res["examples"][i]
-        assert ex["correct"] == correct, f"passage {i}: greedy {tokenizer.decode(gen[0, len(ctx_in):])!r} vs {word!r}"
+        assert ex["correct"] == correct, f"passage {i}: greedy {tokenizer.decode(gen[0, len(ctx_in) :])!r} vs {word!r}"
         assert ex["n_tokens"] == len(cont)
         assert ex["logprob"] == pytest.approx(logprob, rel=1e-4, abs=1e-4)
     assert res["accuracy"] == sum(direct) / len(direct)
     assert res["perplexity"] == pytest.approx(math.exp(-sum(e["logprob"] for e in res["examples"]) / N_LAMBADA), rel=1e-9)
     if max_length == 256:  # memorised passages are right, the others wrong: the check is not vacuous
-        assert direct[: N_LAMBADA // 2] == [True] * (N_LAMBADA // 2) and not any(direct[N_LAMBADA // 2:])
+        assert direct[: N_LAMBADA // 2] == [True] * (N_LAMBADA // 2) and not any(direct[N_LAMBADA // 2 :])
 
 
 # --------------------------------------------------------------------------- lm-evaluation-harness
@@ -263,8 +274,9 @@ def test_lm_eval_lambada_task_offline_matches_ours(lambada_model, tokenizer, lam
     assert 0 < ours["accuracy"] < 1
 
     # 1) our model instance wrapped in lm-eval's HFLM
-    res = harness_evaluate(lambada_model, tokenizer, ["lambada_openai_local"], include_path=include, batch_size=4,
-                           max_length=256)["lambada_openai_local"]
+    res = harness_evaluate(
+        lambada_model, tokenizer, ["lambada_openai_local"], include_path=include, batch_size=4, max_length=256
+    )["lambada_openai_local"]
     assert res["acc"] == ours["accuracy"]
     assert res["perplexity"] == pytest.approx(ours["perplexity"], rel=1e-4)
 
@@ -275,9 +287,15 @@ def test_lm_eval_lambada_task_offline_matches_ours(lambada_model, tokenizer, lam
     d = tmp_path / "model"
     lambada_model.save_pretrained(d)
     tokenizer.save_pretrained(d)
-    out = simple_evaluate(model="hf", model_args=dict(pretrained=str(d), max_length=256, device="cpu", dtype="float32"),
-                          tasks=["lambada_openai_local"], task_manager=TaskManager(include_path=include), batch_size=4,
-                          bootstrap_iters=0, log_samples=False)
+    out = simple_evaluate(
+        model="hf",
+        model_args=dict(pretrained=str(d), max_length=256, device="cpu", dtype="float32"),
+        tasks=["lambada_openai_local"],
+        task_manager=TaskManager(include_path=include),
+        batch_size=4,
+        bootstrap_iters=0,
+        log_samples=False,
+    )
     r2 = out["results"]["lambada_openai_local"]
     assert r2["acc,none"] == ours["accuracy"]
     assert r2["perplexity,none"] == pytest.approx(ours["perplexity"], rel=1e-4)
@@ -300,8 +318,28 @@ def test_efla_eval_and_compare_commands(tokenizer, lambada_model, tmp_path, caps
         tokenizer.save_pretrained(d)
         dirs[name] = d
     out = tmp_path / "eval-efla-s0"
-    assert main(["eval", "--model", str(dirs["efla-s0"]), "--wikitext", str(wiki), "--lambada", str(LAMBADA),
-                 "--limit", str(N_LAMBADA), "--context", "128", "--stride", "64", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                str(dirs["efla-s0"]),
+                "--wikitext",
+                str(wiki),
+                "--lambada",
+                str(LAMBADA),
+                "--limit",
+                str(N_LAMBADA),
+                "--context",
+                "128",
+                "--stride",
+                "64",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rec = json.loads((out / "eval.json").read_text())
     assert rec["model"]["variant"] == "efla" and rec["model"]["seed"] == 0
     direct_w = evaluate_wikitext(lambada_model, tokenizer, wiki.read_text(), context=128, stride=64)
@@ -313,9 +351,29 @@ def test_efla_eval_and_compare_commands(tokenizer, lambada_model, tmp_path, caps
     assert "WikiText" in capsys.readouterr().out
 
     cmp_out = tmp_path / "cmp"
-    assert main(["compare", str(out / "eval.json"), str(dirs["deltanet-s0"]), str(dirs["efla-s1"]),
-                 "--wikitext", str(wiki), "--lambada", str(LAMBADA), "--limit", str(N_LAMBADA),
-                 "--context", "128", "--stride", "64", "--out", str(cmp_out)]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                str(out / "eval.json"),
+                str(dirs["deltanet-s0"]),
+                str(dirs["efla-s1"]),
+                "--wikitext",
+                str(wiki),
+                "--lambada",
+                str(LAMBADA),
+                "--limit",
+                str(N_LAMBADA),
+                "--context",
+                "128",
+                "--stride",
+                "64",
+                "--out",
+                str(cmp_out),
+            ]
+        )
+        == 0
+    )
     md = (cmp_out / "table.md").read_text()
     summary = json.loads((cmp_out / "eval.json").read_text())
     assert len(summary["records"]) == 3 and "Evaluation commands:" in md and "efla eval --model" in md
@@ -331,12 +389,19 @@ def test_efla_eval_and_compare_commands(tokenizer, lambada_model, tmp_path, caps
 
 def test_compare_table_layout_and_pairs():
     def rec(variant, seed, wppl, acc):
-        return dict(model=dict(name=f"{variant}-s{seed}", variant=variant, seed=seed, parameters=1_000_000),
-                    wikitext=dict(word_perplexity=wppl, token_perplexity=wppl / 2, bits_per_byte=1.0),
-                    lambada=dict(perplexity=100.0, accuracy=acc))
+        return dict(
+            model=dict(name=f"{variant}-s{seed}", variant=variant, seed=seed, parameters=1_000_000),
+            wikitext=dict(word_perplexity=wppl, token_perplexity=wppl / 2, bits_per_byte=1.0),
+            lambada=dict(perplexity=100.0, accuracy=acc),
+        )
 
-    recs = [rec("efla", 0, 30.0, 0.20), rec("efla", 1, 32.0, 0.22), rec("deltanet", 0, 31.0, 0.19),
-            rec("deltanet", 1, 35.0, 0.21), rec("gated_efla", 0, 29.0, 0.25)]
+    recs = [
+        rec("efla", 0, 30.0, 0.20),
+        rec("efla", 1, 32.0, 0.22),
+        rec("deltanet", 0, 31.0, 0.19),
+        rec("deltanet", 1, 35.0, 0.21),
+        rec("gated_efla", 0, 29.0, 0.25),
+    ]
     md, summary = compare(recs)
     assert summary["variants"]["efla"]["wiki_word_ppl"]["mean"] == 31.0
     assert summary["variants"]["efla"]["wiki_word_ppl"]["std"] == pytest.approx(math.sqrt(2.0))
@@ -363,9 +428,11 @@ def test_lambada_task_yaml_is_lambada_openai(tmp_path):
 
 def test_compare_shows_no_spread_over_runs_of_one_seed():
     def rec(variant, seed, wppl):
-        return dict(model=dict(name=f"{variant}-{wppl}", variant=variant, seed=seed, parameters=1_000_000),
-                    wikitext=dict(word_perplexity=wppl, token_perplexity=wppl / 2, bits_per_byte=1.0),
-                    lambada=dict(perplexity=100.0, accuracy=0.2))
+        return dict(
+            model=dict(name=f"{variant}-{wppl}", variant=variant, seed=seed, parameters=1_000_000),
+            wikitext=dict(word_perplexity=wppl, token_perplexity=wppl / 2, bits_per_byte=1.0),
+            lambada=dict(perplexity=100.0, accuracy=0.2),
+        )
 
     md, summary = compare([rec("efla", 0, 30.0), rec("efla", 0, 32.0), rec("deltanet", 0, 31.0)])
     assert "## Results (mean over runs)" in md and "±" not in md.split("## Per model")[0]

@@ -127,7 +127,7 @@ def test_fuzzy_recall_structure(seed):
                 assert 1 <= a <= 3 and 1 <= b <= 3
                 if split == "test":
                     assert a == 3  # test keys are always full-size motifs
-                k, v = tuple(body[s:s + a]), tuple(body[t:t + b])
+                k, v = tuple(body[s : s + a]), tuple(body[t : t + b])
                 assert len(set(k)) == a and len(set(v)) == b  # distinct letters within a motif
                 motifs.append((k, v, t))
             table = {}
@@ -146,7 +146,7 @@ def test_fuzzy_recall_structure(seed):
                     # scored: a value of a key shown before, and always the final probe's value
                     assert tgt == (body[j] if (k in shown or i == len(motifs) - 1) else D.IGNORE)
                 shown.add(k)
-            assert scored.sum() == sum(scored[n_pad + t - 1:n_pad + t - 1 + len(v)].sum() for _, v, t in motifs)
+            assert scored.sum() == sum(scored[n_pad + t - 1 : n_pad + t - 1 + len(v)].sum() for _, v, t in motifs)
         assert probe_in_body >= 0.85 * len(x)  # the probe pair is (nearly always) shown in the body first
 
 
@@ -158,12 +158,12 @@ def test_selective_copying_structure(seed):
         assert x.shape == y.shape == (64, L)
         for xi, yi in zip(x, y):
             assert xi[L - n - 1] == V - 1 and (xi == V - 1).sum() == 1  # one copy token
-            assert (xi[L - n:] == V - 2).all()  # answers are not fed back
-            assert (yi[:L - n] == D.IGNORE).all()
-            head = xi[:L - n - 1]
+            assert (xi[L - n :] == V - 2).all()  # answers are not fed back
+            assert (yi[: L - n] == D.IGNORE).all()
+            head = xi[: L - n - 1]
             content = head[head != V - 2]
             assert len(content) == n and (content < V - 2).all()
-            np.testing.assert_array_equal(yi[L - n:], content)  # the content tokens in order
+            np.testing.assert_array_equal(yi[L - n :], content)  # the content tokens in order
             assert head[-1] != V - 2  # the last content token sits right before the copy token
             assert (head == V - 2).sum() == L - 2 * n - 1
 
@@ -218,8 +218,14 @@ def test_datasets_deterministic_and_train_test_differ(task):
 
 def test_benchmark_settings():
     counts = {t: len(D.benchmark_settings(t)) for t in D.TASKS}
-    assert counts == {"in-context-recall": 11, "fuzzy-in-context-recall": 11, "noisy-in-context-recall": 14,
-                      "selective-copying": 13, "compression": 11, "memorization": 6}
+    assert counts == {
+        "in-context-recall": 11,
+        "fuzzy-in-context-recall": 11,
+        "noisy-in-context-recall": 14,
+        "selective-copying": 13,
+        "compression": 11,
+        "memorization": 6,
+    }
     ids = [s.id for t in D.TASKS for s in D.benchmark_settings(t)]
     assert len(set(ids)) == 66
     nr = D.baseline_setting("noisy-in-context-recall")
@@ -293,8 +299,7 @@ def test_backbone_shapes_and_init():
     with torch.no_grad():  # every output position depends on the first token (through the last state)
         assert (ae(xc) - ae(xc2)).abs().amax(dim=-1).min() > 0
     pe = E.sinusoidal_positions(32, 128)
-    assert pe.shape == (32, 128) and torch.allclose(pe[0, :64], torch.zeros(64)) and torch.allclose(pe[0, 64:],
-                                                                                                  torch.ones(64))
+    assert pe.shape == (32, 128) and torch.allclose(pe[0, :64], torch.zeros(64)) and torch.allclose(pe[0, 64:], torch.ones(64))
 
 
 @pytest.mark.parametrize("rule", E.RULES)
@@ -328,8 +333,7 @@ def test_learns_memorization():
 
 
 def test_cuda_graph_steps_need_a_cuda_device():
-    cfg = T.RunConfig(setting=D.MADSetting("memorization", 16, 16, 256, 64), epochs=1, batch_size=32, width=32,
-                      num_heads=2)
+    cfg = T.RunConfig(setting=D.MADSetting("memorization", 16, 16, 256, 64), epochs=1, batch_size=32, width=32, num_heads=2)
     with pytest.raises(ValueError, match="cuda_graph: needs a CUDA device"):
         T.train_run(cfg, cuda_graph=True)
 
@@ -346,7 +350,7 @@ def test_a_resumed_optimizer_steps_in_the_form_of_the_run():
     def train(w, opt, sched, epochs):
         for _ in range(epochs):
             opt.zero_grad()
-            (w ** 2).sum().backward()
+            (w**2).sum().backward()
             opt.step()
             sched.step()
 
@@ -368,7 +372,8 @@ def test_a_resumed_optimizer_steps_in_the_form_of_the_run():
     assert all(isinstance(x, float) for x in sched2.base_lrs + sched2.get_last_lr())
     train(w2, opt2, sched2, 2)
     assert torch.allclose(w2, w_ref, rtol=1e-6, atol=1e-7) and opt2.param_groups[0]["lr"] == pytest.approx(
-        opt_ref.param_groups[0]["lr"], rel=1e-6)  # a tensor lr is float32
+        opt_ref.param_groups[0]["lr"], rel=1e-6
+    )  # a tensor lr is float32
 
 
 @pytest.mark.gpu
@@ -379,8 +384,9 @@ def test_cuda_graph_steps_train_like_eager_steps(rule):
     # last batch stepping eagerly, the schedule's lr reaching the graph; test batches graphed too): the
     # same losses and accuracies
     s = D.MADSetting("fuzzy-in-context-recall", 16, 32, 200, 64, k_motif_size=3, v_motif_size=3)
-    cfg = T.RunConfig(setting=s, rule=rule, lr=3e-3, weight_decay=0.1, epochs=5, batch_size=32, width=32,
-                      num_heads=2, early_stop=None)
+    cfg = T.RunConfig(
+        setting=s, rule=rule, lr=3e-3, weight_decay=0.1, epochs=5, batch_size=32, width=32, num_heads=2, early_stop=None
+    )
     eager = T.train_run(cfg, device="cuda")
     graphed = T.train_run(cfg, device="cuda", cuda_graph=True)
     assert graphed["cuda_graph"] and graphed["steps"] == eager["steps"] == 5 * 7
@@ -397,12 +403,26 @@ def test_cuda_graph_steps_train_like_eager_steps(rule):
 def test_runs_side_by_side_on_a_gpu_train_as_alone(rule):
     # graphed runs of two settings (one the fuzzy-recall baseline, whose graphs once shared a cuBLAS
     # workspace and raced on it) and an eager run, each in its own stream: each as it trains alone
-    tiny = T.RunConfig(setting=D.MADSetting("fuzzy-in-context-recall", 16, 32, 200, 64, k_motif_size=3,
-                                            v_motif_size=3), rule=rule, lr=3e-3, weight_decay=0.1, epochs=5,
-                       batch_size=32, width=32, num_heads=2, early_stop=None)
+    tiny = T.RunConfig(
+        setting=D.MADSetting("fuzzy-in-context-recall", 16, 32, 200, 64, k_motif_size=3, v_motif_size=3),
+        rule=rule,
+        lr=3e-3,
+        weight_decay=0.1,
+        epochs=5,
+        batch_size=32,
+        width=32,
+        num_heads=2,
+        early_stop=None,
+    )
     full = T.RunConfig(setting=D.baseline_setting("fuzzy-in-context-recall"), rule=rule, lr=1e-3, epochs=1)
-    cases = [(tiny, True), (dataclasses.replace(tiny, lr=1e-3), True), (tiny, False), (full, True),
-             (dataclasses.replace(full, lr=5e-4), True), (full, False)]
+    cases = [
+        (tiny, True),
+        (dataclasses.replace(tiny, lr=1e-3), True),
+        (tiny, False),
+        (full, True),
+        (dataclasses.replace(full, lr=5e-4), True),
+        (full, False),
+    ]
     data = {cfg.setting: D.make_dataset(cfg.setting, seed=cfg.seed) for cfg in (tiny, full)}  # made once
     runs = [T.MADRun(cfg, data[cfg.setting], device="cuda", cuda_graph=graphed) for cfg, graphed in cases]
     captured_in = {}
@@ -429,7 +449,8 @@ def test_runs_side_by_side_on_a_gpu_train_as_alone(rule):
     # the full epoch graphed and eager: 100 steps apart from AdamW's capturable form (a race is far larger)
     for a, b in zip(runs[3].result()["history"], runs[5].result()["history"]):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3) and a["test_ppl"] == pytest.approx(
-            b["test_ppl"], rel=1e-2)
+            b["test_ppl"], rel=1e-2
+        )
 
 
 def test_early_stop_and_best_checkpoint(monkeypatch):
@@ -508,8 +529,11 @@ def test_runs_side_by_side_equal_runs_alone():
     # gives exactly its result alone
     s = D.MADSetting("memorization", 16, 16, 200, 64)
     base = dict(setting=s, lr=3e-3, epochs=6, batch_size=32, width=32, num_heads=2)
-    cfgs = [T.RunConfig(rule="exact", early_stop=None, **base), T.RunConfig(rule="euler", **{**base, "epochs": 40}),
-            T.RunConfig(rule="exact", weight_decay=0.1, early_stop=None, **base)]
+    cfgs = [
+        T.RunConfig(rule="exact", early_stop=None, **base),
+        T.RunConfig(rule="euler", **{**base, "epochs": 40}),
+        T.RunConfig(rule="exact", weight_decay=0.1, early_stop=None, **base),
+    ]
     data = D.make_dataset(s, seed=12345)
     alone = [T.train_run(c, data) for c in cfgs]
     runs = [T.MADRun(c, data) for c in cfgs]
@@ -581,11 +605,14 @@ def test_tiny_preset_all_tasks_two_rules(tmp_path):
 
 def test_aggregation_max_over_grid_mean_over_settings():
     def run(task, sid, rule, lr, acc):
-        return {"task": task, "setting": sid, "rule": rule, "lr": lr, "weight_decay": 0.0, "test_acc": acc,
-                "truncated": False}
+        return {"task": task, "setting": sid, "rule": rule, "lr": lr, "weight_decay": 0.0, "test_acc": acc, "truncated": False}
 
-    runs = [run("compression", "a", "exact", 1e-3, 0.2), run("compression", "a", "exact", 1e-4, 0.5),
-            run("compression", "b", "exact", 1e-3, 0.9), run("memorization", "m", "exact", 1e-3, 0.3)]
+    runs = [
+        run("compression", "a", "exact", 1e-3, 0.2),
+        run("compression", "a", "exact", 1e-4, 0.5),
+        run("compression", "b", "exact", 1e-3, 0.9),
+        run("memorization", "m", "exact", 1e-3, 0.3),
+    ]
     agg = P.aggregate(runs)
     assert agg["exact"]["compression"]["score"] == pytest.approx((0.5 + 0.9) / 2)
     assert agg["exact"]["compression"]["settings"]["a"]["lr"] == 1e-4
@@ -606,21 +633,23 @@ def test_resume_skips_finished_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(R, "MADRun", spy)
     again = R.run_mad(opts, str(tmp_path))
     assert trained == [] and again["runs"][0]["test_acc"] == first["runs"][0]["test_acc"]
-    more = R.run_mad(R.MADOptions(preset="tiny", tasks=["memorization"], rules=["exact", "euler"], num_heads=2),
-                     str(tmp_path))
+    more = R.run_mad(R.MADOptions(preset="tiny", tasks=["memorization"], rules=["exact", "euler"], num_heads=2), str(tmp_path))
     assert trained == ["euler"] and len(more["runs"]) == 2
     # a run cut by the time limit is redone once more time is allowed
-    cut = R.run_mad(R.MADOptions(preset="tiny", tasks=["compression"], rules=["exact"], num_heads=2,
-                                 time_limit=0.0), str(tmp_path))
+    cut = R.run_mad(
+        R.MADOptions(preset="tiny", tasks=["compression"], rules=["exact"], num_heads=2, time_limit=0.0), str(tmp_path)
+    )
     assert cut["runs"][0]["truncated"] and cut["runs"][0]["steps"] == 1
-    shown = R.run_mad(R.MADOptions(preset="tiny", tasks=["compression"], rules=["exact"], num_heads=2, train=False),
-                      str(tmp_path))
+    shown = R.run_mad(
+        R.MADOptions(preset="tiny", tasks=["compression"], rules=["exact"], num_heads=2, train=False), str(tmp_path)
+    )
     assert shown["runs"][0]["truncated"]  # --report-only shows what is stored, cut or not
     trained.clear()
     R.run_mad(R.MADOptions(preset="tiny", tasks=["compression"], rules=["exact"], num_heads=2), str(tmp_path))
     assert trained == ["exact"]
-    report = R.run_mad(R.MADOptions(preset="tiny", tasks=["compression"], rules=["euler"], num_heads=2, train=False),
-                       str(tmp_path))
+    report = R.run_mad(
+        R.MADOptions(preset="tiny", tasks=["compression"], rules=["euler"], num_heads=2, train=False), str(tmp_path)
+    )
     assert report["runs"] == [] and len(report["missing"]) == 1
 
 
@@ -673,8 +702,9 @@ def test_cli(tmp_path):
     args = build_parser().parse_args(["mad", "--quick", "--out", str(tmp_path)])
     assert args.quick and args.out == str(tmp_path) and args.func.__name__ == "cmd_mad"
     out = tmp_path / "cli"
-    rc = main(["mad", "--preset", "tiny", "--tasks", "M", "--rules", "exact", "gated-euler", "--num-heads", "2",
-               "--out", str(out)])
+    rc = main(
+        ["mad", "--preset", "tiny", "--tasks", "M", "--rules", "exact", "gated-euler", "--num-heads", "2", "--out", str(out)]
+    )
     assert rc == 0
     saved = json.loads((out / "results.json").read_text())
     assert {r["task"] for r in saved["runs"]} == {"memorization"}

@@ -13,12 +13,15 @@ from efla.experiments.robustness.report import aggregate, lr_sweep_table, robust
 
 def _fake_run(path, seed: int, steps: int, val_loss: float):
     path.mkdir()
-    (path / "train_args.json").write_text(json.dumps(dict(seed=seed, preset="tiny-efla",
-                                                          resolved=dict(seq_len=32, batch_tokens=128))))
-    (path / "train_summary.json").write_text(json.dumps(dict(variant="efla", steps=steps, tokens=128 * steps,
-                                                             n_params=1000, val_loss=val_loss)))
-    (path / "log.jsonl").write_text("".join(json.dumps(dict(step=s, tokens=128 * s, loss=val_loss + 1)) + "\n"
-                                            for s in range(1, steps + 1)))
+    (path / "train_args.json").write_text(
+        json.dumps(dict(seed=seed, preset="tiny-efla", resolved=dict(seq_len=32, batch_tokens=128)))
+    )
+    (path / "train_summary.json").write_text(
+        json.dumps(dict(variant="efla", steps=steps, tokens=128 * steps, n_params=1000, val_loss=val_loss))
+    )
+    (path / "log.jsonl").write_text(
+        "".join(json.dumps(dict(step=s, tokens=128 * s, loss=val_loss + 1)) + "\n" for s in range(1, steps + 1))
+    )
     return str(path)
 
 
@@ -27,8 +30,9 @@ def _efla_row(text: str) -> str:
 
 
 def test_lm_report_gives_steps_and_tokens_per_run_when_they_differ(tmp_path):
-    runs = [_fake_run(tmp_path / name, seed, steps, 3.0 + seed) for name, seed, steps in
-            (("a", 0, 30), ("b", 1, 40), ("c", 2, 40))]
+    runs = [
+        _fake_run(tmp_path / name, seed, steps, 3.0 + seed) for name, seed, steps in (("a", 0, 30), ("b", 1, 40), ("c", 2, 40))
+    ]
     text = summary_markdown(collect_runs(runs), "t", "", "")
     assert "each: preset `tiny-*`" in text and "30 steps, 3,840 training tokens" not in text
     assert "per run: a 30 steps / 3,840 tokens, b 40 steps / 5,120 tokens, c 40 steps / 5,120 tokens" in text
@@ -58,12 +62,22 @@ def _robustness_results(seeds: list[int]) -> dict:
 
     def run(rule, seed):
         acc = 0.9 - 0.1 * seed - (0.05 if rule == "euler" else 0.0)
-        return dict(setting="same-lr", rule=rule, seed=seed, lr=1e-3,
-                    eval=dict(clean=acc, **{k: dict(levels=lv, accuracy=[acc, acc - 0.1]) for k, lv in levels.items()}))
+        return dict(
+            setting="same-lr",
+            rule=rule,
+            seed=seed,
+            lr=1e-3,
+            eval=dict(clean=acc, **{k: dict(levels=lv, accuracy=[acc, acc - 0.1]) for k, lv in levels.items()}),
+        )
 
     runs = [run(rule, seed) for rule in ("exact", "euler") for seed in seeds]
-    return dict(runs=runs, levels=levels, dataset=dict(name="digits", n_train=10, source="embedded"),
-                options=dict(epochs=1, seeds=seeds), versions={})
+    return dict(
+        runs=runs,
+        levels=levels,
+        dataset=dict(name="digits", n_train=10, source="embedded"),
+        options=dict(epochs=1, seeds=seeds),
+        versions={},
+    )
 
 
 def _table_text(seeds: list[int]) -> str:
@@ -95,8 +109,17 @@ def test_a_mad_average_over_fewer_tasks_is_not_labelled_as_the_six_task_average(
     average = scores_table(_mad_agg({"compression": 0.5}), "quick").markdown()[-1]
     assert f"Average of 1 of 6 tasks ({TASK_LABEL['compression']}; not a six-task average)" in average
     assert f"{PAPER_AVERAGE['exact']:.1f}" not in average and "| **42.7** | **43.8** | **+1.1** |" in average
-    all_six = dict.fromkeys(("compression", "fuzzy-in-context-recall", "in-context-recall", "memorization",
-                             "noisy-in-context-recall", "selective-copying"), 0.5)
+    all_six = dict.fromkeys(
+        (
+            "compression",
+            "fuzzy-in-context-recall",
+            "in-context-recall",
+            "memorization",
+            "noisy-in-context-recall",
+            "selective-copying",
+        ),
+        0.5,
+    )
     average = scores_table(_mad_agg(all_six), "quick").markdown()[-1]
     assert "Average (6 tasks)" in average
     assert f"| **{PAPER_AVERAGE['euler']:.1f}** | **{PAPER_AVERAGE['exact']:.1f}** |" in average

@@ -51,7 +51,7 @@ def _readme_resume_table() -> dict[str, str]:
     lines = (REPO / "README.md").read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| Option given with `--resume`"))
     table = {}
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         options, verdict = (cell.strip() for cell in line.strip("|").split("|"))
@@ -72,16 +72,29 @@ def _refused_values(corpus, tmp_path) -> dict[str, list[str]]:  # noqa: F811
     other.mkdir()
     shutil.copy(corpus / "doc0.txt", other / "doc0.txt")
     return {
-        "--preset": ["--preset", "tiny-deltanet"], "--config": ["--config", _config_file(tmp_path)],
-        "--seed": ["--seed", "1"], "--data": ["--data", str(other)], "--val-data": ["--val-data", str(other)],
-        "--val-sequences": ["--val-sequences", "8"], "--text-field": ["--text-field", "body"],
-        "--accept-invalid-utf8": ["--accept-invalid-utf8"], "--no-gutenberg-strip": ["--no-gutenberg-strip"],
-        "--tokenizer": ["--tokenizer", "bpe"], "--vocab-size": ["--vocab-size", "500"],
-        "--tokenizer-train-chars": ["--tokenizer-train-chars", "1000"], "--seq-len": ["--seq-len", "64"],
-        "--batch-tokens": ["--batch-tokens", "256"], "--varlen": ["--varlen"], "--data-seed": ["--data-seed", "5"],
-        "--max-steps": ["--max-steps", "10"], "--max-tokens": ["--max-tokens", "1280"], "--lr": ["--lr", "1e-3"],
-        "--min-lr": ["--min-lr", "1e-4"], "--warmup-steps": ["--warmup-steps", "3"],
-        "--weight-decay": ["--weight-decay", "0.3"], "--grad-clip": ["--grad-clip", "0.5"],
+        "--preset": ["--preset", "tiny-deltanet"],
+        "--config": ["--config", _config_file(tmp_path)],
+        "--seed": ["--seed", "1"],
+        "--data": ["--data", str(other)],
+        "--val-data": ["--val-data", str(other)],
+        "--val-sequences": ["--val-sequences", "8"],
+        "--text-field": ["--text-field", "body"],
+        "--accept-invalid-utf8": ["--accept-invalid-utf8"],
+        "--no-gutenberg-strip": ["--no-gutenberg-strip"],
+        "--tokenizer": ["--tokenizer", "bpe"],
+        "--vocab-size": ["--vocab-size", "500"],
+        "--tokenizer-train-chars": ["--tokenizer-train-chars", "1000"],
+        "--seq-len": ["--seq-len", "64"],
+        "--batch-tokens": ["--batch-tokens", "256"],
+        "--varlen": ["--varlen"],
+        "--data-seed": ["--data-seed", "5"],
+        "--max-steps": ["--max-steps", "10"],
+        "--max-tokens": ["--max-tokens", "1280"],
+        "--lr": ["--lr", "1e-3"],
+        "--min-lr": ["--min-lr", "1e-4"],
+        "--warmup-steps": ["--warmup-steps", "3"],
+        "--weight-decay": ["--weight-decay", "0.3"],
+        "--grad-clip": ["--grad-clip", "0.5"],
     }
 
 
@@ -91,12 +104,19 @@ _SCHEDULE_NAMED_AS = {"--max-tokens": "--max-steps 6 -> 10"}
 
 def _allowed_args(tmp_path) -> dict[str, list[str]]:
     return {
-        "--extend-at-min-lr": ["--extend-at-min-lr"], "--on-nonfinite": ["--on-nonfinite", "skip"],
-        "--save-every": ["--save-every", "2"], "--keep-checkpoints": ["--keep-checkpoints", "5"],
-        "--val-every": ["--val-every", "2"], "--log-every": ["--log-every", "2"], "--threads": ["--threads", "2"],
-        "--no-progress": ["--no-progress"], "--cache-dir": ["--cache-dir", str(tmp_path / "cache")],
-        "--device": ["--device", "cpu"], "--precision": ["--precision", "fp32"],
-        "--micro-batch-size": ["--micro-batch-size", "2"], "--grad-checkpointing": ["--grad-checkpointing"],
+        "--extend-at-min-lr": ["--extend-at-min-lr"],
+        "--on-nonfinite": ["--on-nonfinite", "skip"],
+        "--save-every": ["--save-every", "2"],
+        "--keep-checkpoints": ["--keep-checkpoints", "5"],
+        "--val-every": ["--val-every", "2"],
+        "--log-every": ["--log-every", "2"],
+        "--threads": ["--threads", "2"],
+        "--no-progress": ["--no-progress"],
+        "--cache-dir": ["--cache-dir", str(tmp_path / "cache")],
+        "--device": ["--device", "cpu"],
+        "--precision": ["--precision", "fp32"],
+        "--micro-batch-size": ["--micro-batch-size", "2"],
+        "--grad-checkpointing": ["--grad-checkpointing"],
     }
 
 
@@ -109,15 +129,20 @@ def _resume(out, *extra) -> int:
 
 def test_the_table_names_every_option_the_code_knows():
     table = _readme_resume_table()
-    fixed = set(RESUME_FIXED.values()) | {"--max-steps", "--max-tokens", "--lr", "--min-lr", "--warmup-steps",
-                                          "--weight-decay", "--grad-clip"}
+    fixed = set(RESUME_FIXED.values()) | {
+        "--max-steps",
+        "--max-tokens",
+        "--lr",
+        "--min-lr",
+        "--warmup-steps",
+        "--weight-decay",
+        "--grad-clip",
+    }
     assert {o for o, verdict in table.items() if verdict == "refused"} == fixed
-    assert {o for o, verdict in table.items() if verdict == "allowed"} == set(RESUME_FREE.values()) | {
-        "--extend-at-min-lr"}
+    assert {o for o, verdict in table.items() if verdict == "allowed"} == set(RESUME_FREE.values()) | {"--extend-at-min-lr"}
 
 
-def test_each_refused_option_in_the_readme_table_is_refused_and_changes_nothing(
-        finished_run, corpus, tmp_path, capsys):  # noqa: F811
+def test_each_refused_option_in_the_readme_table_is_refused_and_changes_nothing(finished_run, corpus, tmp_path, capsys):  # noqa: F811
     values = _refused_values(corpus, tmp_path)
     refused = [o for o, verdict in _readme_resume_table().items() if verdict == "refused"]
     assert refused and set(refused) <= set(values)
@@ -136,8 +161,8 @@ def test_each_refused_option_in_the_readme_table_is_refused_and_changes_nothing(
 def test_the_refusal_names_both_values(finished_run, corpus, tokenizer_dir, tmp_path, capsys):  # noqa: F811
     assert _resume(finished_run, "--preset", "tiny-deltanet") == 2
     assert _one_error_line(capsys.readouterr().err) == (
-        "efla train: --preset was tiny-efla in this run, got tiny-deltanet; --resume continues the run on disk "
-        "(--preset)")
+        "efla train: --preset was tiny-efla in this run, got tiny-deltanet; --resume continues the run on disk (--preset)"
+    )
     assert _resume(finished_run, "--tokenizer", "bpe") == 2
     assert f"--tokenizer was {tokenizer_dir} in this run, got bpe" in _one_error_line(capsys.readouterr().err)
     assert _resume(finished_run, "--val-sequences", "8") == 2

@@ -16,8 +16,12 @@ from efla.ops import naive
 SHARED_MNIST = pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mnist"
 
 
-NAIVE_RULE = {"exact": naive.efla, "euler": naive.delta_rule, "gated-exact": naive.gated_efla,
-              "gated-euler": naive.gated_delta_rule}
+NAIVE_RULE = {
+    "exact": naive.efla,
+    "euler": naive.delta_rule,
+    "gated-exact": naive.gated_efla,
+    "gated-euler": naive.gated_delta_rule,
+}
 
 
 def naive_classifier_forward(model: PixelSequenceClassifier, x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +85,7 @@ def test_authors_model_has_no_input_bias_and_xavier_projections():
     torch.manual_seed(0)
     ours, theirs = PixelSequenceClassifier(width=64), PixelSequenceClassifier(width=64, authors_model=True)
     assert ours.inp.bias is not None and theirs.inp.bias is None
-    xavier_bound, default_bound = (6 / 128) ** 0.5, 1 / 64 ** 0.5
+    xavier_bound, default_bound = (6 / 128) ** 0.5, 1 / 64**0.5
     for name in ("q_proj", "k_proj", "v_proj"):
         assert getattr(ours, name).weight.abs().max() <= default_bound
         assert default_bound < getattr(theirs, name).weight.abs().max() <= xavier_bound
@@ -98,8 +102,20 @@ def test_training_learns_on_digits():
 
 def test_robustness_and_lr_sweep_commands_tiny(tmp_path):
     out = tmp_path / "rob"
-    args = ["--dataset", "digits", "--epochs", "2", "--train-limit", "256", "--test-limit", "64", "--width", "16",
-            "--device", "cpu"]
+    args = [
+        "--dataset",
+        "digits",
+        "--epochs",
+        "2",
+        "--train-limit",
+        "256",
+        "--test-limit",
+        "64",
+        "--width",
+        "16",
+        "--device",
+        "cpu",
+    ]
     assert main(["robustness", "--quick", "--out", str(out), "--paper-lr", *args]) == 0
     res = json.loads((out / "results.json").read_text())
     assert {r["setting"] for r in res["runs"]} == {"same-lr", "paper-lr"}
@@ -107,8 +123,14 @@ def test_robustness_and_lr_sweep_commands_tiny(tmp_path):
     for r in res["runs"]:
         assert set(r["eval"]) == {"clean", "scale", "noise", "dropout"}
         assert all(0.0 <= a <= 1.0 for a in r["eval"]["scale"]["accuracy"])
-    for name in ["robustness_same-lr.csv", "robustness_paper-lr.csv", "robustness_same-lr.png",
-                 "robustness_paper-lr.png", "training_loss.png", "summary.md"]:
+    for name in [
+        "robustness_same-lr.csv",
+        "robustness_paper-lr.csv",
+        "robustness_same-lr.png",
+        "robustness_paper-lr.png",
+        "training_loss.png",
+        "summary.md",
+    ]:
         assert (out / name).stat().st_size > 100, name
     assert "EFLA" in (out / "summary.md").read_text()
     out2 = tmp_path / "lr"
@@ -127,11 +149,25 @@ def test_records_of_separate_seeds_merge_into_one(tmp_path):
     import statistics
 
     spec = importlib.util.spec_from_file_location(
-        "merge_claims", pathlib.Path(__file__).resolve().parents[2] / "scripts" / "merge_claims.py")
+        "merge_claims", pathlib.Path(__file__).resolve().parents[2] / "scripts" / "merge_claims.py"
+    )
     merge_claims = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(merge_claims)
-    args = ["--quick", "--dataset", "digits", "--epochs", "1", "--train-limit", "64", "--test-limit", "32",
-            "--width", "8", "--device", "cpu"]
+    args = [
+        "--quick",
+        "--dataset",
+        "digits",
+        "--epochs",
+        "1",
+        "--train-limit",
+        "64",
+        "--test-limit",
+        "32",
+        "--width",
+        "8",
+        "--device",
+        "cpu",
+    ]
     for seed in (0, 1, 2):
         assert main(["robustness", *args, "--seeds", str(seed), "--out", str(tmp_path / f"s{seed}")]) == 0
     assert main(["robustness", *args, "--seeds", "3", "--lr", "3e-3", "--out", str(tmp_path / "other-lr")]) == 0
@@ -142,8 +178,7 @@ def test_records_of_separate_seeds_merge_into_one(tmp_path):
     areas = [statistics.mean(r["eval"]["scale"]["accuracy"]) for r in merged["runs"] if r["rule"] == "exact"]
     assert merged["aggregate"]["same-lr"]["exact"]["scale"]["area_std"] == pytest.approx(statistics.stdev(areas))
     with pytest.raises(SystemExit, match="differ in option 'lr'"):
-        merge_claims.main(["robustness", str(tmp_path / "bad"), parts[0], str(tmp_path / "other-lr"),
-                           "--command", "x"])
+        merge_claims.main(["robustness", str(tmp_path / "bad"), parts[0], str(tmp_path / "other-lr"), "--command", "x"])
     with pytest.raises(SystemExit, match="appears in two parts"):
         merge_claims.main(["robustness", str(tmp_path / "bad"), parts[0], parts[0], "--command", "x"])
 
@@ -155,11 +190,27 @@ def test_sweep_records_of_separate_lrs_and_seeds_merge_with_spread(tmp_path):
     import statistics
 
     spec = importlib.util.spec_from_file_location(
-        "merge_claims", pathlib.Path(__file__).resolve().parents[2] / "scripts" / "merge_claims.py")
+        "merge_claims", pathlib.Path(__file__).resolve().parents[2] / "scripts" / "merge_claims.py"
+    )
     merge_claims = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(merge_claims)
-    args = ["--quick", "--dataset", "digits", "--epochs", "1", "--train-limit", "64", "--test-limit", "32",
-            "--width", "8", "--device", "cpu", "--rules", "exact"]
+    args = [
+        "--quick",
+        "--dataset",
+        "digits",
+        "--epochs",
+        "1",
+        "--train-limit",
+        "64",
+        "--test-limit",
+        "32",
+        "--width",
+        "8",
+        "--device",
+        "cpu",
+        "--rules",
+        "exact",
+    ]
     parts = []
     for seed in (0, 1):
         for lr in ("1e-3", "1e-2"):

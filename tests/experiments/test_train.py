@@ -41,8 +41,9 @@ from efla.experiments.lm.train import (
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "corpus"
 
-_WORDS = ("the cat dog bird sat ran flew on under over a mat tree house red green small big and then "
-          "quickly slowly saw heard").split()
+_WORDS = (
+    "the cat dog bird sat ran flew on under over a mat tree house red green small big and then quickly slowly saw heard"
+).split()
 
 
 @pytest.fixture(scope="module")
@@ -72,26 +73,43 @@ def tokenizer_dir(corpus, tmp_path_factory) -> str:
 
 
 def _cfg(corpus, tokenizer_dir, out, **kw) -> TrainConfig:
-    base = dict(data=[str(corpus)], out=str(out), preset="tiny-efla", tokenizer=tokenizer_dir, seq_len=32,
-                batch_tokens=128, micro_batch_size=2, max_steps=12, lr=3e-3, min_lr=3e-4, val_sequences=8,
-                save_every=4, progress=False, threads=1, cache_dir=str(out) + "-cache")
+    base = dict(
+        data=[str(corpus)],
+        out=str(out),
+        preset="tiny-efla",
+        tokenizer=tokenizer_dir,
+        seq_len=32,
+        batch_tokens=128,
+        micro_batch_size=2,
+        max_steps=12,
+        lr=3e-3,
+        min_lr=3e-4,
+        val_sequences=8,
+        save_every=4,
+        progress=False,
+        threads=1,
+        cache_dir=str(out) + "-cache",
+    )
     base.update(kw)
     return TrainConfig(**base)
 
 
 # -- data ------------------------------------------------------------------------------------------
 
+
 def test_documents_packing_order_and_sharding(corpus, tokenizer_dir):
     docs = list(read_documents([str(corpus)]))
     assert len(docs) == 3 + 40  # 3 text files + 40 JSONL lines, directory expanded in sorted order
-    g = ("header\r\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\r\nbody line\r\n"
-         "*** END OF THE PROJECT GUTENBERG EBOOK X ***\r\nlicence")
+    g = (
+        "header\r\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\r\nbody line\r\n"
+        "*** END OF THE PROJECT GUTENBERG EBOOK X ***\r\nlicence"
+    )
     assert strip_gutenberg(g.replace("\r\n", "\n")) == "body line\n"
 
     tokens = np.arange(1000, dtype=np.int32)
     tr, va = split_train_val(tokens, 10, val_sequences=7, val_seed=3)
     assert len(tr) + len(va) == 100 and not set(tr.index) & set(va.index)
-    assert (tr.sequences([0])[0] == tokens[tr.index[0] * 10: tr.index[0] * 10 + 10]).all()
+    assert (tr.sequences([0])[0] == tokens[tr.index[0] * 10 : tr.index[0] * 10 + 10]).all()
 
     order = SequenceOrder(10, seed=5)
     first_two_epochs = order.take(0, 20)
@@ -128,6 +146,7 @@ def test_lr_schedule_paper_recipe():
 
 
 # -- the loop ---------------------------------------------------------------------------------------
+
 
 def test_loss_decreases_and_model_dir_loads(corpus, tokenizer_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -265,8 +284,7 @@ def test_non_finite_loss_stops_with_clear_message_and_keeps_checkpoint(corpus, t
         verify_checkpoint(list_checkpoints(str(out))[-1])
         assert [os.path.basename(p) for p in list_checkpoints(str(out))] == ["step-0000004"]
 
-        res = train(_cfg(corpus, tokenizer_dir, tmp_path / "skip", on_nonfinite="skip", max_steps=7),
-                    on_step_end=poison)
+        res = train(_cfg(corpus, tokenizer_dir, tmp_path / "skip", on_nonfinite="skip", max_steps=7), on_step_end=poison)
         assert [e.get("skipped") for e in res["log"]] == [None] * 5 + ["non-finite"] * 2
     finally:
         EFLAForCausalLM.__init__ = orig
@@ -284,16 +302,61 @@ def test_varlen_packing_and_grad_accumulation_agree(corpus, tokenizer_dir, tmp_p
 
 # -- torchrun -------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_torchrun_two_processes_match_single_process(corpus, tokenizer_dir, tmp_path):
-    common = ["--data", str(corpus), "--tokenizer", tokenizer_dir, "--seq-len", "32", "--batch-tokens", "256",
-              "--max-steps", "5", "--lr", "3e-3", "--min-lr", "3e-4", "--val-sequences", "8", "--threads", "1", "--no-progress",
-              "--cache-dir", str(tmp_path / "cache")]
-    single = train(_cfg(corpus, tokenizer_dir, tmp_path / "single", batch_tokens=256, max_steps=5, micro_batch_size=8,
-                        save_every=0, cache_dir=str(tmp_path / "cache")))
+    common = [
+        "--data",
+        str(corpus),
+        "--tokenizer",
+        tokenizer_dir,
+        "--seq-len",
+        "32",
+        "--batch-tokens",
+        "256",
+        "--max-steps",
+        "5",
+        "--lr",
+        "3e-3",
+        "--min-lr",
+        "3e-4",
+        "--val-sequences",
+        "8",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
+    single = train(
+        _cfg(
+            corpus,
+            tokenizer_dir,
+            tmp_path / "single",
+            batch_tokens=256,
+            max_steps=5,
+            micro_batch_size=8,
+            save_every=0,
+            cache_dir=str(tmp_path / "cache"),
+        )
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "efla", "train", *common, "--micro-batch-size", "2", "--out", str(tmp_path / "ddp")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "efla",
+        "train",
+        *common,
+        "--micro-batch-size",
+        "2",
+        "--out",
+        str(tmp_path / "ddp"),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=str(REPO))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     args = json.loads((tmp_path / "ddp" / "train_args.json").read_text())
@@ -307,6 +370,7 @@ def test_torchrun_two_processes_match_single_process(corpus, tokenizer_dir, tmp_
 
 
 # -- tokenizer on the shared corpus -----------------------------------------------------------------
+
 
 def test_tokenizer_trained_on_shared_corpus_saved_with_model(tmp_path):
     if not SHARED_CORPUS.is_dir():
@@ -323,14 +387,29 @@ def test_tokenizer_trained_on_shared_corpus_saved_with_model(tmp_path):
         if p.exists():  # the first 60 kB of a few books: a small slice keeps the test fast
             (data / p.name).write_bytes(p.read_bytes()[:60_000])
     out = tmp_path / "model"
-    res = train(TrainConfig(data=[str(data)], out=str(out), preset="tiny-gated-efla", vocab_size=600, seq_len=32,
-                            batch_tokens=128, max_steps=3, val_sequences=4, progress=False, threads=1))
+    res = train(
+        TrainConfig(
+            data=[str(data)],
+            out=str(out),
+            preset="tiny-gated-efla",
+            vocab_size=600,
+            seq_len=32,
+            batch_tokens=128,
+            max_steps=3,
+            val_sequences=4,
+            progress=False,
+            threads=1,
+        )
+    )
     assert res["steps"] == 3
     tok = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out)
     assert 300 < len(tok) <= 600 and model.config.vocab_size == len(tok) and model.config.gated
-    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2) == (
-        model.config.pad_token_id, model.config.bos_token_id, model.config.eos_token_id)
+    assert (
+        (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+        == (0, 1, 2)
+        == (model.config.pad_token_id, model.config.bos_token_id, model.config.eos_token_id)
+    )
     text = "First Citizen:\nBefore we proceed any further, hear me speak.\n"
     ids = tok(text)["input_ids"]
     assert tok.decode(ids) == text and len(ids) < len(text.encode()) * 0.7  # merges were learned
@@ -362,11 +441,21 @@ def test_lm_report_summarises_eval_results_with_sample_spread(corpus, tokenizer_
         run = tmp_path / f"efla-s{seed}"
         train(_cfg(corpus, tokenizer_dir, run, max_steps=2, seed=seed))
         (run / "eval").mkdir()
-        (run / "eval" / "eval.json").write_text(json.dumps({
-            "resolved_context": 64,
-            "wikitext": {"word_perplexity": word_ppl, "bits_per_byte": 1.5 + seed, "token_perplexity": 50.0,
-                         "tokens": 1000, "truncated_to_tokens": None},
-            "lambada": {"accuracy": acc, "perplexity": 20.0, "n": 40, "limit": 40, "passages_in_file": 5153}}))
+        (run / "eval" / "eval.json").write_text(
+            json.dumps(
+                {
+                    "resolved_context": 64,
+                    "wikitext": {
+                        "word_perplexity": word_ppl,
+                        "bits_per_byte": 1.5 + seed,
+                        "token_perplexity": 50.0,
+                        "tokens": 1000,
+                        "truncated_to_tokens": None,
+                    },
+                    "lambada": {"accuracy": acc, "perplexity": 20.0, "n": 40, "limit": 40, "passages_in_file": 5153},
+                }
+            )
+        )
         runs.append(str(run))
     text = summary_markdown(collect_runs(runs), "t", "", "")
     row = next(line for line in text.splitlines() if line.startswith("| EFLA |"))
@@ -395,6 +484,6 @@ def test_resuming_a_finished_run_keeps_its_validation_loss_and_rate(corpus, toke
     step_seconds = [e["step_s"] for e in read_log(str(out))]
     assert row["val_loss"] == first["val_loss"]
     # the rate of the steps after warm-up, as the training summary defines it, over the whole log
-    steady = step_seconds[warmup_steps(4):]
+    steady = step_seconds[warmup_steps(4) :]
     assert row["tokens_per_s"] == pytest.approx(len(steady) * 128 / sum(steady)) and row["tokens_per_s"] > 0
     assert row["train_seconds"] == pytest.approx(sum(step_seconds))

@@ -44,14 +44,50 @@ def tokenizer_dir(corpus, tmp_path_factory) -> str:
 
 
 def _args(corpus, tokenizer_dir, out, *extra) -> list[str]:
-    return ["train", "--data", str(corpus), "--tokenizer", tokenizer_dir, "--out", str(out), "--seq-len", "32",
-            "--batch-tokens", "128", "--max-steps", "6", "--save-every", "3", "--lr", "3e-3", "--min-lr", "3e-4",
-            "--val-sequences", "4", "--threads", "1", "--no-progress", *extra]
+    return [
+        "train",
+        "--data",
+        str(corpus),
+        "--tokenizer",
+        tokenizer_dir,
+        "--out",
+        str(out),
+        "--seq-len",
+        "32",
+        "--batch-tokens",
+        "128",
+        "--max-steps",
+        "6",
+        "--save-every",
+        "3",
+        "--lr",
+        "3e-3",
+        "--min-lr",
+        "3e-4",
+        "--val-sequences",
+        "4",
+        "--threads",
+        "1",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def _cfg(corpus, tokenizer_dir, out, **kw) -> TrainConfig:
-    base = dict(data=[str(corpus)], out=str(out), tokenizer=tokenizer_dir, seq_len=32, batch_tokens=128,
-                max_steps=6, save_every=3, lr=3e-3, min_lr=3e-4, val_sequences=4, threads=1, progress=False)
+    base = dict(
+        data=[str(corpus)],
+        out=str(out),
+        tokenizer=tokenizer_dir,
+        seq_len=32,
+        batch_tokens=128,
+        max_steps=6,
+        save_every=3,
+        lr=3e-3,
+        min_lr=3e-4,
+        val_sequences=4,
+        threads=1,
+        progress=False,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -69,6 +105,7 @@ def _tree(path: pathlib.Path) -> dict:
 
 
 # -- 1. the output directory ----------------------------------------------------------------------
+
 
 def test_out_holding_a_users_files_is_refused_before_writing(corpus, tokenizer_dir, tmp_path, capsys):
     out = tmp_path / "mine"
@@ -104,11 +141,15 @@ time.sleep(120)
 """
 
 
-def test_second_run_is_refused_naming_the_holder_and_a_killed_holders_lock_is_taken_over(
-        corpus, tokenizer_dir, tmp_path, capsys):
+def test_second_run_is_refused_naming_the_holder_and_a_killed_holders_lock_is_taken_over(corpus, tokenizer_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(out)], stdout=subprocess.PIPE, text=True,
-                              cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO)))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(out)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=str(REPO),
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         assert main(_args(corpus, tokenizer_dir, out)) == 2
@@ -141,6 +182,7 @@ def test_the_lock_is_held_while_training_and_released_after(corpus, tokenizer_di
 
 
 # -- 2. text input --------------------------------------------------------------------------------
+
 
 def test_binary_data_is_refused(corpus, tokenizer_dir, tmp_path, capsys):
     data = tmp_path / "data"
@@ -185,19 +227,23 @@ def test_reading_refuses_undecodable_bytes_unless_accepted(tmp_path):
 
 # -- 3. every option checked before work starts -----------------------------------------------------
 
-@pytest.mark.parametrize("extra, expected", [
-    (["--preset", "huge-efla"], "unknown preset 'huge-efla'; expected one of tiny-efla"),
-    (["--max-steps", "0"], "expected a value >= 1, got 0 (--max-steps)"),
-    (["--lr", "-1"], "expected a value > 0, got -1 (--lr)"),
-    (["--lr", "1e-4", "--min-lr", "1e-3"], "above the peak --lr"),
-    (["--batch-tokens", "100"], "not a whole number of 32-token sequences (--batch-tokens, --seq-len)"),
-    (["--keep-checkpoints", "0"], "(--keep-checkpoints)"),
-    (["--vocab-size", "10"], "(--vocab-size)"),
-    (["--tokenizer", "./no-such-tokenizer"], "no such directory: ./no-such-tokenizer (--tokenizer)"),
-    (["--resume-from", "no-such-checkpoint"], "(--resume-from)"),
-    (["--val-data", "no-such-file.txt"], "no-such-file.txt: no such file or directory"),
-    (["--device", "tpu"], "unknown device 'tpu'"),
-])
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--preset", "huge-efla"], "unknown preset 'huge-efla'; expected one of tiny-efla"),
+        (["--max-steps", "0"], "expected a value >= 1, got 0 (--max-steps)"),
+        (["--lr", "-1"], "expected a value > 0, got -1 (--lr)"),
+        (["--lr", "1e-4", "--min-lr", "1e-3"], "above the peak --lr"),
+        (["--batch-tokens", "100"], "not a whole number of 32-token sequences (--batch-tokens, --seq-len)"),
+        (["--keep-checkpoints", "0"], "(--keep-checkpoints)"),
+        (["--vocab-size", "10"], "(--vocab-size)"),
+        (["--tokenizer", "./no-such-tokenizer"], "no such directory: ./no-such-tokenizer (--tokenizer)"),
+        (["--resume-from", "no-such-checkpoint"], "(--resume-from)"),
+        (["--val-data", "no-such-file.txt"], "no-such-file.txt: no such file or directory"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+    ],
+)
 def test_bad_options_fail_at_once_and_write_nothing(corpus, tokenizer_dir, tmp_path, capsys, extra, expected):
     out = tmp_path / "run"
     assert main(_args(corpus, tokenizer_dir, out, *extra)) == 2
@@ -229,6 +275,7 @@ def test_debug_shows_the_traceback(corpus, tokenizer_dir, tmp_path, monkeypatch)
 
 # -- 4. resume ------------------------------------------------------------------------------------
 
+
 def test_resume_without_a_checkpoint_stops_unless_resume_or_start(corpus, tokenizer_dir, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(_args(corpus, tokenizer_dir, out, "--resume")) == 2
@@ -245,9 +292,12 @@ def test_resume_refuses_changed_schedule_and_extends_at_min_lr_when_asked(corpus
     assert main(_args(corpus, tokenizer_dir, out)) == 0
     capsys.readouterr()
     first = read_log(str(out))
-    for extra, expected in ((["--max-steps", "10"], "--max-steps 6 -> 10"), (["--lr", "1e-3"], "--lr 0.003 -> 0.001"),
-                            (["--weight-decay", "0.3"], "--weight-decay 0.1 -> 0.3"),
-                            (["--max-steps", "4", "--extend-at-min-lr"], "--max-steps 6 -> 4")):
+    for extra, expected in (
+        (["--max-steps", "10"], "--max-steps 6 -> 10"),
+        (["--lr", "1e-3"], "--lr 0.003 -> 0.001"),
+        (["--weight-decay", "0.3"], "--weight-decay 0.1 -> 0.3"),
+        (["--max-steps", "4", "--extend-at-min-lr"], "--max-steps 6 -> 4"),
+    ):
         assert main(_args(corpus, tokenizer_dir, out, "--resume", *extra)) == 2
         line = _one_error_line(capsys.readouterr().err)
         assert expected in line and line.endswith("(--resume)"), line
@@ -280,6 +330,7 @@ def test_scheduled_lr_continues_at_min_lr_past_the_planned_steps():
 
 
 # -- 9. nothing a checkpoint holds is unpickled -------------------------------------------------------
+
 
 class _Planted:
     """A pickle whose loading would create a marker file."""
@@ -338,9 +389,14 @@ def test_each_long_phase_is_announced_in_order_before_the_bar(corpus, tmp_path, 
     args = [a for a in _args(corpus, "bpe", tmp_path / "run", "--vocab-size", "300") if a != "--no-progress"]
     assert main(args) == 0
     err = capsys.readouterr().err
-    phases = ["efla train: training the tokenizer", "efla train: tokenizing (--data", "efla train: writing the token cache",
-              "efla train: training steps 1-6", "efla train: writing the checkpoint of step 3",
-              "efla train: writing the model directory"]
+    phases = [
+        "efla train: training the tokenizer",
+        "efla train: tokenizing (--data",
+        "efla train: writing the token cache",
+        "efla train: training steps 1-6",
+        "efla train: writing the checkpoint of step 3",
+        "efla train: writing the model directory",
+    ]
     positions = [err.find(phase) for phase in phases]
     assert -1 not in positions and positions == sorted(positions), err
     assert err.find("train run") > positions[3]  # the bar comes after the line announcing it

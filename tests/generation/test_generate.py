@@ -38,7 +38,7 @@ def ragged_batch(lengths, seed=1):
     ids = torch.randint(3, 256, (len(lengths), T), generator=g)  # garbage under the padding too
     mask = torch.zeros(len(lengths), T, dtype=torch.long)
     for i, n in enumerate(lengths):
-        mask[i, T - n:] = 1
+        mask[i, T - n :] = 1
     return ids, mask
 
 
@@ -46,8 +46,9 @@ def ragged_batch(lengths, seed=1):
 def test_greedy_equals_transformers_generate_without_cache(preset):
     model = tiny(preset)
     ids, mask = ragged_batch([9, 4, 6, 1])
-    want = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, use_cache=False,
-                          eos_token_id=None, pad_token_id=0)
+    want = model.generate(
+        ids, attention_mask=mask, max_new_tokens=24, do_sample=False, use_cache=False, eos_token_id=None, pad_token_id=0
+    )
     got = generate(model, ids, attention_mask=mask, max_new_tokens=24, eos_token_id=[])
     assert got.shape == want.shape == (4, 9 + 24)
     assert torch.equal(got, want)
@@ -63,7 +64,7 @@ def test_stop_tokens_end_rows_as_transformers_does(preset):
     want = model.generate(ids, do_sample=False, use_cache=False, eos_token_id=stop, pad_token_id=0, **kw)
     got = generate(model, ids, eos_token_id=stop, pad_token_id=0, **kw)
     assert torch.equal(got, want)
-    assert (got[0, 7 + 4:] == 0).all()
+    assert (got[0, 7 + 4 :] == 0).all()
 
 
 def test_prompt_of_one_row_equals_that_row_of_a_batch():
@@ -71,7 +72,7 @@ def test_prompt_of_one_row_equals_that_row_of_a_batch():
     ids, mask = ragged_batch([8, 5, 2])
     batch = generate(model, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[])
     for i, n in enumerate([8, 5, 2]):
-        alone = generate(model, ids[i:i + 1, 8 - n:], max_new_tokens=12, eos_token_id=[])
+        alone = generate(model, ids[i : i + 1, 8 - n :], max_new_tokens=12, eos_token_id=[])
         assert torch.equal(batch[i, 8:], alone[0, n:])
 
 
@@ -99,8 +100,7 @@ def transformers_filter(logits, temperature, top_k, top_p):
     return warpers(None, logits.clone())
 
 
-SETTINGS = [(1.0, None, None), (0.7, 5, None), (1.5, None, 0.8), (0.9, 20, 0.5), (2.0, 1, 0.9), (1.0, 300, 0.99),
-            (0.5, 0, 0.3)]
+SETTINGS = [(1.0, None, None), (0.7, 5, None), (1.5, None, 0.8), (0.9, 20, 0.5), (2.0, 1, 0.9), (1.0, 300, 0.99), (0.5, 0, 0.3)]
 
 
 def test_filters_equal_transformers_warpers_row_by_row():
@@ -112,7 +112,7 @@ def test_filters_equal_transformers_warpers_row_by_row():
     top_p = torch.tensor([1.0 if p is None else p for _, _, p in SETTINGS])
     got = filter_logits(logits, temperature, top_k, top_p)
     for row, (t, k, p) in enumerate(SETTINGS):
-        want = transformers_filter(logits[row:row + 1], t, k, p)[0]
+        want = transformers_filter(logits[row : row + 1], t, k, p)[0]
         assert torch.equal(torch.isinf(got[row]), torch.isinf(want)), (t, k, p)
         kept = ~torch.isinf(want)
         assert torch.allclose(got[row][kept], want[kept], rtol=0, atol=0), (t, k, p)
@@ -145,8 +145,9 @@ def test_state_pool_is_allocated_once_and_updated_in_place():
     generate(model, ids, attention_mask=mask, max_new_tokens=40, eos_token_id=[])
     assert engine_for(model) is engine
     assert [(t.data_ptr(), t.shape) for t in pool] == before
-    assert [t.data_ptr() for state in engine.cache.states for t in (state["recurrent_state"], *state["conv_state"])] \
-        == [p for p, _ in before]
+    assert [t.data_ptr() for state in engine.cache.states for t in (state["recurrent_state"], *state["conv_state"])] == [
+        p for p, _ in before
+    ]
 
 
 def test_transformers_generate_updates_the_cache_in_place():
@@ -165,7 +166,12 @@ def test_bad_arguments_name_themselves():
     model = tiny("tiny-efla")
     ids, mask = ragged_batch([4, 2])
     right = mask.flip(1)
-    for kwargs, name in ((dict(max_new_tokens=0), "max_new_tokens"), (dict(temperature=-1.0), "temperature"),
-                         (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"), (dict(attention_mask=right), "left")):
+    for kwargs, name in (
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(attention_mask=right), "left"),
+    ):
         with pytest.raises(ValueError, match=name):
             generate(model, ids, **{"attention_mask": mask, **kwargs})

@@ -63,8 +63,9 @@ def prompts(batch=8, longest=96, seed=0):
 def test_bf16_tokens_and_first_logits_match_transformers(preset):
     model = small(preset, torch.bfloat16, trained=True)
     ids, mask = prompts()
-    want = model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False, use_cache=False,
-                          eos_token_id=None, pad_token_id=0)
+    want = model.generate(
+        ids, attention_mask=mask, max_new_tokens=64, do_sample=False, use_cache=False, eos_token_id=None, pad_token_id=0
+    )
     got = generate(model, ids, attention_mask=mask, max_new_tokens=64, eos_token_id=[])
     same = [torch.equal(g, w) for g, w in zip(got, want)]
     assert sum(same) >= 6, same
@@ -80,8 +81,9 @@ def test_float32_tokens_equal_transformers(preset):
     model = small(preset, torch.float32)
     ids, mask = prompts(batch=4, longest=40)
     ids = torch.randint(3, SMALL["vocab_size"], ids.shape, device="cuda")
-    want = model.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, use_cache=False,
-                          eos_token_id=None, pad_token_id=0)
+    want = model.generate(
+        ids, attention_mask=mask, max_new_tokens=32, do_sample=False, use_cache=False, eos_token_id=None, pad_token_id=0
+    )
     assert torch.equal(generate(model, ids, attention_mask=mask, max_new_tokens=32, eos_token_id=[]), want)
 
 

@@ -12,9 +12,7 @@ from efla.layers import ShortConvolution
 from .test_generate import tiny
 
 # (prompt, start, end) per round: the rows of one call, of unequal lengths
-ROUNDS = [[(0, 0, 1), (1, 0, 2), (2, 0, 5), (3, 0, 30)],
-          [(2, 5, 6), (3, 30, 64)],
-          [(3, 64, 70), (2, 6, 37), (1, 2, 3)]]
+ROUNDS = [[(0, 0, 1), (1, 0, 2), (2, 0, 5), (3, 0, 30)], [(2, 5, 6), (3, 30, 64)], [(3, 64, 70), (2, 6, 37), (1, 2, 3)]]
 LENGTHS = [1, 3, 37, 70]
 SLOTS = [3, 0, 2, 1]
 
@@ -34,8 +32,9 @@ class _EagerGraph:
         self.replay = run
 
 
-@pytest.mark.parametrize(("preset", "graphs"), [("tiny-efla", False), ("tiny-gated-efla", False),
-                                                ("tiny-deltanet", False), ("tiny-efla", True)])
+@pytest.mark.parametrize(
+    ("preset", "graphs"), [("tiny-efla", False), ("tiny-gated-efla", False), ("tiny-deltanet", False), ("tiny-efla", True)]
+)
 def test_pieces_in_padded_rows_equal_whole_prompts(preset, graphs, monkeypatch):
     """With ``graphs`` the engine pads to its bucket shapes and captures each bucket on first use
     (through a stand-in for CUDA graphs)."""
@@ -52,8 +51,9 @@ def test_pieces_in_padded_rows_equal_whole_prompts(preset, graphs, monkeypatch):
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in LENGTHS]
     last_logits = {}
     for pieces in ROUNDS:
-        logits = engine.prefill_rows([prompts[i][a:b] for i, a, b in pieces], [SLOTS[i] for i, _, _ in pieces],
-                                     [a == 0 for _, a, _ in pieces])
+        logits = engine.prefill_rows(
+            [prompts[i][a:b] for i, a, b in pieces], [SLOTS[i] for i, _, _ in pieces], [a == 0 for _, a, _ in pieces]
+        )
         assert logits.shape == (len(pieces), 256) and logits.dtype == torch.float32
         last_logits.update({i: row for (i, _, b), row in zip(pieces, logits) if b == LENGTHS[i]})
     assert sorted(last_logits) == [0, 1, 2, 3]
@@ -74,5 +74,5 @@ def test_the_final_convolution_state_of_right_padded_rows_ends_at_their_last_rea
     mask = (torch.arange(9) < real[:, None]).to(torch.float64)[..., None]
     _, state = conv(x * mask, cache=cache, output_final_state=True, mask=mask)
     for row, n in enumerate(real.tolist()):
-        alone = conv(x[row:row + 1, :n], cache=cache[row:row + 1], output_final_state=True)[1][0] if n else cache[row]
+        alone = conv(x[row : row + 1, :n], cache=cache[row : row + 1], output_final_state=True)[1][0] if n else cache[row]
         torch.testing.assert_close(state[row], alone, rtol=0, atol=0)

@@ -45,12 +45,18 @@ def test_pipeline_gives_the_tokens_of_generate_without_cache(model_and_tokenizer
     model, tokenizer = model_and_tokenizer
     prompt = "def forward(self, x):"
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
-                          do_sample=False, use_cache=False, pad_token_id=0)
+    want = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=12,
+        min_new_tokens=12,
+        do_sample=False,
+        use_cache=False,
+        pad_token_id=0,
+    )
     pipe = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")
-    out = pipe(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, return_full_text=False,
-               pad_token_id=0)
-    assert out[0]["generated_text"] == tokenizer.decode(want[0, ids.shape[1]:])
+    out = pipe(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, return_full_text=False, pad_token_id=0)
+    assert out[0]["generated_text"] == tokenizer.decode(want[0, ids.shape[1] :])
 
 
 @pytest.mark.parametrize("through", ["transformers", "efla"])
@@ -59,12 +65,19 @@ def test_streamer_sees_the_prompt_then_the_new_tokens(model_and_tokenizer, throu
     ids = tokenizer("import torch", return_tensors="pt")["input_ids"]
     streamer = Recorder()
     if through == "transformers":
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, min_new_tokens=10,
-                             do_sample=False, pad_token_id=0, streamer=streamer)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=10,
+            min_new_tokens=10,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=streamer,
+        )
     else:
         out = generate(model, ids, max_new_tokens=10, eos_token_id=[], streamer=streamer)
     assert streamer.ended
     assert torch.equal(streamer.chunks[0], ids[0])
     streamed = torch.cat(streamer.chunks[1:])
-    assert torch.equal(streamed, out[0, ids.shape[1]:])
+    assert torch.equal(streamed, out[0, ids.shape[1] :])
     assert streamed.numel() == 10

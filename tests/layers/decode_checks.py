@@ -21,17 +21,21 @@ from efla.models.cache import EFLACache
 
 CASES = {
     "efla": lambda: EFLA(hidden_size=64, num_heads=2, update_rule="exact", layer_idx=0),
-    "efla-gate-neg-bias": lambda: EFLA(hidden_size=64, num_heads=2, use_gate=True, allow_neg_eigval=True,
-                                       conv_bias=True, layer_idx=0),
+    "efla-gate-neg-bias": lambda: EFLA(
+        hidden_size=64, num_heads=2, use_gate=True, allow_neg_eigval=True, conv_bias=True, layer_idx=0
+    ),
     "efla-grouped": lambda: EFLA(hidden_size=64, num_heads=2, num_v_heads=4, layer_idx=0),
     "deltanet": lambda: EFLA(hidden_size=64, num_heads=2, update_rule="euler", layer_idx=0),
-    "deltanet-identity-nobeta": lambda: EFLA(hidden_size=64, num_heads=2, update_rule="euler", qk_activation="identity",
-                                             use_beta=False, layer_idx=0),
+    "deltanet-identity-nobeta": lambda: EFLA(
+        hidden_size=64, num_heads=2, update_rule="euler", qk_activation="identity", use_beta=False, layer_idx=0
+    ),
     "gated-efla": lambda: GatedEFLA(hidden_size=64, head_dim=16, num_heads=2, expand_v=1, layer_idx=0),
-    "gated-efla-grouped-sigmoid": lambda: GatedEFLA(hidden_size=64, head_dim=16, num_heads=2, num_v_heads=4, expand_v=2,
-                                                    output_gate_activation="sigmoid", layer_idx=0),
-    "gated-deltanet": lambda: GatedEFLA(hidden_size=64, head_dim=16, num_heads=2, expand_v=1, update_rule="euler",
-                                        allow_neg_eigval=True, layer_idx=0),
+    "gated-efla-grouped-sigmoid": lambda: GatedEFLA(
+        hidden_size=64, head_dim=16, num_heads=2, num_v_heads=4, expand_v=2, output_gate_activation="sigmoid", layer_idx=0
+    ),
+    "gated-deltanet": lambda: GatedEFLA(
+        hidden_size=64, head_dim=16, num_heads=2, expand_v=1, update_rule="euler", allow_neg_eigval=True, layer_idx=0
+    ),
 }
 SLOTS = [3, 0, 5]  # batch row b reads and writes pool row SLOTS[b]; rows 1, 2, 4 must stay as they were
 POOL_ROWS = 6
@@ -79,8 +83,10 @@ def compare(name: str, device="cpu", dtype=torch.float32, stiff=False, blocks: i
     x = torch.randn(len(SLOTS), 1, layer.hidden_size, device=device, dtype=dtype)
     ref_cache, got_cache = _cache(layer, device, dtype), None
     got_cache = EFLACache(1)
-    got_cache.states[0] = {"recurrent_state": ref_cache.states[0]["recurrent_state"].clone(),
-                           "conv_state": tuple(h.clone() for h in ref_cache.states[0]["conv_state"] or ()) or None}
+    got_cache.states[0] = {
+        "recurrent_state": ref_cache.states[0]["recurrent_state"].clone(),
+        "conv_state": tuple(h.clone() for h in ref_cache.states[0]["conv_state"] or ()) or None,
+    }
     got_cache.slots = ref_cache.slots
     with torch.no_grad():
         with fused.disabled():
@@ -101,8 +107,10 @@ def _value_blocks(device, blocks):
     from efla.layers import decode as layer_decode
     from efla.ops.cuda import decode
 
-    with decode.value_blocks(blocks), mock.patch.object(layer_decode, "fused_decode_step",
-                                                        decode.decode_step if on_cpu else layer_decode.fused_decode_step):
+    with (
+        decode.value_blocks(blocks),
+        mock.patch.object(layer_decode, "fused_decode_step", decode.decode_step if on_cpu else layer_decode.fused_decode_step),
+    ):
         yield
 
 

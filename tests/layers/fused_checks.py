@@ -118,8 +118,7 @@ def module_cases(device, dtype=torch.float32):
 
 def check_modules(device, dtype=torch.float32, allow_cpu=False) -> dict[str, float]:
     """Worst relative error per case (fused vs PyTorch, same dtype)."""
-    return {name: max(compare(m, x, kw, allow_cpu=allow_cpu))
-            for name, m, x, kw in module_cases(device, dtype)}
+    return {name: max(compare(m, x, kw, allow_cpu=allow_cpu)) for name, m, x, kw in module_cases(device, dtype)}
 
 
 def check_chunk_ops(device, dtype=torch.float32) -> dict[str, float]:
@@ -138,10 +137,12 @@ def check_chunk_ops(device, dtype=torch.float32) -> dict[str, float]:
     worst = {}
     for kind, k_l2 in (("efla", False), ("efla", True), ("gated_efla", False), ("gated_delta_rule", True)):
         gated = kind.startswith("gated")
-        leaves = ([x.to(device, dtype).clone().requires_grad_() for x in (q, k, v, beta)]
-                  + [lg.to(device).clone().requires_grad_()])
-        o, _ = C.chunk_forward(kind, leaves[0], leaves[1], leaves[2], leaves[4] if gated else None, leaves[3],
-                               K ** -0.5, None, False, None, True, k_l2)
+        leaves = [x.to(device, dtype).clone().requires_grad_() for x in (q, k, v, beta)] + [
+            lg.to(device).clone().requires_grad_()
+        ]
+        o, _ = C.chunk_forward(
+            kind, leaves[0], leaves[1], leaves[2], leaves[4] if gated else None, leaves[3], K**-0.5, None, False, None, True, k_l2
+        )
         (o.float() * dout.to(device)).sum().backward()
         got = [o] + [x.grad for x in leaves[:4]] + ([leaves[4].grad] if gated else [])
         ref_leaves = [x.double().clone().requires_grad_() for x in (q, k, v, beta, lg)]
@@ -151,8 +152,7 @@ def check_chunk_ops(device, dtype=torch.float32) -> dict[str, float]:
         ro, _ = getattr(ops, f"recurrent_{kind}")(*args)
         (ro * dout.double()).sum().backward()
         ref = [ro] + [x.grad for x in ref_leaves[:4]] + ([ref_leaves[4].grad] if gated else [])
-        worst[f"{kind}{' (q, k normalised)' if k_l2 else ' (q normalised)'}"] = max(
-            rel(a, b) for a, b in zip(got, ref))
+        worst[f"{kind}{' (q, k normalised)' if k_l2 else ' (q normalised)'}"] = max(rel(a, b) for a, b in zip(got, ref))
     return worst
 
 
@@ -175,9 +175,15 @@ def prepare_interpreter() -> None:
     import triton.runtime.autotuner as autotuner
 
     autotuner.Autotuner._bench = lambda self, *args, **kwargs: [1.0, 1.0, 1.0]
-    for name in ("fla.ops.common.chunk_delta_h", "fla.ops.common.chunk_o", "fla.ops.delta_rule.wy_fast",
-                 "fla.ops.gated_delta_rule.wy_fast", "fla.ops.utils.solve_tril",
-                 "fla.ops.common.chunk_scaled_dot_kkt", "fla.ops.utils.cumsum"):
+    for name in (
+        "fla.ops.common.chunk_delta_h",
+        "fla.ops.common.chunk_o",
+        "fla.ops.delta_rule.wy_fast",
+        "fla.ops.gated_delta_rule.wy_fast",
+        "fla.ops.utils.solve_tril",
+        "fla.ops.common.chunk_scaled_dot_kkt",
+        "fla.ops.utils.cumsum",
+    ):
         importlib.import_module(name).range = _loop_range
 
 

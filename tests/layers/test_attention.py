@@ -98,7 +98,7 @@ def test_cached_decoding_equals_full_and_window_trims_the_cache(window):
         parts = [layer(x[:, :5], past_key_values=cache, use_cache=True)[0]]
         parts.append(layer(x[:, 5:7], past_key_values=cache, use_cache=True)[0])
         for t in range(7, 12):
-            parts.append(layer(x[:, t:t + 1], past_key_values=cache, use_cache=True)[0])
+            parts.append(layer(x[:, t : t + 1], past_key_values=cache, use_cache=True)[0])
         full = layer(x)[0]
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-10, atol=1e-12)
     keys, values = cache[0]["attn_state"]
@@ -106,12 +106,15 @@ def test_cached_decoding_equals_full_and_window_trims_the_cache(window):
     assert cache[0]["next_position"].tolist() == [12, 12] and cache.get_seq_length() == 12
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(num_heads=3), "num_heads"),
-    (dict(num_heads=32), "num_heads"),  # head dim 1 is odd
-    (dict(num_heads=4, num_kv_heads=3), "num_kv_heads"),
-    (dict(num_heads=4, window_size=0), "window_size"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(num_heads=3), "num_heads"),
+        (dict(num_heads=32), "num_heads"),  # head dim 1 is odd
+        (dict(num_heads=4, num_kv_heads=3), "num_kv_heads"),
+        (dict(num_heads=4, window_size=0), "window_size"),
+    ],
+)
 def test_invalid_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
         Attention(hidden_size=D, **kw)

@@ -28,8 +28,9 @@ def test_decode_step_on_cpu(name, dtype, tol, stiff):
 @pytest.mark.skipif(not _READY, reason=_WHY)
 def test_fused_decode_step_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "tests.layers.decode_checks"], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.layers.decode_checks"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     errors = [line.split("\t") for line in r.stdout.strip().splitlines()]
     assert len(errors) >= 2 * 2 * len(decode_checks.CASES) * 2, r.stdout

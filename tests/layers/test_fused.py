@@ -24,9 +24,13 @@ from . import fused_checks
 from tests.interpreter import interpreter_ready
 
 CUDA = torch.cuda.is_available()
+
+
 def needs_cuda(test):
     """A GPU test: skipped without a CUDA device, selected by ``pytest -m gpu``."""
     return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs a CUDA device")(test))
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -128,8 +132,7 @@ def test_shift_labels_beside_labels_decide_the_loss_as_in_transformers():
     both = model(**trainer_batch, num_items_in_batch=count)
     assert (both.loss - alone.loss).abs().item() < 1e-12
     assert (both.loss - model(ids, labels=labels, num_items_in_batch=count).loss).abs().item() > 1e-3
-    reference = ForCausalLMLoss(both.logits, labels, model.config.vocab_size, num_items_in_batch=count,
-                                shift_labels=shifted)
+    reference = ForCausalLMLoss(both.logits, labels, model.config.vocab_size, num_items_in_batch=count, shift_labels=shifted)
     assert (both.loss - reference).abs().item() < 1e-10
     both.loss.backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
@@ -141,8 +144,9 @@ def test_shift_labels_beside_labels_decide_the_loss_as_in_transformers():
 @pytest.mark.skipif(not _READY, reason=_WHY)
 def test_fused_kernels_under_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "tests.layers.fused_checks"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.layers.fused_checks"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     errors = dict(line.split("\t") for line in r.stdout.strip().splitlines() if "\t" in line)
     assert len(errors) == len(fused_checks.module_cases("cpu")) + 4, r.stdout

@@ -163,7 +163,8 @@ def test_fused_projections_keep_no_stacked_copy_for_backward():
         sum(o.sum() for o in outputs).backward()
     assert counter.count == 4
     expected = torch.ones(2, 5, stacked_rows + fused.g_proj.out_features, dtype=torch.float64) @ torch.cat(
-        [p.weight for p in (*stacked, fused.g_proj)])
+        [p.weight for p in (*stacked, fused.g_proj)]
+    )
     assert (x.grad - expected).abs().max().item() < 1e-12
 
 

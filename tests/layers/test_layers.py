@@ -23,8 +23,7 @@ def make(kind, rule, **kw):
     elif kind == "efla-gva":  # 4 value heads of dim 8 share 2 query/key heads of dim 16
         layer = EFLA(hidden_size=D, num_heads=2, num_v_heads=4, update_rule=rule, layer_idx=0, **kw)
     elif kind == "gated-gva":  # grouped values: 4 value heads share 2 query/key heads
-        layer = GatedEFLA(hidden_size=D, head_dim=8, num_heads=2, num_v_heads=4, expand_v=1, update_rule=rule,
-                          layer_idx=0, **kw)
+        layer = GatedEFLA(hidden_size=D, head_dim=8, num_heads=2, num_v_heads=4, expand_v=1, update_rule=rule, layer_idx=0, **kw)
     else:
         layer = GatedEFLA(hidden_size=D, head_dim=8, num_heads=2, expand_v=2, update_rule=rule, layer_idx=0, **kw)
     for p in layer.parameters():  # random, non-trivial weights (norm weights too)
@@ -53,14 +52,31 @@ def rel(a, b):
 # -- architecture ------------------------------------------------------------------------------
 
 EFLA_NAMES = {  # flash-linear-attention DeltaNet layer (use_gate=True adds g_proj)
-    "q_proj.weight": (32, 32), "k_proj.weight": (32, 32), "v_proj.weight": (32, 32), "b_proj.weight": (2, 32),
-    "q_conv1d.weight": (32, 1, 4), "k_conv1d.weight": (32, 1, 4), "v_conv1d.weight": (32, 1, 4),
-    "g_proj.weight": (32, 32), "o_norm.weight": (16,), "o_proj.weight": (32, 32),
+    "q_proj.weight": (32, 32),
+    "k_proj.weight": (32, 32),
+    "v_proj.weight": (32, 32),
+    "b_proj.weight": (2, 32),
+    "q_conv1d.weight": (32, 1, 4),
+    "k_conv1d.weight": (32, 1, 4),
+    "v_conv1d.weight": (32, 1, 4),
+    "g_proj.weight": (32, 32),
+    "o_norm.weight": (16,),
+    "o_proj.weight": (32, 32),
 }
 GATED_NAMES = {  # flash-linear-attention GatedDeltaNet layer, head_dim 8, 2 heads, expand_v 2
-    "A_log": (2,), "dt_bias": (2,), "q_proj.weight": (16, 32), "k_proj.weight": (16, 32), "v_proj.weight": (32, 32),
-    "a_proj.weight": (2, 32), "b_proj.weight": (2, 32), "q_conv1d.weight": (16, 1, 4), "k_conv1d.weight": (16, 1, 4),
-    "v_conv1d.weight": (32, 1, 4), "g_proj.weight": (32, 32), "o_norm.weight": (16,), "o_proj.weight": (32, 32),
+    "A_log": (2,),
+    "dt_bias": (2,),
+    "q_proj.weight": (16, 32),
+    "k_proj.weight": (16, 32),
+    "v_proj.weight": (32, 32),
+    "a_proj.weight": (2, 32),
+    "b_proj.weight": (2, 32),
+    "q_conv1d.weight": (16, 1, 4),
+    "k_conv1d.weight": (16, 1, 4),
+    "v_conv1d.weight": (32, 1, 4),
+    "g_proj.weight": (32, 32),
+    "o_norm.weight": (16,),
+    "o_proj.weight": (32, 32),
 }
 
 
@@ -104,6 +120,7 @@ def test_bad_arguments():
 
 
 # -- only update_rule changes, and exactly as the ops predict ---------------------------
+
 
 def _manual_features(layer, x):
     """q, k (raw, after conv + SiLU), v, beta, g from the weights, independently of the layer code."""
@@ -169,6 +186,7 @@ def test_update_rule_changes_output_exactly_as_ops_predict(kind):
 
 # -- decoding, masks, packing ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", ["efla", "gated", "efla-gva", "gated-gva"])
 @pytest.mark.parametrize("rule", ["exact", "euler"])
 def test_layer_incremental_matches_full(kind, rule):
@@ -195,18 +213,19 @@ def test_layer_left_padding_and_packing(kind, rule):
         padded = torch.randn(len(lens), T, D)  # padding holds garbage on purpose
         mask = torch.zeros(len(lens), T, dtype=torch.long)
         for i, x in enumerate(xs):
-            padded[i, T - lens[i]:] = x[0]
-            mask[i, T - lens[i]:] = 1
+            padded[i, T - lens[i] :] = x[0]
+            mask[i, T - lens[i] :] = 1
         out = layer(padded, attention_mask=mask)[0]
         cu = torch.tensor([0, 11, 15, 22])
         packed = layer(torch.cat(xs, 1), cu_seqlens=cu)[0]
     for i, s in enumerate(singles):
-        assert rel(out[i, T - lens[i]:], s[0]) < 1e-5
+        assert rel(out[i, T - lens[i] :], s[0]) < 1e-5
         assert rel(packed[0, cu[i] : cu[i + 1]], s[0]) < 1e-5
         assert torch.equal(out[i, : T - lens[i]], torch.zeros(T - lens[i], D))
 
 
 # -- stiffness statistics ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", ["efla", "gated", "efla-gva", "gated-gva"])
 def test_stats(kind):

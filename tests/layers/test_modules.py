@@ -38,8 +38,9 @@ def test_conv_matches_naive_and_state(act):
     conv = _conv(act=act)
     x = torch.randn(3, 11, 6)
     y, s = conv(x, output_final_state=True)
-    torch.testing.assert_close(y, _naive_conv(x, conv.weight.detach(), conv.bias.detach(), act=act is not None),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        y, _naive_conv(x, conv.weight.detach(), conv.bias.detach(), act=act is not None), rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(s, x[:, -4:].transpose(1, 2))  # last W inputs, oldest first
     # shorter than the kernel: zeros before the start
     y2, s2 = conv(x[:, :2], output_final_state=True)

@@ -87,8 +87,14 @@ def _recording_inductor(seen: set):
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("preset,op", [("tiny-efla", "efla.chunk_delta_fwd"), ("tiny-deltanet", "efla.chunk_delta_fwd"),
-                                       ("tiny-gated-efla", "efla.chunk_gated_fwd")])
+@pytest.mark.parametrize(
+    "preset,op",
+    [
+        ("tiny-efla", "efla.chunk_delta_fwd"),
+        ("tiny-deltanet", "efla.chunk_delta_fwd"),
+        ("tiny-gated-efla", "efla.chunk_gated_fwd"),
+    ],
+)
 def test_compiled_model_trains_on_gpu_through_the_custom_ops(preset, op):
     from efla.ops import cuda as backend
 

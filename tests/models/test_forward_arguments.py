@@ -1,4 +1,5 @@
 """Every argument ``EFLAForCausalLM.forward`` accepts changes its output or is refused."""
+
 import pytest
 import torch
 

@@ -35,8 +35,14 @@ def test_blocks_follow_attn_layers_and_preset():
     model = hybrid(gated=True)
     assert [type(layer.attn) for layer in model.model.layers] == [Attention, GatedEFLA, Attention]
     preset = get_preset_config("tiny-hybrid-efla")
-    assert preset.attn == {"layers": [1], "num_heads": 2, "num_kv_heads": 2, "qkv_bias": False, "window_size": None,
-                           "rope_theta": 10000.0}
+    assert preset.attn == {
+        "layers": [1],
+        "num_heads": 2,
+        "num_kv_heads": 2,
+        "qkv_bias": False,
+        "window_size": None,
+        "rope_theta": 10000.0,
+    }
     assert [type(layer.attn) for layer in EFLAForCausalLM(preset).model.layers] == [EFLA, Attention]
 
 
@@ -52,7 +58,7 @@ def test_prefill_then_token_by_token_equals_full_forward(dtype, tol, window):
         out = model(ids[:, 6:9], past_key_values=cache_of(out), use_cache=True)  # a multi-token chunk
         logits.append(out.logits)
         for t in range(9, 14):
-            out = model(ids[:, t:t + 1], past_key_values=cache_of(out), use_cache=True)
+            out = model(ids[:, t : t + 1], past_key_values=cache_of(out), use_cache=True)
             logits.append(out.logits)
     inc = torch.cat(logits, 1)
     assert ((inc - full).abs().max() / full.abs().max()).item() < tol
@@ -81,16 +87,15 @@ def test_left_padded_batch_matches_each_sequence_alone():
     ids = torch.randint(3, 256, (3, T))  # garbage under the padding
     mask = torch.zeros(3, T, dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, T - lens[i]:], mask[i, T - lens[i]:] = s[0], 1
+        ids[i, T - lens[i] :], mask[i, T - lens[i] :] = s[0], 1
     with torch.no_grad():
         batch = model(ids, attention_mask=mask).logits
         for i, s in enumerate(seqs):
-            torch.testing.assert_close(batch[i, T - lens[i]:], model(s).logits[0], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(batch[i, T - lens[i] :], model(s).logits[0], rtol=1e-10, atol=1e-10)
         gen = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
         for i, s in enumerate(seqs):
-            alone = model.generate(s, attention_mask=torch.ones_like(s), max_new_tokens=4, do_sample=False,
-                                   pad_token_id=0)
-            assert torch.equal(gen[i, T:], alone[0, lens[i]:])
+            alone = model.generate(s, attention_mask=torch.ones_like(s), max_new_tokens=4, do_sample=False, pad_token_id=0)
+            assert torch.equal(gen[i, T:], alone[0, lens[i] :])
 
 
 def test_packed_prefill_continues_as_a_batch():
@@ -103,7 +108,7 @@ def test_packed_prefill_continues_as_a_batch():
         packed = model(torch.cat(seqs)[None], cu_seqlens=cu, use_cache=True)
         for i, s in enumerate(seqs):
             alone = model(s[None]).logits[0]
-            torch.testing.assert_close(packed.logits[0, cu[i]:cu[i + 1]], alone, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(packed.logits[0, cu[i] : cu[i + 1]], alone, rtol=1e-10, atol=1e-10)
         got = model(nxt, past_key_values=cache_of(packed), use_cache=True).logits[:, -1]
         for i, s in enumerate(seqs):
             want = model(torch.cat([s, nxt[i]])[None]).logits[0, -1]
@@ -146,24 +151,27 @@ def test_tiny_hybrid_preset_learns_a_repeated_motif():
     assert losses[0] > 5.0 and losses[-1] < 0.3, losses[::5]  # the motif is predictable after its first occurrence
 
 
-@pytest.mark.parametrize("attn,match", [
-    ([{"layers": [1], "num_heads": 2}], "list"),
-    ("layers=1", "dict"),
-    ({"num_heads": 2}, "missing required key"),
-    ({"layers": [1], "num_heads": 2, "heads_kv": 1}, "unknown key"),
-    ({"layers": [3], "num_heads": 2}, "out of range"),
-    ({"layers": [-1], "num_heads": 2}, "out of range"),
-    ({"layers": [1, 1], "num_heads": 2}, "more than once"),
-    ({"layers": 1, "num_heads": 2}, "list of layer indices"),
-    ({"layers": [True], "num_heads": 2}, "int layer indices"),
-    ({"layers": [1], "num_heads": 3}, "do not divide hidden_size"),
-    ({"layers": [1], "num_heads": 32}, "even"),
-    ({"layers": [1], "num_heads": 4, "num_kv_heads": 3}, "do not divide num_heads"),
-    ({"layers": [1], "num_heads": 0}, "positive int"),
-    ({"layers": [1], "num_heads": 2, "window_size": 0}, "window_size"),
-    ({"layers": [1], "num_heads": 2, "qkv_bias": 1}, "qkv_bias"),
-    ({"layers": [1], "num_heads": 2, "rope_theta": float("inf")}, "rope_theta"),
-])
+@pytest.mark.parametrize(
+    "attn,match",
+    [
+        ([{"layers": [1], "num_heads": 2}], "list"),
+        ("layers=1", "dict"),
+        ({"num_heads": 2}, "missing required key"),
+        ({"layers": [1], "num_heads": 2, "heads_kv": 1}, "unknown key"),
+        ({"layers": [3], "num_heads": 2}, "out of range"),
+        ({"layers": [-1], "num_heads": 2}, "out of range"),
+        ({"layers": [1, 1], "num_heads": 2}, "more than once"),
+        ({"layers": 1, "num_heads": 2}, "list of layer indices"),
+        ({"layers": [True], "num_heads": 2}, "int layer indices"),
+        ({"layers": [1], "num_heads": 3}, "do not divide hidden_size"),
+        ({"layers": [1], "num_heads": 32}, "even"),
+        ({"layers": [1], "num_heads": 4, "num_kv_heads": 3}, "do not divide num_heads"),
+        ({"layers": [1], "num_heads": 0}, "positive int"),
+        ({"layers": [1], "num_heads": 2, "window_size": 0}, "window_size"),
+        ({"layers": [1], "num_heads": 2, "qkv_bias": 1}, "qkv_bias"),
+        ({"layers": [1], "num_heads": 2, "rope_theta": float("inf")}, "rope_theta"),
+    ],
+)
 def test_invalid_attn_configs_raise_clear_errors(attn, match):
     with pytest.raises(ValueError, match=match):
         EFLAConfig(**SMALL, attn=attn)
@@ -185,8 +193,7 @@ def test_train_refuses_context_parallelism_for_hybrid_models(tmp_path):
     cfg = TrainConfig(data=[str(tmp_path)], out=str(tmp_path / "out"), preset="tiny-hybrid-efla", context_parallel=2)
     with pytest.raises(UsageError, match="softmax-attention layers \\[1\\] \\(--context-parallel\\)"):
         check_train_config(cfg)
-    check_train_config(TrainConfig(data=[str(tmp_path)], out=str(tmp_path / "out"), preset="tiny-efla",
-                                   context_parallel=2))
+    check_train_config(TrainConfig(data=[str(tmp_path)], out=str(tmp_path / "out"), preset="tiny-efla", context_parallel=2))
 
 
 @pytest.mark.gpu
@@ -204,7 +211,7 @@ def test_hybrid_on_gpu_matches_the_cpu_in_bf16(window):
         out = model(ids[:, :64].cuda(), use_cache=True)
         steps = [out.logits]
         for t in range(64, 70):
-            out = model(ids[:, t:t + 1].cuda(), past_key_values=cache_of(out), use_cache=True)
+            out = model(ids[:, t : t + 1].cuda(), past_key_values=cache_of(out), use_cache=True)
             steps.append(out.logits)
     incremental = torch.cat(steps, 1).double().cpu()
     for got in (full, incremental):

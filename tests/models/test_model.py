@@ -83,20 +83,19 @@ def test_left_padding_matches_unpadded(variant):
     ids = torch.zeros(3, T, dtype=torch.long)
     mask = torch.zeros(3, T, dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, T - lens[i]:] = s[0]
+        ids[i, T - lens[i] :] = s[0]
         ids[i, : T - lens[i]] = torch.randint(3, 256, (T - lens[i],))  # garbage under the padding
-        mask[i, T - lens[i]:] = 1
+        mask[i, T - lens[i] :] = 1
     with torch.no_grad():
         batch = model(ids, attention_mask=mask).logits
         for i, s in enumerate(seqs):
             single = model(s).logits[0]
-            assert rel(batch[i, T - lens[i]:], single) < 1e-5
+            assert rel(batch[i, T - lens[i] :], single) < 1e-5
         # greedy generation from the padded batch equals generation from each prompt alone
         gen = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
         for i, s in enumerate(seqs):
-            alone = model.generate(s, attention_mask=torch.ones_like(s), max_new_tokens=5, do_sample=False,
-                                   pad_token_id=0)
-            assert torch.equal(gen[i, T:], alone[0, lens[i]:])
+            alone = model.generate(s, attention_mask=torch.ones_like(s), max_new_tokens=5, do_sample=False, pad_token_id=0)
+            assert torch.equal(gen[i, T:], alone[0, lens[i] :])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -108,13 +107,13 @@ def test_packed_varlen_matches_padded_batch(variant):
     ids = torch.zeros(3, T, dtype=torch.long)
     mask = torch.zeros(3, T, dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, T - lens[i]:], mask[i, T - lens[i]:] = s, 1
+        ids[i, T - lens[i] :], mask[i, T - lens[i] :] = s, 1
     cu = torch.tensor([0, 9, 13, 19], dtype=torch.int32)
     with torch.no_grad():
         padded = model(ids, attention_mask=mask, use_cache=True)
         packed = model(torch.cat(seqs)[None], cu_seqlens=cu, use_cache=True)
         for i in range(3):
-            assert rel(packed.logits[0, cu[i] : cu[i + 1]], padded.logits[i, T - lens[i]:]) < 1e-5
+            assert rel(packed.logits[0, cu[i] : cu[i + 1]], padded.logits[i, T - lens[i] :]) < 1e-5
         # the packed prefill leaves one cache row per sequence: decoding continues as a batch
         nxt = torch.randint(3, 256, (3, 1))
         a = model(nxt, past_key_values=cache_of(packed), use_cache=True).logits
@@ -158,8 +157,12 @@ def test_model_stats_and_logits_to_keep():
 
 
 def test_config_validation_and_variants():
-    for name, variant in [("tiny-efla", "efla"), ("tiny-deltanet", "deltanet"), ("tiny-gated-efla", "gated_efla"),
-                          ("tiny_gated_deltanet", "gated_deltanet")]:
+    for name, variant in [
+        ("tiny-efla", "efla"),
+        ("tiny-deltanet", "deltanet"),
+        ("tiny-gated-efla", "gated_efla"),
+        ("tiny_gated_deltanet", "gated_deltanet"),
+    ]:
         assert get_preset_config(name).variant == variant
     with pytest.raises(ValueError, match="update_rule"):
         EFLAConfig(update_rule="rk4")

@@ -49,7 +49,8 @@ def test_save_and_auto_reload(tmp_path, variant, tied, request):
     assert isinstance(cfg, EFLAConfig) and cfg.model_type == "efla"
     skip = {"_name_or_path", "architectures"}
     assert {k: v for k, v in cfg.to_dict().items() if k not in skip} == {
-        k: v for k, v in model.config.to_dict().items() if k not in skip}
+        k: v for k, v in model.config.to_dict().items() if k not in skip
+    }
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, use_safetensors=True).eval()
     assert isinstance(loaded, EFLAForCausalLM)
     with torch.no_grad():
@@ -79,10 +80,22 @@ def test_checkpoint_loads_into_other_update_rule(tmp_path):
 def test_fla_tensor_names():
     """The model's tensor names are flash-linear-attention's DeltaNet / GatedDeltaNet names."""
     names = set(EFLAForCausalLM(get_preset_config("tiny-deltanet")).state_dict())
-    layer = {"attn_norm.weight", "attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight", "attn.b_proj.weight",
-             "attn.q_conv1d.weight", "attn.k_conv1d.weight", "attn.v_conv1d.weight", "attn.o_norm.weight",
-             "attn.o_proj.weight", "mlp_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-             "mlp.down_proj.weight"}
+    layer = {
+        "attn_norm.weight",
+        "attn.q_proj.weight",
+        "attn.k_proj.weight",
+        "attn.v_proj.weight",
+        "attn.b_proj.weight",
+        "attn.q_conv1d.weight",
+        "attn.k_conv1d.weight",
+        "attn.v_conv1d.weight",
+        "attn.o_norm.weight",
+        "attn.o_proj.weight",
+        "mlp_norm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    }
     expected = {"model.embeddings.weight", "model.norm.weight", "lm_head.weight"}
     expected |= {f"model.layers.{i}.{n}" for i in range(2) for n in layer}
     assert names == expected

@@ -1,4 +1,5 @@
 """transformers' Trainer and PEFT LoRA train EFLAForCausalLM on the CPU."""
+
 import pytest
 import torch
 
@@ -25,9 +26,18 @@ class _RepeatedSequences(torch.utils.data.Dataset):
 def _train(model, tmp_path, learning_rate=3e-3, **args):
     from transformers import Trainer, TrainingArguments
 
-    training_args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=12,
-                                      learning_rate=learning_rate, logging_steps=1, report_to=[], save_strategy="no",
-                                      use_cpu=True, disable_tqdm=True, **args)
+    training_args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=12,
+        learning_rate=learning_rate,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        **args,
+    )
     trainer = Trainer(model=model, args=training_args, train_dataset=_RepeatedSequences())
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

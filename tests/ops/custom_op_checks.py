@@ -41,8 +41,7 @@ def op_args(rule, xs, q_l2norm, k_l2norm, final_state=True):
 
 
 def _leaves(args):
-    return [x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-            for x in args]
+    return [x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in args]
 
 
 def opcheck_forward(rule, dtype, varlen, q_l2norm, k_l2norm, final_state) -> int:
@@ -69,8 +68,25 @@ def opcheck_backward(rule, varlen) -> int:
         o, ht, A, gcum, c, vp, qn, q_rstd, kn, k_rstd = out
         g, beta = args[3], args[4]
         bwd = torch.ops.efla.chunk_gated_bwd.default
-        bwd_args = [qn, q_rstd, kn, k_rstd, v, vp if exact else v, g, beta, c if exact else beta, gcum, A, h0, cu,
-                    do, dht, 0.25, exact]
+        bwd_args = [
+            qn,
+            q_rstd,
+            kn,
+            k_rstd,
+            v,
+            vp if exact else v,
+            g,
+            beta,
+            c if exact else beta,
+            gcum,
+            A,
+            h0,
+            cu,
+            do,
+            dht,
+            0.25,
+            exact,
+        ]
     else:
         o, ht, A, alpha, qn, q_rstd, kn, k_rstd = out
         beta = args[3]
@@ -108,9 +124,19 @@ def _reference_forward(rule, q, k, v, lg, beta, scale, h0, final_state, cu, q_l2
     import efla.ops as ops
 
     gate = [lg] if rule.startswith("gated") else []
-    return getattr(ops, f"recurrent_{rule}")(q, k, v, *gate, beta, scale=scale, initial_state=h0,
-                                             output_final_state=final_state, cu_seqlens=cu,
-                                             use_q_l2norm_in_kernel=q_l2norm, use_qk_l2norm_in_kernel=k_l2norm)
+    return getattr(ops, f"recurrent_{rule}")(
+        q,
+        k,
+        v,
+        *gate,
+        beta,
+        scale=scale,
+        initial_state=h0,
+        output_final_state=final_state,
+        cu_seqlens=cu,
+        use_q_l2norm_in_kernel=q_l2norm,
+        use_qk_l2norm_in_kernel=k_l2norm,
+    )
 
 
 def custom_op_vs_reference(rule, varlen, q_l2norm, k_l2norm, final_state) -> float:
@@ -170,8 +196,7 @@ def dqkwg_launch_settings_agree() -> float:
     args = (q, k, v_new, gcum, h, do, dh, dv, 0.25, None, None)
     settings = [dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages) for cfg in kn.DQKWG_CONFIGS]
     first = chunk.gated_dqkwg(*args, launch=settings[0])
-    return max(fused_checks.rel(a, b) for launch in settings[1:] for a, b in zip(chunk.gated_dqkwg(*args, launch=launch),
-                                                                                  first))
+    return max(fused_checks.rel(a, b) for launch in settings[1:] for a, b in zip(chunk.gated_dqkwg(*args, launch=launch), first))
 
 
 # (varlen, q_l2norm, k_l2norm, output_final_state)

@@ -61,7 +61,7 @@ def _exact_scan(exact_step, rule, q, k, v, beta, g, *, scale, initial_state):
     q, k = per_value_head(q, k, v.shape[2])
     B, T, H, K = q.shape
     V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     S = torch.zeros(B, H, K, V, dtype=q.dtype) if initial_state is None else initial_state.to(q.dtype)
     eye = torch.eye(K, dtype=q.dtype)
     outs = []

@@ -161,12 +161,15 @@ def test_gated_efla_coefficients_formulas_float64():
     assert torch.allclose(erase1, efla_coefficient(beta, k), rtol=1e-14) and torch.allclose(write1, erase1, rtol=1e-14)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(g=torch.full((2, 3), 0.1)), "g: the log gate must be <= 0"),
-    (dict(g=torch.zeros(2, 4)), "g: expected shape"),
-    (dict(g=torch.full((2, 3), float("nan"))), "g: contains 6 non-finite"),
-    (dict(beta=-torch.ones(2, 3)), "beta: the step size must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(g=torch.full((2, 3), 0.1)), "g: the log gate must be <= 0"),
+        (dict(g=torch.zeros(2, 4)), "g: expected shape"),
+        (dict(g=torch.full((2, 3), float("nan"))), "g: contains 6 non-finite"),
+        (dict(beta=-torch.ones(2, 3)), "beta: the step size must be >= 0"),
+    ],
+)
 def test_gated_efla_coefficients_rejects_bad_inputs(bad, match):
     args = dict(beta=torch.ones(2, 3), k=torch.randn(2, 3, 4), g=-torch.ones(2, 3)) | bad
     with pytest.raises(ValueError, match=match):

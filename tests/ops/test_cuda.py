@@ -37,7 +37,7 @@ def _rel(a, b):
 def _inputs(B, T, H, K, V, N, rule, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, H, K, generator=g)
-    k = torch.randn(B, T, H, K, generator=g) / K ** 0.5
+    k = torch.randn(B, T, H, K, generator=g) / K**0.5
     if rule.endswith("efla"):  # stiff keys: ||k||^2 log-uniform in [1e-2, 1e4]
         k = k * 10 ** (torch.rand(B, T, H, 1, generator=g) * 3 - 1)
     else:
@@ -81,8 +81,7 @@ def test_unsupported_inputs_are_named_and_warned_about_once():
 
     q, k, v = (torch.zeros(1, 2, 1, d, dtype=torch.bfloat16) for d in (64, 64, 128))
     assert unsupported(q, k, v) is None
-    assert "head dims up to 256 (got K=320, V=128)" in unsupported(torch.zeros(1, 2, 1, 320, dtype=torch.bfloat16),
-                                                                   k, v)
+    assert "head dims up to 256 (got K=320, V=128)" in unsupported(torch.zeros(1, 2, 1, 320, dtype=torch.bfloat16), k, v)
     assert "(got torch.float32" in unsupported(q.float(), k.float(), v.float())
     reason = "a reason only this test gives"
     with pytest.warns(RuntimeWarning, match="a reason only this test gives; running the PyTorch path"):
@@ -313,8 +312,7 @@ _SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(not _OK, reason=_WHY)
 def test_kernels_under_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", _SCRIPT.format(repo=REPO)], env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", _SCRIPT.format(repo=REPO)], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
@@ -380,8 +378,14 @@ _COEF_GRAD_SCRIPT = textwrap.dedent(
 
 def _run_coef_grad_script(device: str, interpret: bool):
     env = dict(os.environ, TRITON_INTERPRET="1") if interpret else dict(os.environ)
-    r = subprocess.run([sys.executable, "-c", _COEF_GRAD_SCRIPT.format(repo=REPO, device=device)], env=env,
-                       capture_output=True, text=True, timeout=600, cwd=REPO)
+    r = subprocess.run(
+        [sys.executable, "-c", _COEF_GRAD_SCRIPT.format(repo=REPO, device=device)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
@@ -448,11 +452,17 @@ def test_gpu_scan_is_exact_for_overflowing_keys(rule, monkeypatch):
     q, k, v, beta, g, h0 = _inputs(1, 12, 2, 16, 16, 1, rule)
     k = k.to(torch.bfloat16).double()  # what the kernel reads
     k[0, 5] *= 1e19
-    ref = _call(getattr(ops, f"recurrent_{rule}"), rule, q.double(), k, v.double(), beta.double(), g.double(),
-                h0.double(), None)
+    ref = _call(getattr(ops, f"recurrent_{rule}"), rule, q.double(), k, v.double(), beta.double(), g.double(), h0.double(), None)
     with torch.no_grad():
-        out = _call(getattr(ops, f"recurrent_{rule}"), rule, *(x.cuda().to(torch.bfloat16) for x in (q, k, v)),
-                    beta.cuda().to(torch.bfloat16), g.cuda(), h0.cuda(), None)
+        out = _call(
+            getattr(ops, f"recurrent_{rule}"),
+            rule,
+            *(x.cuda().to(torch.bfloat16) for x in (q, k, v)),
+            beta.cuda().to(torch.bfloat16),
+            g.cuda(),
+            h0.cuda(),
+            None,
+        )
     assert _rel(out[0], ref[0]) < 2e-2 and _rel(out[1], ref[1]) < 2e-2
 
 

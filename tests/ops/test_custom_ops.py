@@ -32,8 +32,9 @@ _EXPECTED_LINES = len(custom_op_checks.RULES) * (_CASES * 3 + 2) + 1
 @pytest.fixture(scope="module")
 def results() -> dict[str, str]:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "tests.ops.custom_op_checks"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.ops.custom_op_checks"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     lines = dict(line.split("\t") for line in r.stdout.strip().splitlines() if "\t" in line)
     assert len(lines) == _EXPECTED_LINES, r.stdout

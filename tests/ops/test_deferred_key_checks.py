@@ -5,8 +5,13 @@ import pytest
 import torch
 
 from efla.ops import check_keys, deferred_key_checks
-from efla.ops.cuda.key_checks import (check_flag_later, defer_key_check, immediate_key_checks, raise_earlier_overflows,
-                                      read_each_call)
+from efla.ops.cuda.key_checks import (
+    check_flag_later,
+    defer_key_check,
+    immediate_key_checks,
+    raise_earlier_overflows,
+    read_each_call,
+)
 
 
 def raised_flag():

@@ -126,9 +126,9 @@ def test_grouped_varlen_matches_reference_per_sequence(rule, mode):
     o_ref, S_ref = [], []
     for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         if s == e:  # an empty sequence keeps its initial state
-            S_ref.append(h0[i:i + 1])
+            S_ref.append(h0[i : i + 1])
             continue
-        oi, Si = reference(rule, q[:, s:e], k[:, s:e], v[:, s:e], beta[:, s:e], g[:, s:e], initial_state=h0[i:i + 1])
+        oi, Si = reference(rule, q[:, s:e], k[:, s:e], v[:, s:e], beta[:, s:e], g[:, s:e], initial_state=h0[i : i + 1])
         o_ref.append(oi)
         S_ref.append(Si)
     o_ref, S_ref = torch.cat(o_ref, 1), torch.cat(S_ref)
@@ -155,9 +155,13 @@ def test_backends_receive_one_query_key_head_per_value_head(monkeypatch):
 
 def good_grouped(HV=4):
     gen = torch.Generator().manual_seed(0)
-    return dict(q=torch.randn(1, 5, H, K, generator=gen), k=torch.randn(1, 5, H, K, generator=gen),
-                v=torch.randn(1, 5, HV, V, generator=gen), g=-torch.rand(1, 5, HV, generator=gen),
-                beta=torch.rand(1, 5, HV, generator=gen))
+    return dict(
+        q=torch.randn(1, 5, H, K, generator=gen),
+        k=torch.randn(1, 5, H, K, generator=gen),
+        v=torch.randn(1, 5, HV, V, generator=gen),
+        g=-torch.rand(1, 5, HV, generator=gen),
+        beta=torch.rand(1, 5, HV, generator=gen),
+    )
 
 
 def run_gated(x, mode, **kw):
@@ -194,7 +198,7 @@ def gpu_inputs(rule, B, T, N, groups=2, K=64, V=64, seed=3):
     HV = groups * H
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, H, K, generator=gen)
-    k = torch.randn(B, T, H, K, generator=gen) / K ** 0.5
+    k = torch.randn(B, T, H, K, generator=gen) / K**0.5
     if rule.endswith("efla"):  # ||k||^2 log-uniform in [1e-2, 1e4]
         k = k * 10 ** (torch.rand(B, T, H, 1, generator=gen) * 3 - 1)
     else:
@@ -300,8 +304,7 @@ _SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(not _READY, reason=_WHY)
 def test_grouped_values_match_fla_and_the_gpu_chunk_path_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     errors = dict(line.split("\t") for line in r.stdout.strip().splitlines() if "\t" in line)
     assert len(errors) == 3, r.stdout

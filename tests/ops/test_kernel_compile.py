@@ -8,17 +8,55 @@ import importlib.util
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton not installed (GPU extra; CI does not install it)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton not installed (GPU extra; CI does not install it)"
+)
 
-COEF_TYPES = {"k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*fp32", "erase": "*bf16", "gl": "*fp32",
-              "vout": "*bf16", "overflow": "*i32", "R": "i32", "H": "i32"}
+COEF_TYPES = {
+    "k": "*bf16",
+    "v": "*bf16",
+    "beta": "*bf16",
+    "g": "*fp32",
+    "erase": "*bf16",
+    "gl": "*fp32",
+    "vout": "*bf16",
+    "overflow": "*i32",
+    "R": "i32",
+    "H": "i32",
+}
 RAW_GATE_TYPES = {"g": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32"}
-COEF_BWD_TYPES = {"k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*bf16", "A_log": "*fp32", "dt_bias": "*fp32",
-                  "derase": "*bf16", "dgl": "*fp32", "dvin": "*bf16", "dk": "*bf16", "dk_more": "*bf16",
-                  "dbeta": "*bf16", "dg": "*bf16", "dv": "*bf16", "dgate": "*fp32", "R": "i32", "H": "i32"}
-RECURRENT_TYPES = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "beta": "*bf16", "g": "*fp32", "h0": "*fp32",
-                   "ht": "*fp32", "o": "*bf16", "cu_seqlens": "*i64", "scale": "fp32", "T": "i32"}
+COEF_BWD_TYPES = {
+    "k": "*bf16",
+    "v": "*bf16",
+    "beta": "*bf16",
+    "g": "*bf16",
+    "A_log": "*fp32",
+    "dt_bias": "*fp32",
+    "derase": "*bf16",
+    "dgl": "*fp32",
+    "dvin": "*bf16",
+    "dk": "*bf16",
+    "dk_more": "*bf16",
+    "dbeta": "*bf16",
+    "dg": "*bf16",
+    "dv": "*bf16",
+    "dgate": "*fp32",
+    "R": "i32",
+    "H": "i32",
+}
+RECURRENT_TYPES = {
+    "q": "*bf16",
+    "k": "*bf16",
+    "v": "*bf16",
+    "beta": "*bf16",
+    "g": "*fp32",
+    "h0": "*fp32",
+    "ht": "*fp32",
+    "o": "*bf16",
+    "cu_seqlens": "*i64",
+    "scale": "fp32",
+    "T": "i32",
+}
 
 
 def _compile_sm90(fn, types: dict, constants: dict):
@@ -43,11 +81,29 @@ def _compile_sm90(fn, types: dict, constants: dict):
 def test_coefficient_forward_compiles_for_sm90(gated, flag):
     from efla.ops.cuda import kernels as kn
 
-    compiled = _compile_sm90(kn.coef_fwd_kernel, COEF_TYPES, dict(K=128, V=128, BK=128, BV=128, BR=32, GATED=gated,
-                                                                   G_MIN=kn.G_FLOOR, FLAG=flag, A_log=None,
-                                                                   dt_bias=None, GATE_ACT=False, HAS_DT_BIAS=False,
-                                                                   BETA_SCALE=0.0, QNORM=False, q=None, q_out=None,
-                                                                   q_rstd=None))
+    compiled = _compile_sm90(
+        kn.coef_fwd_kernel,
+        COEF_TYPES,
+        dict(
+            K=128,
+            V=128,
+            BK=128,
+            BV=128,
+            BR=32,
+            GATED=gated,
+            G_MIN=kn.G_FLOOR,
+            FLAG=flag,
+            A_log=None,
+            dt_bias=None,
+            GATE_ACT=False,
+            HAS_DT_BIAS=False,
+            BETA_SCALE=0.0,
+            QNORM=False,
+            q=None,
+            q_out=None,
+            q_rstd=None,
+        ),
+    )
     assert ("atom" in compiled.asm["ptx"]) == flag  # the overflow flag is one atomic per program
 
 
@@ -57,10 +113,16 @@ def test_coefficient_kernels_with_raw_gates_compile_for_sm90(dt_bias, beta_scale
     from efla.ops.cuda import kernels as kn
 
     raw = dict(GATE_ACT=True, HAS_DT_BIAS=dt_bias, BETA_SCALE=beta_scale, **({} if dt_bias else dict(dt_bias=None)))
-    fwd = _compile_sm90(kn.coef_fwd_kernel, {**COEF_TYPES, **RAW_GATE_TYPES},
-                        dict(K=128, V=128, BK=128, BV=128, BR=32, GATED=True, G_MIN=kn.G_FLOOR, FLAG=True, **raw))
-    bwd = _compile_sm90(kn.coef_bwd_kernel.fn, COEF_BWD_TYPES,
-                        dict(K=128, V=128, BR=64, BC=8, GATED=True, G_MIN=kn.G_FLOOR, HAS_DK_MORE=True, **raw))
+    fwd = _compile_sm90(
+        kn.coef_fwd_kernel,
+        {**COEF_TYPES, **RAW_GATE_TYPES},
+        dict(K=128, V=128, BK=128, BV=128, BR=32, GATED=True, G_MIN=kn.G_FLOOR, FLAG=True, **raw),
+    )
+    bwd = _compile_sm90(
+        kn.coef_bwd_kernel.fn,
+        COEF_BWD_TYPES,
+        dict(K=128, V=128, BR=64, BC=8, GATED=True, G_MIN=kn.G_FLOOR, HAS_DK_MORE=True, **raw),
+    )
     assert len(fwd.asm["cubin"]) > 0 and len(bwd.asm["cubin"]) > 0
 
 
@@ -70,13 +132,27 @@ def test_coefficient_kernels_with_query_normalisation_compile_for_sm90(gated):
 
     q_types = {"q": "*bf16", "q_out": "*bf16", "q_rstd": "*fp32", "dq": "*bf16"}
     plain = dict(A_log=None, dt_bias=None, GATE_ACT=False, HAS_DT_BIAS=False, BETA_SCALE=0.0, QNORM=True)
-    fwd = _compile_sm90(kn.coef_fwd_kernel, {**COEF_TYPES, **q_types},
-                        dict(K=128, V=128, BK=128, BV=128, BR=32, GATED=gated, G_MIN=kn.G_FLOOR, FLAG=True, Q_EPS=1e-6,
-                             **plain))
-    bwd = _compile_sm90(kn.coef_bwd_kernel.fn, {**COEF_BWD_TYPES, **q_types},
-                        dict(K=128, V=128, BR=64, BC=8, GATED=gated, G_MIN=kn.G_FLOOR, HAS_DK_MORE=gated,
-                             **({} if gated else dict(v=None, g=None, dgl=None, dvin=None, dg=None, dv=None,
-                                                      dk_more=None)), dgate=None, **plain))
+    fwd = _compile_sm90(
+        kn.coef_fwd_kernel,
+        {**COEF_TYPES, **q_types},
+        dict(K=128, V=128, BK=128, BV=128, BR=32, GATED=gated, G_MIN=kn.G_FLOOR, FLAG=True, Q_EPS=1e-6, **plain),
+    )
+    bwd = _compile_sm90(
+        kn.coef_bwd_kernel.fn,
+        {**COEF_BWD_TYPES, **q_types},
+        dict(
+            K=128,
+            V=128,
+            BR=64,
+            BC=8,
+            GATED=gated,
+            G_MIN=kn.G_FLOOR,
+            HAS_DK_MORE=gated,
+            **({} if gated else dict(v=None, g=None, dgl=None, dvin=None, dg=None, dv=None, dk_more=None)),
+            dgate=None,
+            **plain,
+        ),
+    )
     assert len(fwd.asm["cubin"]) > 0 and len(bwd.asm["cubin"]) > 0
 
 
@@ -85,7 +161,21 @@ def test_coefficient_kernels_with_query_normalisation_compile_for_sm90(gated):
 def test_recurrent_scan_compiles_for_sm90(exact, gated):
     from efla.ops.cuda import kernels as kn
 
-    compiled = _compile_sm90(kn.recurrent_kernel, RECURRENT_TYPES, dict(
-        H=16, K=128, V=128, BK=128, BV=32, EXACT=exact, GATED=gated, HAS_H0=True, STORE_HT=True, IS_VARLEN=False,
-        G_MIN=kn.G_FLOOR))
+    compiled = _compile_sm90(
+        kn.recurrent_kernel,
+        RECURRENT_TYPES,
+        dict(
+            H=16,
+            K=128,
+            V=128,
+            BK=128,
+            BV=32,
+            EXACT=exact,
+            GATED=gated,
+            HAS_H0=True,
+            STORE_HT=True,
+            IS_VARLEN=False,
+            G_MIN=kn.G_FLOOR,
+        ),
+    )
     assert len(compiled.asm["cubin"]) > 0

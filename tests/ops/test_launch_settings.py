@@ -57,17 +57,24 @@ def _gated_backward_inputs(K, V, B=2, T=200, H=2):
     def rnd(*shape, scale=1.0, dtype=torch.bfloat16):
         return (scale * torch.randn(*shape, device=DEVICE, generator=gen)).to(dtype)
 
-    q, k, v_new, do, dv = rnd(B, T, H, K), rnd(B, T, H, K, scale=K ** -0.5), rnd(B, T, H, V), rnd(B, T, H, V), \
-        rnd(B, T, H, V)
+    q, k, v_new, do, dv = rnd(B, T, H, K), rnd(B, T, H, K, scale=K**-0.5), rnd(B, T, H, V), rnd(B, T, H, V), rnd(B, T, H, V)
     h, dh = rnd(B, NT, H, K, V, scale=0.3), rnd(B, NT, H, K, V, scale=0.3)
     log_decay = F.logsigmoid(2 + 3 * torch.randn(B, T, H, device=DEVICE, generator=gen))
     # the chunk-local cumulative sum of the decay, in log2 units, as the forward leaves it
     gcum = F.pad(log_decay, (0, 0, 0, NT * ch.CHUNK - T)).view(B, NT, ch.CHUNK, H).cumsum(2)
     gcum = (gcum.view(B, NT * ch.CHUNK, H)[:, :T] / math.log(2)).contiguous()
-    dqkwg_args = (q, k, v_new, gcum, h, do, dh, dv, K ** -0.5, None, None)
-    coef_args = dict(k=k, beta=torch.sigmoid(rnd(B, T, H)), g=log_decay, v=v_new, derase=rnd(B, T, H),
-                     dgl=torch.randn_like(log_decay), dvin=rnd(B, T, H, V), dk=rnd(B, T, H, K),
-                     dk_more=rnd(B, T, H, K))
+    dqkwg_args = (q, k, v_new, gcum, h, do, dh, dv, K**-0.5, None, None)
+    coef_args = dict(
+        k=k,
+        beta=torch.sigmoid(rnd(B, T, H)),
+        g=log_decay,
+        v=v_new,
+        derase=rnd(B, T, H),
+        dgl=torch.randn_like(log_decay),
+        dvin=rnd(B, T, H, V),
+        dk=rnd(B, T, H, K),
+        dk_more=rnd(B, T, H, K),
+    )
     return dqkwg_args, coef_args
 
 

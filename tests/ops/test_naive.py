@@ -54,7 +54,7 @@ def test_exact_rules_equal_matrix_exponential_solution(rule, key_scale):
 def test_exact_rules_gradients_equal_matrix_exponential_solution(rule):
     q, k, v, beta, g, h0 = inputs(rule, key_scale=1.5, beta_max=2.0, seed=3)
     names = ["q", "k", "v", "beta", "initial_state"] + (["g"] if rule == "gated_efla" else [])
-    leaves = [x.requires_grad_() for x in (q, k, v, beta, h0, g)][:len(names)]
+    leaves = [x.requires_grad_() for x in (q, k, v, beta, h0, g)][: len(names)]
     gen = torch.Generator().manual_seed(4)
     w_o, w_s = torch.randn(v.shape, generator=gen, dtype=F64), torch.randn(h0.shape, generator=gen, dtype=F64)
 
@@ -73,10 +73,12 @@ def test_euler_step_equals_its_matrix_equation(rule):
     kt, vt, bt, gt = k[0, 0], v[0, 0], beta[0, 0], g[0, 0]  # [H, K], [H, V], [H], [H]
     decay = torch.exp(gt) if rule == "gated_delta_rule" else torch.ones_like(gt)
     eye = torch.eye(kt.shape[-1], dtype=F64)
-    S_want = torch.stack([
-        decay[h] * (eye - bt[h] * torch.outer(kt[h], kt[h])) @ h0[0, h] + bt[h] * torch.outer(kt[h], vt[h])
-        for h in range(kt.shape[0])
-    ])
+    S_want = torch.stack(
+        [
+            decay[h] * (eye - bt[h] * torch.outer(kt[h], kt[h])) @ h0[0, h] + bt[h] * torch.outer(kt[h], vt[h])
+            for h in range(kt.shape[0])
+        ]
+    )
     o, S = run(rule, q, k, v, beta, g, initial_state=h0)
     o_want = torch.einsum("hkv,hk->hv", S_want, q[0, 0]) * q.shape[-1] ** -0.5
     assert rel(S[0], S_want) < 1e-14 and rel(o[0, 0], o_want) < 1e-14
@@ -95,8 +97,8 @@ def test_varlen_runs_each_sequence_from_its_own_state(rule):
             assert torch.equal(S[i], h0[i])
             continue
         piece = [x[:, s:e] for x in (q, k, v, beta, g)]
-        oi, Si = run(rule, *piece, initial_state=h0[i:i + 1])
-        assert torch.equal(o[:, s:e], oi) and torch.equal(S[i:i + 1], Si)
+        oi, Si = run(rule, *piece, initial_state=h0[i : i + 1])
+        assert torch.equal(o[:, s:e], oi) and torch.equal(S[i : i + 1], Si)
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -104,25 +106,28 @@ def test_grouped_value_head_reads_its_query_key_head(rule):
     q, k, v, beta, g, h0 = inputs(rule, H=2, HV=6, seed=7)
     o, S = run(rule, q, k, v, beta, g, initial_state=h0)
     for i in range(6):  # value head i alone, with q/k head i // 3
-        def one(x, i=i):
-            return x[:, :, i:i + 1]
 
-        qk = [x[:, :, i // 3:i // 3 + 1] for x in (q, k)]
-        oi, Si = run(rule, *qk, one(v), one(beta), one(g), initial_state=h0[:, i:i + 1])
-        assert torch.equal(o[:, :, i:i + 1], oi) and torch.equal(S[:, i:i + 1], Si)
+        def one(x, i=i):
+            return x[:, :, i : i + 1]
+
+        qk = [x[:, :, i // 3 : i // 3 + 1] for x in (q, k)]
+        oi, Si = run(rule, *qk, one(v), one(beta), one(g), initial_state=h0[:, i : i + 1])
+        assert torch.equal(o[:, :, i : i + 1], oi) and torch.equal(S[:, i : i + 1], Si)
 
 
 @pytest.mark.parametrize("rule", RULES)
 def test_in_op_l2_norms_and_scale_equal_doing_them_outside(rule):
     q, k, v, beta, g, h0 = inputs(rule, key_scale=3.0, seed=8)
-    for flags, qn, kn in (({"use_q_l2norm_in_kernel": True}, l2_normalize(q), k),
-                          ({"use_qk_l2norm_in_kernel": True}, l2_normalize(q), l2_normalize(k))):
+    for flags, qn, kn in (
+        ({"use_q_l2norm_in_kernel": True}, l2_normalize(q), k),
+        ({"use_qk_l2norm_in_kernel": True}, l2_normalize(q), l2_normalize(k)),
+    ):
         o, S = run(rule, q, k, v, beta, g, initial_state=h0, scale=0.3, **flags)
         o_want, S_want = run(rule, qn, kn, v, beta, g, initial_state=h0, scale=0.3)
         assert torch.equal(o, o_want) and torch.equal(S, S_want)
     o_default, _ = run(rule, q, k, v, beta, g, initial_state=h0)
     o_scaled, _ = run(rule, q, k, v, beta, g, initial_state=h0, scale=2.0)
-    assert rel(o_scaled, o_default * 2.0 * 5 ** 0.5) < 1e-14
+    assert rel(o_scaled, o_default * 2.0 * 5**0.5) < 1e-14
 
 
 def test_float32_inputs_keep_float32_and_no_final_state_unless_asked():

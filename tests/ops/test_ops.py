@@ -80,9 +80,7 @@ def test_gradients_match_reference(mode, rule, T):
         o, S = fn()
         return (o * w_o).sum() + (S * w_s).sum()
 
-    got = torch.autograd.grad(
-        loss(lambda: call(mode, rule, q, k, v, beta, g, initial_state=h0, output_final_state=True)), leaves
-    )
+    got = torch.autograd.grad(loss(lambda: call(mode, rule, q, k, v, beta, g, initial_state=h0, output_final_state=True)), leaves)
     want = torch.autograd.grad(loss(lambda: reference(rule, q, k, v, beta, g, initial_state=h0)), leaves)
     names = ["q", "k", "v", "beta", "initial_state", "g"]
     for name, a, b in zip(names, got, want):
@@ -131,12 +129,13 @@ def test_zero_keys_are_identity_steps(mode, rule):
     k[:, zero] = 0.0
     o, S = call(mode, rule, q, k, v, beta, g, initial_state=h0, output_final_state=True)
     keep = [t for t in range(20) if t not in zero]
-    o2, S2 = call(mode, rule, q[:, keep], k[:, keep], v[:, keep], beta[:, keep], g[:, keep],
-                  initial_state=h0, output_final_state=True)
+    o2, S2 = call(
+        mode, rule, q[:, keep], k[:, keep], v[:, keep], beta[:, keep], g[:, keep], initial_state=h0, output_final_state=True
+    )
     assert rel(S, S2) < 1e-12
     assert rel(o[:, keep], o2) < 1e-12
     # first token has k = 0: the state is still h0, so o_0 = scale * h0^T q_0
-    o0 = 6 ** -0.5 * torch.einsum("bhkv,bhk->bhv", h0, q[:, 0])
+    o0 = 6**-0.5 * torch.einsum("bhkv,bhk->bhv", h0, q[:, 0])
     assert rel(o[:, 0], o0) < 1e-12
 
 
@@ -144,7 +143,7 @@ def test_zero_keys_are_identity_steps(mode, rule):
 @pytest.mark.parametrize("rule", ["efla", "gated_efla"])
 def test_stiff_inputs_stay_finite_and_exact(mode, rule):
     q, k, v, beta, g, h0 = make_inputs(rule, T=40, seed=7)
-    k = k / k.norm(dim=-1, keepdim=True) * (1e7 ** 0.5)  # lambda = 1e7
+    k = k / k.norm(dim=-1, keepdim=True) * (1e7**0.5)  # lambda = 1e7
     gen = torch.Generator().manual_seed(8)  # the references' own error varies with beta: keep it fixed
     beta = 1e3 * (0.5 + torch.rand(beta.shape, generator=gen, dtype=beta.dtype))  # beta*lambda ~ 1e10
     for x in (q, k, v, beta, h0):
@@ -164,8 +163,9 @@ def test_stiff_inputs_stay_finite_and_exact(mode, rule):
     grads = torch.autograd.grad(o.sum() + S.sum(), (q, k, v, beta, h0))
     assert all(torch.isfinite(gr).all() for gr in grads)
     # float32 stays finite too
-    o32, S32 = call(mode, rule, *(x.detach().float() for x in (q, k, v, beta, g)),
-                    initial_state=h0.detach().float(), output_final_state=True)
+    o32, S32 = call(
+        mode, rule, *(x.detach().float() for x in (q, k, v, beta, g)), initial_state=h0.detach().float(), output_final_state=True
+    )
     assert torch.isfinite(o32).all() and torch.isfinite(S32).all()
     assert rel(o32.double(), o_ref) < 1e-3
 
@@ -179,7 +179,7 @@ def test_float32_agrees_with_float64(mode, rule):
     for x in leaves64:
         x.requires_grad_(True)
     res = []
-    for (q_, k_, v_, b_, g_, h_) in (leaves64, leaves32):
+    for q_, k_, v_, b_, g_, h_ in (leaves64, leaves32):
         o, S = call(mode, rule, q_, k_, v_, b_, g_, initial_state=h_, output_final_state=True)
         gr = torch.autograd.grad(o.pow(2).sum() + S.pow(2).sum(), [q_, k_, v_, b_, h_] + ([g_] if "gated" in rule else []))
         res.append((o, S, gr))

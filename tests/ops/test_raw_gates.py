@@ -54,8 +54,20 @@ def test_raw_gates_equal_activated_inputs_with_gradients(rule, mode, neg_eigval)
     op = getattr(ops, f"{mode}_{rule}")
     leaves = [x.requires_grad_() for x in raw_inputs()]
     q, k, v, a, b, A_log, dt_bias = leaves
-    o, S = op(q, k, v, a, b, output_final_state=True, use_q_l2norm_in_kernel=True, use_gate_in_kernel=True,
-              A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg_eigval)
+    o, S = op(
+        q,
+        k,
+        v,
+        a,
+        b,
+        output_final_state=True,
+        use_q_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        use_beta_sigmoid_in_kernel=True,
+        allow_neg_eigval=neg_eigval,
+    )
     grads = torch.autograd.grad((o * o.detach().sin()).sum() + S.sum(), leaves)
 
     g, beta = activated(a, b, A_log, dt_bias, neg_eigval)
@@ -81,19 +93,25 @@ def test_raw_gates_in_float32_match_float64():
     outs = []
     for x in (inputs64, [t.float() for t in inputs64]):
         q, k, v, a, b, A_log, dt_bias = x
-        outs.append(ops.chunk_gated_efla(q, k, v, a, b, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
-                                         use_beta_sigmoid_in_kernel=True)[0])
+        outs.append(
+            ops.chunk_gated_efla(
+                q, k, v, a, b, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True
+            )[0]
+        )
     assert outs[1].dtype == torch.float32 and rel(outs[1], outs[0]) < 1e-4
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(use_gate_in_kernel=True), "A_log: required with use_gate_in_kernel=True"),
-    (dict(A_log=torch.zeros(3)), "A_log, dt_bias: only used with use_gate_in_kernel=True"),
-    (dict(use_gate_in_kernel=True, A_log=torch.zeros(4)), "A_log: expected shape (3,)"),
-    (dict(use_gate_in_kernel=True, A_log=torch.zeros(3), dt_bias=torch.zeros(3, 1)), "dt_bias: expected shape (3,)"),
-    (dict(use_gate_in_kernel=True, A_log=[0.0, 0.0, 0.0]), "A_log: expected a floating-point torch.Tensor"),
-    (dict(allow_neg_eigval=True), "allow_neg_eigval: only used with use_beta_sigmoid_in_kernel=True"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(use_gate_in_kernel=True), "A_log: required with use_gate_in_kernel=True"),
+        (dict(A_log=torch.zeros(3)), "A_log, dt_bias: only used with use_gate_in_kernel=True"),
+        (dict(use_gate_in_kernel=True, A_log=torch.zeros(4)), "A_log: expected shape (3,)"),
+        (dict(use_gate_in_kernel=True, A_log=torch.zeros(3), dt_bias=torch.zeros(3, 1)), "dt_bias: expected shape (3,)"),
+        (dict(use_gate_in_kernel=True, A_log=[0.0, 0.0, 0.0]), "A_log: expected a floating-point torch.Tensor"),
+        (dict(allow_neg_eigval=True), "allow_neg_eigval: only used with use_beta_sigmoid_in_kernel=True"),
+    ],
+)
 def test_gate_keyword_mistakes_are_named(kwargs, message):
     q, k, v, a, b, _, _ = raw_inputs()
     with pytest.raises(ValueError) as e:
@@ -101,10 +119,13 @@ def test_gate_keyword_mistakes_are_named(kwargs, message):
     assert str(e.value).startswith(message), str(e.value)
 
 
-@pytest.mark.parametrize("bad, message", [
-    (lambda a: a.to(torch.int64), "g: expected dtype torch.float64 (same as q) or torch.float32, got torch.int64"),
-    (lambda a: a.half(), "g: expected dtype torch.float64 (same as q) or torch.float32, got torch.float16"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda a: a.to(torch.int64), "g: expected dtype torch.float64 (same as q) or torch.float32, got torch.int64"),
+        (lambda a: a.half(), "g: expected dtype torch.float64 (same as q) or torch.float32, got torch.float16"),
+    ],
+)
 def test_raw_gate_dtypes_are_held_to_what_the_kernels_take(bad, message):
     q, k, v, a, b, A_log, dt_bias = raw_inputs()
     with pytest.raises(ValueError) as e:
@@ -204,8 +225,7 @@ _SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(not _READY, reason=_WHY)
 def test_raw_gates_in_the_gpu_kernels_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     errors = [line.split("\t") for line in r.stdout.strip().splitlines() if "\t" in line]
     assert len(errors) == 2 * 3 + 2 * 6 + 3 + 1 + 10, r.stdout

@@ -88,8 +88,8 @@ class Reference:
 
         eos = self.tokenizer.eos_token_id
         out = generate(self.model, torch.tensor([prompt_ids]), max_new_tokens=max_tokens, eos_token_id=eos, **sampling)
-        new = out[0, len(prompt_ids):].tolist()
-        return new[:new.index(eos) + 1] if eos in new else new
+        new = out[0, len(prompt_ids) :].tolist()
+        return new[: new.index(eos) + 1] if eos in new else new
 
     def __call__(self, prompt: str, max_tokens: int, **sampling) -> tuple[str, int, str]:
         ids = self.tokenizer(prompt)["input_ids"]
@@ -138,8 +138,14 @@ def serve(model, tokenizer, *, api_key: str | None = None, prefix_cache=None, **
     from efla.serving import Scheduler, create_app
 
     options = {"max_batch": 16, "max_queue": 64, "max_context": 512, **options}
-    scheduler = Scheduler(model, tokenizer, prefix_cache=prefix_cache, stop_tokens=[tokenizer.eos_token_id],
-                          pad_token=tokenizer.pad_token_id, **options)
+    scheduler = Scheduler(
+        model,
+        tokenizer,
+        prefix_cache=prefix_cache,
+        stop_tokens=[tokenizer.eos_token_id],
+        pad_token=tokenizer.pad_token_id,
+        **options,
+    )
     app = create_app(scheduler, tokenizer, model_name=MODEL_NAME, api_key=api_key)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -22,13 +22,16 @@ import httpx  # noqa: E402
 GOOD_BODY = {"model": MODEL_NAME, "prompt": "def main(", "max_tokens": 4, "temperature": 0}
 
 
-@pytest.mark.parametrize("options, option", [
-    (["--port", "70000"], "--port"),
-    (["--max-batch", "0"], "--max-batch"),
-    (["--max-queue", "-1"], "--max-queue"),
-    (["--prefill-chunk", "0"], "--prefill-chunk"),
-    (["--api-key", " "], "--api-key"),
-])
+@pytest.mark.parametrize(
+    "options, option",
+    [
+        (["--port", "70000"], "--port"),
+        (["--max-batch", "0"], "--max-batch"),
+        (["--max-queue", "-1"], "--max-queue"),
+        (["--prefill-chunk", "0"], "--prefill-chunk"),
+        (["--api-key", " "], "--api-key"),
+    ],
+)
 def test_a_wrong_option_is_one_line_with_status_2(model_dir, capsys, options, option):
     assert main(["serve", str(model_dir), *options]) == 2
     err = capsys.readouterr().err
@@ -59,9 +62,27 @@ def test_a_server_shutting_down_answers_503(loaded):
 
 def _start(model_dir) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "efla", "serve", str(model_dir), "--port", "0",
-                                "--log-level", "warning", "--max-context", "4096", "--served-model-name", MODEL_NAME],
-                               cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "efla",
+            "serve",
+            str(model_dir),
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+            "--max-context",
+            "4096",
+            "--served-model-name",
+            MODEL_NAME,
+        ],
+        cwd=REPO,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in process.stderr:
         if " at http://" in line:
             return process, line.split(" at ")[1].split("/v1")[0]
@@ -76,11 +97,11 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(model_dir, reference
         body = {**GOOD_BODY, "max_tokens": 300, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
-            first = json.loads(next(lines)[len("data: "):])
+            first = json.loads(next(lines)[len("data: ") :])
             process.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]"
-        chunks = [first] + [json.loads(line[len("data: "):]) for line in rest[:-1]]
+        chunks = [first] + [json.loads(line[len("data: ") :]) for line in rest[:-1]]
         # the whole completion, as generate makes it alone, not cut short by the shutdown
         assert "".join(c["choices"][0]["text"] for c in chunks) == want_text
         assert chunks[-1]["choices"][0]["finish_reason"] == want_reason

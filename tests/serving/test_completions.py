@@ -12,9 +12,24 @@ from .conftest import MODEL_NAME, http_stack, serve
 http_stack()
 import httpx  # noqa: E402
 
-PROMPTS = ["def main(", "import torch", "The model", "class EFLA", "return self", "for i in range(", "x = torch.",
-           "if __name__", "    def forward(", "from efla", "raise ValueError(", "# the state", "with torch.no_grad():",
-           "cache = ", "print(", "assert "]
+PROMPTS = [
+    "def main(",
+    "import torch",
+    "The model",
+    "class EFLA",
+    "return self",
+    "for i in range(",
+    "x = torch.",
+    "if __name__",
+    "    def forward(",
+    "from efla",
+    "raise ValueError(",
+    "# the state",
+    "with torch.no_grad():",
+    "cache = ",
+    "print(",
+    "assert ",
+]
 
 
 def test_sixteen_concurrent_greedy_requests_match_generate_one_at_a_time(server, reference):
@@ -37,8 +52,7 @@ def test_sixteen_concurrent_greedy_requests_match_generate_one_at_a_time(server,
 
 def test_a_list_of_prompts_decodes_as_one_batch(loaded, reference):
     with serve(*loaded, max_batch=8) as served:
-        response = served.client().completions.create(model=MODEL_NAME, prompt=PROMPTS[:8], max_tokens=10,
-                                                      temperature=0)
+        response = served.client().completions.create(model=MODEL_NAME, prompt=PROMPTS[:8], max_tokens=10, temperature=0)
         assert served.health()["peak_batch"] == 8  # submitted together: all eight decode in the same steps
     assert [c.index for c in response.choices] == list(range(8))
     for prompt, c in zip(PROMPTS, response.choices):
@@ -49,8 +63,11 @@ def test_a_list_of_prompts_decodes_as_one_batch(loaded, reference):
 def test_streamed_chunks_join_to_the_plain_text(server):
     client = server.client()
     plain = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=20, temperature=0)
-    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=20, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     texts = [c.choices[0].text for c in chunks if c.choices]
     assert len(texts) > 1  # streamed piece by piece, not in one chunk
     assert "".join(texts) == plain.choices[0].text
@@ -60,8 +77,7 @@ def test_streamed_chunks_join_to_the_plain_text(server):
 
 
 def test_a_raw_stream_is_server_sent_events_ending_with_done(server):
-    body = {"model": MODEL_NAME, "prompt": [PROMPTS[0], PROMPTS[1]], "max_tokens": 6, "temperature": 0,
-            "stream": True}
+    body = {"model": MODEL_NAME, "prompt": [PROMPTS[0], PROMPTS[1]], "max_tokens": 6, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -70,7 +86,7 @@ def test_a_raw_stream_is_server_sent_events_ending_with_done(server):
     assert events[-1] == "data: [DONE]"
     import json
 
-    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
     assert sum(c["choices"][0]["finish_reason"] is not None for c in chunks) == 2
 
@@ -78,14 +94,19 @@ def test_a_raw_stream_is_server_sent_events_ending_with_done(server):
 def test_stop_strings_cut_the_text_before_them(server, reference):
     client = server.client()
     full, _, _ = reference(PROMPTS[0], 24)
-    stop = full[len(full) // 2:len(full) // 2 + 3]
-    expected = full[:full.index(stop)]
-    response = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0,
-                                         stop=[stop, "\x00never"])
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    expected = full[: full.index(stop)]
+    response = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop, "\x00never"]
+    )
     assert response.choices[0].text == expected
     assert response.choices[0].finish_reason == "stop"
-    streamed = [c.choices[0].text for c in client.completions.create(
-        model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=stop, stream=True)]
+    streamed = [
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=stop, stream=True
+        )
+    ]
     assert "".join(streamed) == expected
     assert not any(stop in piece for piece in streamed)
 
@@ -95,20 +116,31 @@ def test_seeded_sampling_repeats_whatever_runs_beside_it(server, reference):
     sampling = {"temperature": 0.9, "top_p": 0.95}
 
     def seeded():
-        return client.completions.create(model=MODEL_NAME, prompt=PROMPTS[3], max_tokens=16, seed=7,
-                                         extra_body={"top_k": 50}, **sampling).choices[0].text
+        return (
+            client.completions.create(
+                model=MODEL_NAME, prompt=PROMPTS[3], max_tokens=16, seed=7, extra_body={"top_k": 50}, **sampling
+            )
+            .choices[0]
+            .text
+        )
 
     alone = seeded()
     with ThreadPoolExecutor(8) as pool:
-        neighbours = [pool.submit(client.completions.create, model=MODEL_NAME, prompt=p, max_tokens=16, **sampling)
-                      for p in PROMPTS[4:11]]
+        neighbours = [
+            pool.submit(client.completions.create, model=MODEL_NAME, prompt=p, max_tokens=16, **sampling) for p in PROMPTS[4:11]
+        ]
         together = pool.submit(seeded).result()
         [n.result() for n in neighbours]
     assert together == alone
     # the request's noise is drawn from its own generator as generate draws it for a batch of one
     assert alone == reference(PROMPTS[3], 16, temperature=0.9, top_k=50, top_p=0.95, seed=7)[0]
-    other_seed = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[3], max_tokens=16, seed=8,
-                                           extra_body={"top_k": 50}, **sampling).choices[0].text
+    other_seed = (
+        client.completions.create(
+            model=MODEL_NAME, prompt=PROMPTS[3], max_tokens=16, seed=8, extra_body={"top_k": 50}, **sampling
+        )
+        .choices[0]
+        .text
+    )
     assert other_seed != alone  # 16 tokens drawn from ~300: another seed differs
 
 

@@ -18,27 +18,30 @@ import openai  # noqa: E402
 GOOD = {"model": MODEL_NAME, "prompt": "def main(", "max_tokens": 4, "temperature": 0}
 
 
-@pytest.mark.parametrize("change, param", [
-    ({"temperature": -1}, "temperature"),
-    ({"temperature": "hot"}, "temperature"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 2.5}, "max_tokens"),
-    ({"top_p": 0}, "top_p"),
-    ({"top_k": -2}, "top_k"),
-    ({"seed": -1}, "seed"),
-    ({"stream": "yes"}, "stream"),
-    ({"n": 2}, "n"),
-    ({"logprobs": 3}, "logprobs"),
-    ({"echo": True}, "echo"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"stop": ""}, "stop"),
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": [1, 2, 3]}, "prompt"),
-    ({"prompt": None}, "prompt"),
-    ({"frequency": 1}, "frequency"),
-    ({"model": None}, "model"),
-])
+@pytest.mark.parametrize(
+    "change, param",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"stream": "yes"}, "stream"),
+        ({"n": 2}, "n"),
+        ({"logprobs": 3}, "logprobs"),
+        ({"echo": True}, "echo"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": ""}, "stop"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, 2, 3]}, "prompt"),
+        ({"prompt": None}, "prompt"),
+        ({"frequency": 1}, "frequency"),
+        ({"model": None}, "model"),
+    ],
+)
 def test_an_invalid_field_is_a_400_naming_it(server, change, param):
     response = httpx.post(f"{server.url}/v1/completions", json={**GOOD, **change}, timeout=10)
     assert response.status_code == 400
@@ -57,8 +60,9 @@ def test_a_prompt_beyond_the_context_is_a_400(server):
 
 
 def test_a_body_that_is_not_json_is_a_400(server):
-    response = httpx.post(f"{server.url}/v1/completions", content=b"{not json",
-                          headers={"content-type": "application/json"}, timeout=10)
+    response = httpx.post(
+        f"{server.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}, timeout=10
+    )
     assert response.status_code == 400 and error_of(response)["param"] is None
 
 
@@ -125,17 +129,21 @@ def _mixed_request(client: httpx.Client, url: str, key: str, kind: str) -> int:
     before the answer."""
     auth = {"Authorization": f"Bearer {key}"}
     bodies = {
-        "good": GOOD, "list": {**GOOD, "prompt": ["import torch", "The model"]},
-        "temperature": {**GOOD, "temperature": -3}, "model": {**GOOD, "model": "other"},
-        "long": {**GOOD, "prompt": "x = 1\n" * 400}, "empty": {**GOOD, "prompt": ""},
+        "good": GOOD,
+        "list": {**GOOD, "prompt": ["import torch", "The model"]},
+        "temperature": {**GOOD, "temperature": -3},
+        "model": {**GOOD, "model": "other"},
+        "long": {**GOOD, "prompt": "x = 1\n" * 400},
+        "empty": {**GOOD, "prompt": ""},
     }
     if kind == "no key":
         response = client.post(f"{url}/v1/completions", json=GOOD)
     elif kind == "not json":
         response = client.post(f"{url}/v1/completions", content=b"[1,", headers=auth)
     elif kind == "abandoned stream":  # closed after its first event: the connection goes with it
-        request = client.build_request("POST", f"{url}/v1/completions", headers=auth,
-                                       json={**GOOD, "max_tokens": 400, "stream": True})
+        request = client.build_request(
+            "POST", f"{url}/v1/completions", headers=auth, json={**GOOD, "max_tokens": 400, "stream": True}
+        )
         response = client.send(request, stream=True)
         if response.status_code == 200:
             next(response.iter_lines())
@@ -143,8 +151,7 @@ def _mixed_request(client: httpx.Client, url: str, key: str, kind: str) -> int:
         return response.status_code
     elif kind == "abandoned":
         try:
-            response = client.post(f"{url}/v1/completions", headers=auth, json={**GOOD, "max_tokens": 400},
-                                   timeout=0.05)
+            response = client.post(f"{url}/v1/completions", headers=auth, json={**GOOD, "max_tokens": 400}, timeout=0.05)
         except httpx.TimeoutException:
             return 0
     else:
@@ -155,11 +162,19 @@ def _mixed_request(client: httpx.Client, url: str, key: str, kind: str) -> int:
 
 
 def test_two_hundred_mixed_requests_leave_the_pool_whole(loaded, reference):
-    kinds = ["good", "list", "temperature", "model", "long", "empty", "no key", "not json", "abandoned stream",
-             "abandoned"]
-    expected = {"good": {200, 429}, "list": {200, 429}, "temperature": {400}, "model": {404}, "long": {400},
-                "empty": {400}, "no key": {401}, "not json": {400}, "abandoned stream": {200, 429},
-                "abandoned": {0, 200, 429}}
+    kinds = ["good", "list", "temperature", "model", "long", "empty", "no key", "not json", "abandoned stream", "abandoned"]
+    expected = {
+        "good": {200, 429},
+        "list": {200, 429},
+        "temperature": {400},
+        "model": {404},
+        "long": {400},
+        "empty": {400},
+        "no key": {401},
+        "not json": {400},
+        "abandoned stream": {200, 429},
+        "abandoned": {0, 200, 429},
+    }
     plan = [kinds[i % len(kinds)] for i in range(200)]
     random.Random(0).shuffle(plan)
     with serve(*loaded, api_key="k", max_batch=4, max_queue=8) as served:
@@ -170,7 +185,8 @@ def test_two_hundred_mixed_requests_leave_the_pool_whole(loaded, reference):
         assert served.scheduler.running
         status = served.wait_idle()
         assert (status["slots_free"], status["waiting"], status["decoding"]) == (4, 0, 0)
-        response = served.client(api_key="k").completions.create(model=MODEL_NAME, prompt="The model",
-                                                                 max_tokens=12, temperature=0)
+        response = served.client(api_key="k").completions.create(
+            model=MODEL_NAME, prompt="The model", max_tokens=12, temperature=0
+        )
     assert response.choices[0].text == reference("The model", 12)[0]
     assert json.loads(response.model_dump_json())["usage"]["completion_tokens"] == reference("The model", 12)[1]

@@ -69,8 +69,10 @@ def test_the_server_reuses_a_shared_prefix_with_the_same_tokens(loaded, referenc
     http_stack()
     with serve(*loaded, prefix_cache=PrefixCache(block=8, max_bytes=1 << 20)) as served:
         client = served.client()
-        texts = [client.completions.create(model=MODEL_NAME, prompt=system + q, max_tokens=10,
-                                           temperature=0).choices[0].text for q in questions]
+        texts = [
+            client.completions.create(model=MODEL_NAME, prompt=system + q, max_tokens=10, temperature=0).choices[0].text
+            for q in questions
+        ]
         again = client.completions.create(model=MODEL_NAME, prompt=system + questions[0], max_tokens=10, temperature=0)
         stats = served.health()["prefix_cache"]
     assert texts == [reference(system + q, 10)[0] for q in questions]

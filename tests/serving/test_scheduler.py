@@ -49,8 +49,8 @@ def _model(preset: str):
 
 def _generate_alone(model, prompt: list[int], max_tokens: int, **sampling) -> list[int]:
     out = generate(model, torch.tensor([prompt]), max_new_tokens=max_tokens, eos_token_id=EOS, **sampling)
-    new = out[0, len(prompt):].tolist()
-    return new[:new.index(EOS) + 1] if EOS in new else new
+    new = out[0, len(prompt) :].tolist()
+    return new[: new.index(EOS) + 1] if EOS in new else new
 
 
 def _scheduler(model, **options) -> Scheduler:
@@ -136,7 +136,7 @@ def _running_request(scheduler: Scheduler, collector: Collector, max_tokens: int
 def _tokens_before(collector: Collector, start: int, request, running) -> int:
     """Events of ``running`` after event ``start`` and before ``request``'s first one."""
     events = [r for r, _ in collector.events[start:]]
-    return events[:events.index(request)].count(running)
+    return events[: events.index(request)].count(running)
 
 
 def test_a_long_prompt_is_prefilled_between_decoding_steps(loaded):
@@ -237,7 +237,7 @@ def test_prefill_settings_default_by_device_and_give_way_to_the_callers(loaded):
     """Small prefill calls between every two steps (a GPU's take several full rows: its captured
     calls cost their GPU time); settings passed in win."""
     from efla.serving import prefill_defaults
-    from efla.serving.scheduler import ROW_TOKENS
+    from efla.serving.prefill import ROW_TOKENS
 
     assert prefill_defaults(torch.device("cpu")) == (512, 1)
     chunk, every = prefill_defaults(torch.device("cuda"))

@@ -28,22 +28,30 @@ def _alone(model, prompt: list[int], max_tokens: int) -> list[int]:
     from efla.generation import generate
 
     out = generate(model, torch.tensor([prompt], device="cuda"), max_new_tokens=max_tokens, eos_token_id=EOS)
-    new = out[0, len(prompt):].tolist()
-    return new[:new.index(EOS) + 1] if EOS in new else new
+    new = out[0, len(prompt) :].tolist()
+    return new[: new.index(EOS) + 1] if EOS in new else new
 
 
-@pytest.mark.parametrize(("preset", "prefill_chunk"), [("tiny-efla", 32), ("tiny-efla", 256),
-                                                      ("tiny-gated-deltanet", 256)])
+@pytest.mark.parametrize(("preset", "prefill_chunk"), [("tiny-efla", 32), ("tiny-efla", 256), ("tiny-gated-deltanet", 256)])
 def test_concurrent_greedy_requests_give_generates_tokens(preset, prefill_chunk):
     model = _model(preset)
     generator = torch.Generator().manual_seed(2)
     system = torch.randint(3, 512, (40,), generator=generator).tolist()
-    prompts = [(system if i % 3 == 0 else []) + torch.randint(3, 512, (n,), generator=generator).tolist()
-               for i, n in enumerate((5, 90, 33, 12, 64, 7, 150, 21, 48, 3, 77, 16))]
+    prompts = [
+        (system if i % 3 == 0 else []) + torch.randint(3, 512, (n,), generator=generator).tolist()
+        for i, n in enumerate((5, 90, 33, 12, 64, 7, 150, 21, 48, 3, 77, 16))
+    ]
     lengths = [8 + 5 * i for i in range(len(prompts))]
     expected = [_alone(model, p, n) for p, n in zip(prompts, lengths)]
-    scheduler = Scheduler(model, None, stop_tokens=[EOS], max_batch=8, max_context=512, prefill_chunk=prefill_chunk,
-                          prefix_cache=PrefixCache(block=16))
+    scheduler = Scheduler(
+        model,
+        None,
+        stop_tokens=[EOS],
+        max_batch=8,
+        max_context=512,
+        prefill_chunk=prefill_chunk,
+        prefix_cache=PrefixCache(block=16),
+    )
     scheduler.start()
     try:
         collector = Collector(len(prompts))

@@ -18,8 +18,7 @@ PAPER_TABLE1 = [
     dict(scale="340M / 8B tokens", model="Mamba-2", wiki_ppl=36.90, lambada_ppl=105.69, lambada_acc=20.7, avg=42.0),
     dict(scale="340M / 8B tokens", model="DeltaNet", wiki_ppl=38.09, lambada_ppl=96.26, lambada_acc=22.5, avg=42.2),
     dict(scale="340M / 8B tokens", model="EFLA", wiki_ppl=35.26, lambada_ppl=79.97, lambada_acc=23.9, avg=44.1),
-    dict(scale="340M / 8B tokens", model="Gated DeltaNet", wiki_ppl=34.93, lambada_ppl=72.46, lambada_acc=25.5,
-         avg=43.9),
+    dict(scale="340M / 8B tokens", model="Gated DeltaNet", wiki_ppl=34.93, lambada_ppl=72.46, lambada_acc=25.5, avg=43.9),
     dict(scale="340M / 8B tokens", model="Gated EFLA", wiki_ppl=34.28, lambada_ppl=69.37, lambada_acc=26.4, avg=44.8),
     dict(scale="1.3B / 50B tokens", model="DeltaNet", wiki_ppl=18.38, lambada_ppl=17.29, lambada_acc=41.8, avg=50.5),
     dict(scale="1.3B / 50B tokens", model="EFLA", wiki_ppl=18.30, lambada_ppl=16.54, lambada_acc=43.2, avg=51.8),
@@ -98,31 +97,37 @@ def compare(records: list[dict]) -> tuple[str, dict]:
     for v in variants:
         rs = sorted(groups[v], key=lambda r: (r["model"]["seed"] is None, r["model"]["seed"]))
         seeds = [r["model"]["seed"] for r in rs]
-        entry = {"label": label(v, v), "seeds": seeds, "n": len(rs),
-                 "parameters": rs[0]["model"]["parameters"]}
-        cells = [entry["label"], f"{entry['parameters'] / 1e6:.2f}M",
-                 ", ".join("?" if s is None else str(s) for s in seeds)]
+        entry = {"label": label(v, v), "seeds": seeds, "n": len(rs), "parameters": rs[0]["model"]["parameters"]}
+        cells = [entry["label"], f"{entry['parameters'] / 1e6:.2f}M", ", ".join("?" if s is None else str(s) for s in seeds)]
         for key, _, _, fmt in present:
             vals = [_metrics(r)[key] for r in rs if key in _metrics(r)]
-            entry[key] = dict(values=vals, mean=statistics.mean(vals) if vals else None,
-                              std=statistics.stdev(vals) if len(vals) > 1 and spread[v] else None)
+            entry[key] = dict(
+                values=vals,
+                mean=statistics.mean(vals) if vals else None,
+                std=statistics.stdev(vals) if len(vals) > 1 and spread[v] else None,
+            )
             cells.append(_fmt_stats(vals, fmt, spread[v]))
         if harness_keys:
             avg_keys = [k for k in harness_keys if not k.startswith("h:lambada")] or harness_keys
-            avgs = [statistics.mean(_metrics(r)[k] for k in avg_keys) for r in rs
-                    if all(k in _metrics(r) for k in avg_keys)]
+            avgs = [statistics.mean(_metrics(r)[k] for k in avg_keys) for r in rs if all(k in _metrics(r) for k in avg_keys)]
             entry["harness_avg"] = dict(values=avgs, mean=statistics.mean(avgs) if avgs else None)
             cells.append(_fmt_stats(avgs, "{:.2f}", spread[v]))
         summary["variants"][v] = entry
         lines.append("| " + " | ".join(cells) + " |")
 
     settings = sorted({_settings(r) for r in records})
-    lines += ["", "Settings: " + ("; ".join(settings) if len(settings) == 1 else
-                                  "**the models were not evaluated alike**: " + " / ".join(settings))]
+    lines += [
+        "",
+        "Settings: "
+        + ("; ".join(settings) if len(settings) == 1 else "**the models were not evaluated alike**: " + " / ".join(settings)),
+    ]
     summary["settings"] = settings
     if harness_keys:
-        lines += ["", "Avg. (harness) averages the lm-eval task accuracies other than LAMBADA (acc_norm for "
-                  "HellaSwag, ARC-c, OBQA, PIQA), as the paper's zero-shot average."]
+        lines += [
+            "",
+            "Avg. (harness) averages the lm-eval task accuracies other than LAMBADA (acc_norm for "
+            "HellaSwag, ARC-c, OBQA, PIQA), as the paper's zero-shot average.",
+        ]
 
     lines += ["", "## Per model", ""]
     head2 = ["Model dir", "Variant", "Seed"] + [c[1] for c in present]
@@ -131,8 +136,14 @@ def compare(records: list[dict]) -> tuple[str, dict]:
         for r in sorted(groups[v], key=lambda r: (r["model"]["seed"] is None, r["model"]["seed"])):
             m = _metrics(r)
             summary["models"].append(dict(name=r["model"]["name"], variant=v, seed=r["model"]["seed"], **m))
-            lines.append("| " + " | ".join([str(r["model"]["name"]), label(v, v), str(r["model"]["seed"])]
-                                          + [_fmt(fmt, m[k]) if k in m else "–" for k, _, _, fmt in present]) + " |")
+            lines.append(
+                "| "
+                + " | ".join(
+                    [str(r["model"]["name"]), label(v, v), str(r["model"]["seed"])]
+                    + [_fmt(fmt, m[k]) if k in m else "–" for k, _, _, fmt in present]
+                )
+                + " |"
+            )
 
     pair_lines = []
     for a, b in PAIRS:
@@ -147,20 +158,37 @@ def compare(records: list[dict]) -> tuple[str, dict]:
                 continue
             diffs = [pa[s][key] - pb[s][key] for s in common if key in pa[s] and key in pb[s]]
             wins = sum((d > 0) if higher else (d < 0) for d in diffs)
-            p = dict(a=a, b=b, metric=key, higher_is_better=higher, mean_a=ma, mean_b=mb, diff=ma - mb,
-                     paired_seeds=common, paired_diffs=diffs, a_better_in=wins,
-                     diff_std=statistics.stdev(diffs) if len(diffs) > 1 else None,
-                     a_better_on_mean=(ma > mb) if higher else (ma < mb), tie=ma == mb)
+            p = dict(
+                a=a,
+                b=b,
+                metric=key,
+                higher_is_better=higher,
+                mean_a=ma,
+                mean_b=mb,
+                diff=ma - mb,
+                paired_seeds=common,
+                paired_diffs=diffs,
+                a_better_in=wins,
+                diff_std=statistics.stdev(diffs) if len(diffs) > 1 else None,
+                a_better_on_mean=(ma > mb) if higher else (ma < mb),
+                tie=ma == mb,
+            )
             summary["pairs"].append(p)
             la, lb = label(a, a), label(b, b)
             per_seed = ", ".join(f"s{s}: {_fmt(fmt, d)}" for s, d in zip(common, diffs)) or "no paired seeds"
-            pair_lines.append(f"| {la} − {lb} | {header} | {_fmt(fmt, ma)} | {_fmt(fmt, mb)} | "
-                              f"{'+' if ma - mb >= 0 else ''}{_fmt(fmt, ma - mb)} | {per_seed} | "
-                              f"{wins}/{len(diffs)} | {'tie' if p['tie'] else 'yes' if p['a_better_on_mean'] else 'no'} |")
+            pair_lines.append(
+                f"| {la} − {lb} | {header} | {_fmt(fmt, ma)} | {_fmt(fmt, mb)} | "
+                f"{'+' if ma - mb >= 0 else ''}{_fmt(fmt, ma - mb)} | {per_seed} | "
+                f"{wins}/{len(diffs)} | {'tie' if p['tie'] else 'yes' if p['a_better_on_mean'] else 'no'} |"
+            )
     if pair_lines:
-        lines += ["", "## EFLA vs DeltaNet (same seeds paired)", "",
-                  "| Pair | Metric | A (mean) | B (mean) | A − B | A − B per seed | A better in | A better on mean |",
-                  "|:---|:---|---:|---:|---:|:---|---:|:---:|"] + pair_lines
+        lines += [
+            "",
+            "## EFLA vs DeltaNet (same seeds paired)",
+            "",
+            "| Pair | Metric | A (mean) | B (mean) | A − B | A − B per seed | A better in | A better on mean |",
+            "|:---|:---|---:|---:|---:|:---|---:|:---:|",
+        ] + pair_lines
 
     verdict = _verdicts(summary)
     if verdict:
@@ -170,14 +198,23 @@ def compare(records: list[dict]) -> tuple[str, dict]:
     if commands:
         lines += ["", "Evaluation commands:", "", "```"] + commands + ["```"]
 
-    lines += ["", "## Paper (Table 1; SlimPajama, Mistral tokenizer; for reference, not comparable in scale)", "",
-              "| Scale | Model | Wiki. ppl ↓ | LMB. ppl ↓ | LMB. acc ↑ | Avg. zero-shot ↑ |",
-              "|:---|:---|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "## Paper (Table 1; SlimPajama, Mistral tokenizer; for reference, not comparable in scale)",
+        "",
+        "| Scale | Model | Wiki. ppl ↓ | LMB. ppl ↓ | LMB. acc ↑ | Avg. zero-shot ↑ |",
+        "|:---|:---|---:|---:|---:|---:|",
+    ]
     for p in PAPER_TABLE1:
-        lines.append(f"| {p['scale']} | {p['model']} | {p['wiki_ppl']:.2f} | {p['lambada_ppl']:.2f} | "
-                     f"{p['lambada_acc']:.1f} | {p['avg']:.1f} |")
-    lines += ["", "Paper's Wiki. ppl is lm-eval's WikiText word perplexity (the column \"Wiki. ppl (word)\" above is "
-              "the same normalisation over the raw test file); LMB. = LAMBADA (OpenAI), acc in %."]
+        lines.append(
+            f"| {p['scale']} | {p['model']} | {p['wiki_ppl']:.2f} | {p['lambada_ppl']:.2f} | "
+            f"{p['lambada_acc']:.1f} | {p['avg']:.1f} |"
+        )
+    lines += [
+        "",
+        "Paper's Wiki. ppl is lm-eval's WikiText word perplexity (the column \"Wiki. ppl (word)\" above is "
+        "the same normalisation over the raw test file); LMB. = LAMBADA (OpenAI), acc in %.",
+    ]
     return "\n".join(lines) + "\n", summary
 
 
@@ -185,14 +222,18 @@ def _settings(rec: dict) -> str:
     parts = []
     if "wikitext" in rec:
         w = rec["wikitext"]
-        parts.append(f"WikiText {os.path.basename(str(w.get('source', '?')))}: context {w.get('context')}, stride "
-                     f"{w.get('stride')}, {w.get('scored_tokens')} tokens / {w.get('words')} words / "
-                     f"{w.get('bytes')} bytes scored")
+        parts.append(
+            f"WikiText {os.path.basename(str(w.get('source', '?')))}: context {w.get('context')}, stride "
+            f"{w.get('stride')}, {w.get('scored_tokens')} tokens / {w.get('words')} words / "
+            f"{w.get('bytes')} bytes scored"
+        )
     if "lambada" in rec:
         lam = rec["lambada"]
-        parts.append(f"LAMBADA {os.path.basename(str(lam.get('source', '?')))}: {lam.get('n')} passages"
-                     + (f" of {lam.get('passages_in_file')} (first {lam.get('n')}, --limit)" if lam.get("limit") else "")
-                     + f", max length {lam.get('max_length')}")
+        parts.append(
+            f"LAMBADA {os.path.basename(str(lam.get('source', '?')))}: {lam.get('n')} passages"
+            + (f" of {lam.get('passages_in_file')} (first {lam.get('n')}, --limit)" if lam.get("limit") else "")
+            + f", max length {lam.get('max_length')}"
+        )
     return ", ".join(parts) or "no WikiText/LAMBADA"
 
 
@@ -217,9 +258,11 @@ def _verdicts(summary: dict) -> list[str]:
                 continue
             d = p["paired_diffs"]
             if d:
-                paired = (f"{la} better in {p['a_better_in']}/{len(d)} paired seeds, per-seed {la} − {lb} "
-                          + ", ".join(_fmt(f, x) for x in d)
-                          + (f" (mean {_pm(f, statistics.mean(d), statistics.stdev(d))})" if len(d) > 1 else ""))
+                paired = (
+                    f"{la} better in {p['a_better_in']}/{len(d)} paired seeds, per-seed {la} − {lb} "
+                    + ", ".join(_fmt(f, x) for x in d)
+                    + (f" (mean {_pm(f, statistics.mean(d), statistics.stdev(d))})" if len(d) > 1 else "")
+                )
             else:
                 paired = "no paired seeds"
             if spread > 0:
@@ -227,11 +270,11 @@ def _verdicts(summary: dict) -> list[str]:
                 spread_txt = f"the gap is {rel} than the seed-to-seed std of either model (up to {_fmt(f, spread)})"
             else:
                 spread_txt = "one seed each, no spread"
-            parts.append(f"{name} {_fmt(f, p['mean_a'])} vs {_fmt(f, p['mean_b'])} "
-                         f"({la} {'better' if p['a_better_on_mean'] else 'worse'} by {_fmt(f, abs(p['diff']))}; "
-                         f"{paired}; {spread_txt})")
+            parts.append(
+                f"{name} {_fmt(f, p['mean_a'])} vs {_fmt(f, p['mean_b'])} "
+                f"({la} {'better' if p['a_better_on_mean'] else 'worse'} by {_fmt(f, abs(p['diff']))}; "
+                f"{paired}; {spread_txt})"
+            )
         n = f"{la} seeds {va['seeds']}, {lb} seeds {vb['seeds']}"
         out.append(f"{la} vs {lb} ({n}): " + "; ".join(parts) + ".")
     return out
-
-

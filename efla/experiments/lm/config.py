@@ -7,12 +7,22 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from efla.data.text import expand_paths
 from efla.errors import UsageError
+from efla.models import EFLAConfig, get_preset_config
 
 from .. import arg_checks as check
 
-__all__ = ["SIZE_DEFAULTS", "Sizes", "TrainConfig", "check_train_config", "RESUME_FIXED", "RESUME_FREE", "check_resume_unchanged",
-           "stored_train_args"]
+__all__ = [
+    "SIZE_DEFAULTS",
+    "Sizes",
+    "TrainConfig",
+    "check_train_config",
+    "RESUME_FIXED",
+    "RESUME_FREE",
+    "check_resume_unchanged",
+    "stored_train_args",
+]
 
 # Per model size: (sequence length, batch size in tokens). 340m/1.3b: the paper's 2K x 512 = 1M tokens.
 SIZE_DEFAULTS = {"tiny": (256, 16 * 256), "340m": (2048, 1 << 20), "1.3b": (2048, 1 << 20)}
@@ -122,7 +132,6 @@ def _check_ranges(cfg: TrainConfig) -> None:
 
 
 def _check_model_choice(cfg: TrainConfig) -> None:
-    from efla.models import EFLAConfig, get_preset_config
 
     if cfg.config_file:
         check.existing_file(cfg.config_file, "--config")
@@ -139,8 +148,10 @@ def _check_model_choice(cfg: TrainConfig) -> None:
         except ValueError as e:
             raise UsageError(f"{str(e).removeprefix('name: ')} (--preset)") from None
     if (cfg.context_parallel or 1) > 1 and model_config.attn:
-        raise UsageError("context parallelism splits only linear-attention layers; this model has softmax-attention "
-                         f"layers {model_config.attn['layers']} (--context-parallel)")
+        raise UsageError(
+            "context parallelism splits only linear-attention layers; this model has softmax-attention "
+            f"layers {model_config.attn['layers']} (--context-parallel)"
+        )
 
 
 def _read_config_file(path: str) -> dict:
@@ -159,7 +170,6 @@ def _read_config_file(path: str) -> dict:
 
 
 def _check_paths(cfg: TrainConfig) -> None:
-    from efla.data.text import expand_paths
 
     for paths, option in ((cfg.data, "--data"), (cfg.val_data, "--val-data")):
         try:
@@ -180,18 +190,38 @@ def _looks_local(name: str) -> bool:
 
 # Options a resumed run must keep (they shape the model, the data, its order or the batches): field -> option.
 RESUME_FIXED = {
-    "preset": "--preset", "config_file": "--config", "seed": "--seed", "data": "--data", "val_data": "--val-data",
-    "val_sequences": "--val-sequences", "text_field": "--text-field", "accept_invalid_utf8": "--accept-invalid-utf8",
-    "gutenberg_strip": "--no-gutenberg-strip", "seq_len": "--seq-len", "varlen": "--varlen",
-    "data_seed": "--data-seed", "tokenizer": "--tokenizer", "vocab_size": "--vocab-size",
-    "tokenizer_train_chars": "--tokenizer-train-chars", "batch_tokens": "--batch-tokens",
+    "preset": "--preset",
+    "config_file": "--config",
+    "seed": "--seed",
+    "data": "--data",
+    "val_data": "--val-data",
+    "val_sequences": "--val-sequences",
+    "text_field": "--text-field",
+    "accept_invalid_utf8": "--accept-invalid-utf8",
+    "gutenberg_strip": "--no-gutenberg-strip",
+    "seq_len": "--seq-len",
+    "varlen": "--varlen",
+    "data_seed": "--data-seed",
+    "tokenizer": "--tokenizer",
+    "vocab_size": "--vocab-size",
+    "tokenizer_train_chars": "--tokenizer-train-chars",
+    "batch_tokens": "--batch-tokens",
 }
 # Options a resumed run may change: how the same steps are computed, reported and kept.
 RESUME_FREE = {
-    "threads": "--threads", "progress": "--no-progress", "log_every": "--log-every", "val_every": "--val-every",
-    "save_every": "--save-every", "keep_checkpoints": "--keep-checkpoints", "cache_dir": "--cache-dir",
-    "device": "--device", "precision": "--precision", "fsdp": "--fsdp", "context_parallel": "--context-parallel",
-    "micro_batch_size": "--micro-batch-size", "grad_checkpointing": "--grad-checkpointing",
+    "threads": "--threads",
+    "progress": "--no-progress",
+    "log_every": "--log-every",
+    "val_every": "--val-every",
+    "save_every": "--save-every",
+    "keep_checkpoints": "--keep-checkpoints",
+    "cache_dir": "--cache-dir",
+    "device": "--device",
+    "precision": "--precision",
+    "fsdp": "--fsdp",
+    "context_parallel": "--context-parallel",
+    "micro_batch_size": "--micro-batch-size",
+    "grad_checkpointing": "--grad-checkpointing",
     "on_nonfinite": "--on-nonfinite",
 }
 _FLAG_SET_WHEN = {"gutenberg_strip": False}  # flags that store False when given (--no-...)
@@ -226,8 +256,10 @@ def check_resume_unchanged(stored: dict, given: dict) -> None:
         if name not in stored or name not in given:
             continue
         if _comparable(name, stored[name]) != _comparable(name, given[name]):
-            raise UsageError(f"{option} was {_shown(name, stored[name])} in this run, got {_shown(name, given[name])}; "
-                             f"--resume continues the run on disk ({option})")
+            raise UsageError(
+                f"{option} was {_shown(name, stored[name])} in this run, got {_shown(name, given[name])}; "
+                f"--resume continues the run on disk ({option})"
+            )
 
 
 def _comparable(name: str, value):

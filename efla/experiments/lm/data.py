@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import warnings
 
+from efla.data.text import NoTextError, check_text_files, load_token_stream, read_documents, split_train_val
+from efla.data.tokenizer import get_tokenizer, load_tokenizer
 from efla.errors import RunWarning, UsageError
 
 from .config import Sizes, TrainConfig
@@ -16,8 +18,6 @@ __all__ = ["check_text", "prepare_tokenizer", "load_data"]
 
 
 def prepare_tokenizer(cfg: TrainConfig, dist: Dist, resuming: bool, log):
-    from efla.data.text import read_documents
-    from efla.data.tokenizer import get_tokenizer, load_tokenizer
 
     have = os.path.exists(os.path.join(cfg.out, "tokenizer_config.json"))
     if not (resuming and have) and dist.main:
@@ -39,12 +39,13 @@ def prepare_tokenizer(cfg: TrainConfig, dist: Dist, resuming: bool, log):
 def _tokenizer_phase(cfg: TrainConfig) -> str:
     if cfg.tokenizer not in (None, "", "bpe"):
         return f"loading the tokenizer {cfg.tokenizer} (--tokenizer)"
-    return (f"training the tokenizer: byte-level BPE of {cfg.vocab_size:,} tokens on up to "
-            f"{cfg.tokenizer_train_chars:,} characters (--vocab-size, --tokenizer-train-chars)")
+    return (
+        f"training the tokenizer: byte-level BPE of {cfg.vocab_size:,} tokens on up to "
+        f"{cfg.tokenizer_train_chars:,} characters (--vocab-size, --tokenizer-train-chars)"
+    )
 
 
 def load_data(cfg: TrainConfig, r: Sizes, tok, eos_id: int, dist: Dist, log):
-    from efla.data.text import split_train_val
 
     cache = cfg.cache_dir or os.path.join(cfg.out, "cache")
     # rank 0 tokenizes (and fills the cache) first; the others then read the cache
@@ -59,16 +60,20 @@ def load_data(cfg: TrainConfig, r: Sizes, tok, eos_id: int, dist: Dist, log):
     if val_toks is not None:
         _check_fills_a_sequence(val_toks, r.seq_len, cfg.val_data, "--val-data")
     elif cfg.val_sequences >= len(toks) // r.seq_len:
-        raise UsageError(f"{_files_named(cfg.data)}: --val-sequences {cfg.val_sequences} would leave no training data "
-                         f"({len(toks) // r.seq_len} sequences of {r.seq_len} tokens in all) "
-                         "(--val-sequences, or more --data)")
+        raise UsageError(
+            f"{_files_named(cfg.data)}: --val-sequences {cfg.val_sequences} would leave no training data "
+            f"({len(toks) // r.seq_len} sequences of {r.seq_len} tokens in all) "
+            "(--val-sequences, or more --data)"
+        )
     return split_train_val(toks, r.seq_len, cfg.val_sequences, val_seed=1234, val_tokens=val_toks)
 
 
 def _check_fills_a_sequence(tokens, seq_len: int, paths: list, option: str) -> None:
     if len(tokens) < seq_len:
-        raise UsageError(f"{_files_named(paths)}: {len(tokens)} tokens do not fill one sequence of {seq_len} tokens "
-                         f"(--seq-len, or more {option})")
+        raise UsageError(
+            f"{_files_named(paths)}: {len(tokens)} tokens do not fill one sequence of {seq_len} tokens "
+            f"(--seq-len, or more {option})"
+        )
 
 
 def _files_named(paths: list, shown: int = 3) -> str:
@@ -76,20 +81,19 @@ def _files_named(paths: list, shown: int = 3) -> str:
 
 
 def _token_stream(cfg: TrainConfig, paths: list, option: str, tok, eos_id: int, cache: str, log):
-    from efla.data.text import NoTextError, load_token_stream
 
     def log_naming_the_files(message: str) -> None:
         log(f"{message} ({option} {_files_named(paths)})")
 
     try:
-        return load_token_stream(paths, tok, eos_id, cache, cfg.text_field, cfg.gutenberg_strip, cfg.accept_invalid_utf8,
-                                 log=log_naming_the_files)
+        return load_token_stream(
+            paths, tok, eos_id, cache, cfg.text_field, cfg.gutenberg_strip, cfg.accept_invalid_utf8, log=log_naming_the_files
+        )
     except NoTextError:
         raise UsageError(f"{_files_named(paths)}: no text to train on, every document is empty ({option})") from None
 
 
 def check_text(cfg: TrainConfig, dist: Dist, log) -> None:
-    from efla.data.text import check_text_files
 
     def warn(message: str) -> None:
         if dist.main:

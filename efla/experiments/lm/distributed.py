@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Dist", "init_dist", "unwrap", "full_model_state", "full_optim_state", "peak_memory_per_gpu",
-           "main_ddp_cleanup"]
+__all__ = ["Dist", "init_dist", "unwrap", "full_model_state", "full_optim_state", "peak_memory_per_gpu", "main_ddp_cleanup"]
 
 
 @dataclass
@@ -52,8 +51,12 @@ def init_dist(device_kind: str) -> Dist:
         return Dist()
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo")
-    return Dist(rank=torch.distributed.get_rank(), world=torch.distributed.get_world_size(),
-                 local_rank=int(os.environ.get("LOCAL_RANK", "0")), enabled=True)
+    return Dist(
+        rank=torch.distributed.get_rank(),
+        world=torch.distributed.get_world_size(),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        enabled=True,
+    )
 
 
 def unwrap(model):
@@ -62,7 +65,7 @@ def unwrap(model):
 
 def full_model_state(model, fsdp: bool) -> dict:
     if fsdp:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415 (lazy: torch.distributed's checkpoint code only for sharded runs)
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {k: v.detach().to("cpu") for k, v in unwrap(model).state_dict().items()}
@@ -70,13 +73,12 @@ def full_model_state(model, fsdp: bool) -> dict:
 
 def full_optim_state(model, optimizer, fsdp: bool) -> dict:
     if fsdp:
-        from torch.distributed.checkpoint.state_dict import (
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415 (lazy: torch.distributed's checkpoint code only for sharded runs)
             StateDictOptions,
             get_optimizer_state_dict,
         )
 
-        return get_optimizer_state_dict(model, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return optimizer.state_dict()
 
 
@@ -84,7 +86,7 @@ def peak_memory_per_gpu(device: torch.device, dist) -> list[float] | None:
     """Each rank's peak allocated GPU memory (GiB) over the training steps; ``None`` off the GPU."""
     if device.type != "cuda":
         return None
-    mine = torch.tensor([torch.cuda.max_memory_allocated(device) / 2 ** 30], device=device, dtype=torch.float64)
+    mine = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device, dtype=torch.float64)
     if not dist.enabled:
         return [float(mine)]
     every = [torch.zeros_like(mine) for _ in range(dist.world)]

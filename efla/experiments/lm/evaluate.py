@@ -34,6 +34,7 @@ import json
 import math
 import os
 import re
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -63,7 +64,6 @@ __all__ = [
 LN2 = math.log(2.0)
 
 
-
 # ----------------------------------------------------------------------------- data and models
 
 
@@ -89,8 +89,9 @@ def check_model_dir(path: str, option: str = "--model") -> None:
 
 def load_model(path: str, device: str = "cpu", dtype: str = "float32"):
     """``(model, tokenizer)`` from a saved model directory (``import efla`` registers the model type)."""
-    import efla  # noqa: F401
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 (lazy: transformers' auto classes only for a saved model)
+
+    import efla  # noqa: F401, PLC0415
 
     torch_dtype = _torch_dtype(dtype)
     tok = AutoTokenizer.from_pretrained(path)
@@ -99,8 +100,14 @@ def load_model(path: str, device: str = "cpu", dtype: str = "float32"):
 
 
 def _torch_dtype(dtype: str) -> torch.dtype:
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in table:
         raise ValueError(f"dtype: expected one of {', '.join(table)}, got {dtype!r}")
     return table[dtype]
@@ -163,13 +170,27 @@ def model_info(model, path: str | None = None) -> dict:
             ts = json.load(f)
         training = {k: ts.get(k) for k in ("steps", "tokens", "final_loss", "val_loss")}
     return dict(
-        path=os.path.abspath(path) if path else None, name=os.path.basename(os.path.normpath(path)) if path else None,
+        path=os.path.abspath(path) if path else None,
+        name=os.path.basename(os.path.normpath(path)) if path else None,
         training=training,
-        variant=variant, label=label(variant, variant), seed=seed,
+        variant=variant,
+        label=label(variant, variant),
+        seed=seed,
         parameters=sum(p.numel() for p in model.parameters()),
-        config={k: getattr(cfg, k, None) for k in ("model_type", "update_rule", "gated", "vocab_size", "hidden_size",
-                                                    "num_hidden_layers", "num_heads", "head_dim",
-                                                    "max_position_embeddings")},
+        config={
+            k: getattr(cfg, k, None)
+            for k in (
+                "model_type",
+                "update_rule",
+                "gated",
+                "vocab_size",
+                "hidden_size",
+                "num_hidden_layers",
+                "num_heads",
+                "head_dim",
+                "max_position_embeddings",
+            )
+        },
     )
 
 
@@ -189,8 +210,10 @@ def sliding_windows(n: int, context: int, stride: int) -> list[tuple[int, int, i
     if not isinstance(context, int) or context < 2:
         raise ValueError(f"context: expected an int >= 2, got {context!r}")
     if not isinstance(stride, int) or not 1 <= stride < context:
-        raise ValueError(f"stride: expected an int with 1 <= stride < context ({context}), got {stride!r} "
-                         "(each window needs at least one token of context before the tokens it scores)")
+        raise ValueError(
+            f"stride: expected an int with 1 <= stride < context ({context}), got {stride!r} "
+            "(each window needs at least one token of context before the tokens it scores)"
+        )
     if n < 2:
         return []
     end = min(context, n)
@@ -202,8 +225,7 @@ def sliding_windows(n: int, context: int, stride: int) -> list[tuple[int, int, i
 
 
 @torch.no_grad()
-def score_windows(model, ids: torch.Tensor, windows, batch_size: int = 8, device: str = "cpu",
-                  progress=None) -> torch.Tensor:
+def score_windows(model, ids: torch.Tensor, windows, batch_size: int = 8, device: str = "cpu", progress=None) -> torch.Tensor:
     """Negative log-likelihood (float64) of every target: ``nll[t]`` for ``t`` scored by ``windows``
     (``nan`` where nothing scored it, e.g. ``t = 0``)."""
     nll = torch.full((ids.numel(),), float("nan"), dtype=torch.float64)
@@ -211,7 +233,7 @@ def score_windows(model, ids: torch.Tensor, windows, batch_size: int = 8, device
     # windows of one length go in one batch (all are `context` long, except a short text's single window)
     order = sorted(range(len(windows)), key=lambda i: windows[i][1] - windows[i][0])
     for i0 in range(0, len(order), batch_size):
-        group = [windows[i] for i in order[i0:i0 + batch_size]]
+        group = [windows[i] for i in order[i0 : i0 + batch_size]]
         by_len: dict[int, list] = {}
         for w in group:
             by_len.setdefault(w[1] - w[0], []).append(w)
@@ -221,16 +243,26 @@ def score_windows(model, ids: torch.Tensor, windows, batch_size: int = 8, device
             logits = model(input_ids=x, use_cache=False, logits_to_keep=keep).logits.float()
             for j, (_, e, f) in enumerate(ws):
                 k = e - f
-                lg = logits[j, keep - k - 1: keep - 1]
+                lg = logits[j, keep - k - 1 : keep - 1]
                 nll[f:e] = F.cross_entropy(lg, ids[f:e].to(lg.device), reduction="none").double().cpu()
         if progress:
             progress(len(group))
     return nll
 
 
-def evaluate_wikitext(model, tokenizer, text: str, context: int = 1024, stride: int | None = None,
-                      batch_size: int = 8, device: str = "cpu", prefix: str = "auto", max_tokens: int | None = None,
-                      progress_factory=None, return_nll: bool = False) -> dict:
+def evaluate_wikitext(
+    model,
+    tokenizer,
+    text: str,
+    context: int = 1024,
+    stride: int | None = None,
+    batch_size: int = 8,
+    device: str = "cpu",
+    prefix: str = "auto",
+    max_tokens: int | None = None,
+    progress_factory=None,
+    return_nll: bool = False,
+) -> dict:
     """Token-level perplexity, word-level perplexity and bits per byte of ``text`` (see module doc).
 
     ``max_tokens`` keeps only the first tokens of the text (a quick check; the word and byte
@@ -247,8 +279,7 @@ def evaluate_wikitext(model, tokenizer, text: str, context: int = 1024, stride: 
     seq = torch.tensor(full, dtype=torch.long)
     windows = sliding_windows(len(full), context, stride)
     bar = progress_factory(len(windows), "wikitext") if progress_factory else None
-    nll = score_windows(model, seq, windows, batch_size=batch_size, device=device,
-                        progress=bar.update if bar else None)
+    nll = score_windows(model, seq, windows, batch_size=batch_size, device=device, progress=bar.update if bar else None)
     if bar:
         bar.close()
     scored = nll[1:]
@@ -261,11 +292,21 @@ def evaluate_wikitext(model, tokenizer, text: str, context: int = 1024, stride: 
     n_words = len(scored_text.split())
     n_bytes = len(scored_text.encode("utf-8"))
     out = dict(
-        tokens=len(ids), scored_tokens=n_tok, words=n_words, bytes=n_bytes, nll_sum=total,
-        token_perplexity=math.exp(total / n_tok), word_perplexity=math.exp(total / max(n_words, 1)),
+        tokens=len(ids),
+        scored_tokens=n_tok,
+        words=n_words,
+        bytes=n_bytes,
+        nll_sum=total,
+        token_perplexity=math.exp(total / n_tok),
+        word_perplexity=math.exp(total / max(n_words, 1)),
         bits_per_byte=total / (LN2 * max(n_bytes, 1)),
-        context=context, stride=stride, windows=len(windows), prefix_token_id=pid, first_token_scored=pid is not None,
-        truncated_to_tokens=max_tokens if truncated else None, seconds=time.perf_counter() - t0,
+        context=context,
+        stride=stride,
+        windows=len(windows),
+        prefix_token_id=pid,
+        first_token_scored=pid is not None,
+        truncated_to_tokens=max_tokens if truncated else None,
+        seconds=time.perf_counter() - t0,
     )
     if return_nll:
         out["nll"] = scored.tolist()
@@ -292,12 +333,13 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
         context, continuation = context[:-n_sp], context[-n_sp:] + continuation
     whole = _encode(tokenizer, context + continuation)
     ctx = _encode(tokenizer, context)
-    return ctx, whole[len(ctx):]
+    return ctx, whole[len(ctx) :]
 
 
 @torch.no_grad()
-def evaluate_lambada(model, tokenizer, texts: list[str], max_length: int = 1024, batch_size: int = 16,
-                     device: str = "cpu", progress_factory=None) -> dict:
+def evaluate_lambada(
+    model, tokenizer, texts: list[str], max_length: int = 1024, batch_size: int = 16, device: str = "cpu", progress_factory=None
+) -> dict:
     """Last-word accuracy and perplexity over ``texts`` (see module doc). Sequences longer than
     ``max_length`` tokens keep their last ``max_length``; batches are right-padded (causal model:
     padding after a sequence never changes its scores)."""
@@ -307,29 +349,28 @@ def evaluate_lambada(model, tokenizer, texts: list[str], max_length: int = 1024,
         ctx, cont = encode_pair(tokenizer, *lambada_split(text))
         if not cont:
             raise ValueError(f"passage {i}: the last word encodes to no tokens")
-        whole = (ctx + cont)[-(max_length + 1):]
+        whole = (ctx + cont)[-(max_length + 1) :]
         items.append((i, whole[:-1], cont))  # input: all but the last token
     examples: list[dict | None] = [None] * len(items)
     order = sorted(range(len(items)), key=lambda j: -len(items[j][1]))
     bar = progress_factory(len(items), "lambada") if progress_factory else None
     for j0 in range(0, len(order), batch_size):
-        batch = [items[j] for j in order[j0:j0 + batch_size]]
+        batch = [items[j] for j in order[j0 : j0 + batch_size]]
         L = max(len(inp) for _, inp, _ in batch)
         x = torch.zeros(len(batch), L, dtype=torch.long)
         for r, (_, inp, _) in enumerate(batch):
-            x[r, :len(inp)] = torch.tensor(inp)
+            x[r, : len(inp)] = torch.tensor(inp)
         # only the last `keep` positions are needed: those predicting each passage's continuation
         keep = min(L, max(L - len(inp) + len(cont) for _, inp, cont in batch))
         logits = model(input_ids=x.to(device), use_cache=False, logits_to_keep=keep).logits.float()
         for r, (i, inp, cont) in enumerate(batch):
             k = len(cont)
             start = len(inp) - k - (L - keep)
-            lg = logits[r, start: start + k]
+            lg = logits[r, start : start + k]
             tgt = torch.tensor(cont, device=lg.device)
             lp = torch.log_softmax(lg, -1).gather(-1, tgt[:, None])[:, 0]
             greedy = lg.argmax(-1)
-            examples[i] = dict(index=i, logprob=float(lp.double().sum()), n_tokens=k,
-                               correct=bool((greedy == tgt).all()))
+            examples[i] = dict(index=i, logprob=float(lp.double().sum()), n_tokens=k, correct=bool((greedy == tgt).all()))
         if bar:
             bar.update(len(batch))
     if bar:
@@ -338,10 +379,15 @@ def evaluate_lambada(model, tokenizer, texts: list[str], max_length: int = 1024,
     acc = sum(e["correct"] for e in examples) / n
     mean_lp = sum(e["logprob"] for e in examples) / n
     return dict(
-        n=n, accuracy=acc, accuracy_stderr=math.sqrt(acc * (1 - acc) / (n - 1)) if n > 1 else float("nan"),
-        perplexity=math.exp(-mean_lp), mean_logprob=mean_lp,
-        mean_target_tokens=sum(e["n_tokens"] for e in examples) / n, max_length=max_length,
-        seconds=time.perf_counter() - t0, examples=examples,
+        n=n,
+        accuracy=acc,
+        accuracy_stderr=math.sqrt(acc * (1 - acc) / (n - 1)) if n > 1 else float("nan"),
+        perplexity=math.exp(-mean_lp),
+        mean_logprob=mean_lp,
+        mean_target_tokens=sum(e["n_tokens"] for e in examples) / n,
+        max_length=max_length,
+        seconds=time.perf_counter() - t0,
+        examples=examples,
     )
 
 
@@ -386,9 +432,17 @@ def write_lambada_task(jsonl_path: str, out_dir: str, task_name: str = "lambada_
     return out_dir
 
 
-def harness_evaluate(model, tokenizer, tasks: list[str], include_path: str | None = None, limit: int | None = None,
-                     batch_size: int = 8, max_length: int | None = None, num_fewshot: int | None = None,
-                     device: str = "cpu") -> dict:
+def harness_evaluate(
+    model,
+    tokenizer,
+    tasks: list[str],
+    include_path: str | None = None,
+    limit: int | None = None,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    num_fewshot: int | None = None,
+    device: str = "cpu",
+) -> dict:
     """Run lm-eval's ``simple_evaluate`` on ``tasks`` with an ``HFLM`` wrapping ``model`` and
     ``tokenizer`` (instances, not paths). ``include_path``: a folder of extra task YAMLs.
     Returns ``{task: {metric: value}}`` (lm-eval's ``results`` with ``",none"`` filter suffixes removed)."""
@@ -399,12 +453,23 @@ def harness_evaluate(model, tokenizer, tasks: list[str], include_path: str | Non
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length, device=device)
     tm = TaskManager(include_path=include_path) if include_path else TaskManager()
-    res = simple_evaluate(model=lm, tasks=list(tasks), task_manager=tm, limit=limit, num_fewshot=num_fewshot,
-                          bootstrap_iters=0, log_samples=False, verbosity="WARNING")
+    res = simple_evaluate(
+        model=lm,
+        tasks=list(tasks),
+        task_manager=tm,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        bootstrap_iters=0,
+        log_samples=False,
+        verbosity="WARNING",
+    )
     out = {}
     for task, metrics in (res or {}).get("results", {}).items():
-        out[task] = {k.split(",")[0]: v for k, v in metrics.items()
-                     if k != "alias" and isinstance(v, (int, float)) and not k.startswith("sample")}
+        out[task] = {
+            k.split(",")[0]: v
+            for k, v in metrics.items()
+            if k != "alias" and isinstance(v, (int, float)) and not k.startswith("sample")
+        }
     return out
 
 
@@ -444,30 +509,53 @@ def evaluate_model(path: str, opts: EvalOptions, progress_factory=None, model=No
     rec["options"]["harness"] = list(opts.harness) if opts.harness else None
     if opts.wikitext:
         text, source = load_text(opts.wikitext)
-        w = evaluate_wikitext(model, tokenizer, text, context=context, stride=opts.stride, batch_size=opts.batch_size,
-                              device=opts.device, prefix=opts.prefix, max_tokens=opts.wikitext_max_tokens,
-                              progress_factory=progress_factory)
+        w = evaluate_wikitext(
+            model,
+            tokenizer,
+            text,
+            context=context,
+            stride=opts.stride,
+            batch_size=opts.batch_size,
+            device=opts.device,
+            prefix=opts.prefix,
+            max_tokens=opts.wikitext_max_tokens,
+            progress_factory=progress_factory,
+        )
         rec["wikitext"] = dict(w, source=source)
     if opts.lambada:
         texts = load_lambada(opts.lambada, opts.limit)
-        lam = evaluate_lambada(model, tokenizer, texts, max_length=context, batch_size=opts.batch_size * 2,
-                               device=opts.device, progress_factory=progress_factory)
+        lam = evaluate_lambada(
+            model,
+            tokenizer,
+            texts,
+            max_length=context,
+            batch_size=opts.batch_size * 2,
+            device=opts.device,
+            progress_factory=progress_factory,
+        )
         lam.pop("examples")
-        rec["lambada"] = dict(lam, source=os.path.abspath(opts.lambada), limit=opts.limit,
-                              passages_in_file=_count_lines(opts.lambada))
+        rec["lambada"] = dict(
+            lam, source=os.path.abspath(opts.lambada), limit=opts.limit, passages_in_file=_count_lines(opts.lambada)
+        )
     if opts.harness:
         include = opts.harness_include
         tasks = list(opts.harness)
         if "lambada_openai_local" in tasks and not include:
             if not opts.lambada:
                 raise ValueError("--harness lambada_openai_local needs --lambada FILE")
-            import tempfile
 
             include = write_lambada_task(opts.lambada, tempfile.mkdtemp(prefix="efla-lm-eval-"))
-        rec["harness"] = harness_evaluate(model, tokenizer, tasks, include_path=include,
-                                          limit=opts.harness_limit if opts.harness_limit is not None else opts.limit,
-                                          batch_size=opts.batch_size, max_length=context,
-                                          num_fewshot=opts.num_fewshot, device=opts.device)
+        rec["harness"] = harness_evaluate(
+            model,
+            tokenizer,
+            tasks,
+            include_path=include,
+            limit=opts.harness_limit if opts.harness_limit is not None else opts.limit,
+            batch_size=opts.batch_size,
+            max_length=context,
+            num_fewshot=opts.num_fewshot,
+            device=opts.device,
+        )
     rec["seconds"] = time.perf_counter() - t0
     return rec
 
@@ -488,8 +576,9 @@ def write_text(path: str, text: str) -> None:
 def _lm_eval_cli() -> None:  # pragma: no cover - thin wrapper
     """lm-eval's command line with the ``efla`` model type registered (``import efla``)."""
     _require_lm_eval()
-    import efla  # noqa: F401
     from lm_eval.__main__ import cli_evaluate
+
+    import efla  # noqa: F401, PLC0415
 
     cli_evaluate()
 

@@ -29,9 +29,13 @@ def _smooth(xs: list[float], window: int) -> list[float]:
 
 
 # (key in a run's row, section of eval.json, field): what `efla eval` measured, when it ran
-EVAL_FIELDS = (("wikitext_word_ppl", "wikitext", "word_perplexity"), ("wikitext_bpb", "wikitext", "bits_per_byte"),
-               ("wikitext_token_ppl", "wikitext", "token_perplexity"), ("lambada_acc", "lambada", "accuracy"),
-               ("lambada_ppl", "lambada", "perplexity"))
+EVAL_FIELDS = (
+    ("wikitext_word_ppl", "wikitext", "word_perplexity"),
+    ("wikitext_bpb", "wikitext", "bits_per_byte"),
+    ("wikitext_token_ppl", "wikitext", "token_perplexity"),
+    ("lambada_acc", "lambada", "accuracy"),
+    ("lambada_ppl", "lambada", "perplexity"),
+)
 
 
 def eval_numbers(ev: dict | None) -> dict:
@@ -66,10 +70,14 @@ def stored_run(run_dir: str) -> dict | None:
     summary = _read_json(os.path.join(run_dir, "train_summary.json"))
     if summary is None:
         return None
-    return dict(run=os.path.basename(os.path.normpath(run_dir)), train_summary=summary,
-                train_args=_read_json(os.path.join(run_dir, "train_args.json")),
-                config=_read_json(os.path.join(run_dir, "config.json")),
-                eval=_read_json(os.path.join(run_dir, "eval", "eval.json")), log=read_log(run_dir))
+    return dict(
+        run=os.path.basename(os.path.normpath(run_dir)),
+        train_summary=summary,
+        train_args=_read_json(os.path.join(run_dir, "train_args.json")),
+        config=_read_json(os.path.join(run_dir, "config.json")),
+        eval=_read_json(os.path.join(run_dir, "eval", "eval.json")),
+        log=read_log(run_dir),
+    )
 
 
 def _stored_runs(source: str) -> list[dict]:
@@ -93,12 +101,28 @@ def collect_runs(sources: list[str], tail: int = 20) -> list[dict]:
         val = [(e["step"], e["tokens"], e["val_loss"]) for e in log if "val_loss" in e]
         last = [c[2] for c in curve[-tail:]]
         tokens_per_s, train_seconds = _rate_and_seconds(summ, args, log)
-        rows.append(dict(run=record["run"], dir=record["dir"], variant=summ["variant"], seed=args["seed"],
-                         preset=args.get("preset"), config=args.get("config_file"), steps=summ["steps"], tokens=summ["tokens"],
-                         n_params=summ["n_params"], final_loss=sum(last) / len(last) if last else None,
-                         val_loss=summ["val_loss"], tokens_per_s=tokens_per_s, threads=summ.get("threads"),
-                         train_seconds=train_seconds, resolved=args.get("resolved", {}),
-                         curve=curve, val_curve=val, **eval_numbers(record["eval"])))
+        rows.append(
+            dict(
+                run=record["run"],
+                dir=record["dir"],
+                variant=summ["variant"],
+                seed=args["seed"],
+                preset=args.get("preset"),
+                config=args.get("config_file"),
+                steps=summ["steps"],
+                tokens=summ["tokens"],
+                n_params=summ["n_params"],
+                final_loss=sum(last) / len(last) if last else None,
+                val_loss=summ["val_loss"],
+                tokens_per_s=tokens_per_s,
+                threads=summ.get("threads"),
+                train_seconds=train_seconds,
+                resolved=args.get("resolved", {}),
+                curve=curve,
+                val_curve=val,
+                **eval_numbers(record["eval"]),
+            )
+        )
     return rows
 
 
@@ -131,13 +155,19 @@ def plot_loss_curves(rows: list[dict], title: str, path: str) -> None:
     for r in rows:
         toks = [t / 1e6 for _, t, _ in r["curve"]]
         lab = f"{label(r['variant'])} (seed {r['seed']})"
-        axes[0].plot(toks, _smooth([x for _, _, x in r["curve"]], 20), color=colour(r["variant"]),
-                     lw=1.0, alpha=0.8, label=lab)
-        axes[1].plot([t / 1e6 for _, t, _ in r["val_curve"]], [x for _, _, x in r["val_curve"]], marker=".",
-                     color=colour(r["variant"]), lw=1.0, alpha=0.8, label=lab)
+        axes[0].plot(toks, _smooth([x for _, _, x in r["curve"]], 20), color=colour(r["variant"]), lw=1.0, alpha=0.8, label=lab)
+        axes[1].plot(
+            [t / 1e6 for _, t, _ in r["val_curve"]],
+            [x for _, _, x in r["val_curve"]],
+            marker=".",
+            color=colour(r["variant"]),
+            lw=1.0,
+            alpha=0.8,
+            label=lab,
+        )
     axes[0].set(xlabel="training tokens (M)", ylabel="training loss (20-step moving average)", title="training loss")
     axes[1].set(xlabel="training tokens (M)", ylabel="validation loss (held-out sequences)", title="validation loss")
-    lo = min(min(x for _, _, x in r["curve"][len(r["curve"]) // 4:]) for r in rows)
+    lo = min(min(x for _, _, x in r["curve"][len(r["curve"]) // 4 :]) for r in rows)
     axes[0].set_ylim(lo - 0.1, lo + 2.5)
     vlo = min(min((x for _, _, x in r["val_curve"]), default=lo) for r in rows)
     axes[1].set_ylim(vlo - 0.1, vlo + 2.5)
@@ -185,8 +215,15 @@ def variants_table(rows: list[dict]) -> harness.Table:
     tokens/s, and (where the runs were evaluated) WikiText word perplexity, bits per byte and
     LAMBADA accuracy and perplexity."""
     evals = _has_eval(rows)
-    columns = ["model", "seeds", "parameters", "final train loss (mean of last 20 steps)", "final validation loss",
-               "validation ppl", "tokens/s per run (as run, see below)"]
+    columns = [
+        "model",
+        "seeds",
+        "parameters",
+        "final train loss (mean of last 20 steps)",
+        "final validation loss",
+        "validation ppl",
+        "tokens/s per run (as run, see below)",
+    ]
     if evals:
         columns += ["WikiText word ppl", "WikiText bits/byte", "LAMBADA acc", "LAMBADA ppl"]
     table = harness.Table(title="Language modelling by variant", columns=columns, right=set(range(2, len(columns))))
@@ -194,14 +231,22 @@ def variants_table(rows: list[dict]) -> harness.Table:
         seeds = _several_seeds(rs)
         vl = [r["val_loss"] for r in rs if r["val_loss"] is not None]
         tps = [r["tokens_per_s"] for r in rs if r["tokens_per_s"]]
-        cells = [label(v), ", ".join(str(r["seed"]) for r in rs), _params(rs),
-                 _mean_spread([r["final_loss"] for r in rs], seeds), _mean_spread(vl, seeds),
-                 _mean_spread([math.exp(x) for x in vl], seeds, ".1f"), f"{statistics.mean(tps):,.0f}" if tps else "n/a"]
+        cells = [
+            label(v),
+            ", ".join(str(r["seed"]) for r in rs),
+            _params(rs),
+            _mean_spread([r["final_loss"] for r in rs], seeds),
+            _mean_spread(vl, seeds),
+            _mean_spread([math.exp(x) for x in vl], seeds, ".1f"),
+            f"{statistics.mean(tps):,.0f}" if tps else "n/a",
+        ]
         if evals:
-            cells += [_mean_spread([r.get("wikitext_word_ppl") for r in rs], seeds, ".1f"),
-                      _mean_spread([r.get("wikitext_bpb") for r in rs], seeds, ".4f"),
-                      _mean_spread([r.get("lambada_acc") for r in rs], seeds, ".4f"),
-                      _mean_spread([r.get("lambada_ppl") for r in rs], seeds, ".1f")]
+            cells += [
+                _mean_spread([r.get("wikitext_word_ppl") for r in rs], seeds, ".1f"),
+                _mean_spread([r.get("wikitext_bpb") for r in rs], seeds, ".4f"),
+                _mean_spread([r.get("lambada_acc") for r in rs], seeds, ".4f"),
+                _mean_spread([r.get("lambada_ppl") for r in rs], seeds, ".1f"),
+            ]
         table.add_row(*cells)
     return table
 
@@ -212,12 +257,22 @@ def runs_table(rows: list[dict]) -> harness.Table:
     columns += ["WikiText word ppl", "bits/byte", "LAMBADA acc"] if evals else []
     table = harness.Table(title="Runs", columns=columns, right=set(range(1, len(columns))))
     for r in rows:
-        cells = [r["run"], str(r["seed"]), str(r["steps"]), f"{r['tokens']:,}", f"{r['final_loss']:.4f}",
-                 _fmt(r["val_loss"], ".4f"), _fmt(r["tokens_per_s"], ",.0f"),
-                 _fmt(r["train_seconds"], ".0f")]
+        cells = [
+            r["run"],
+            str(r["seed"]),
+            str(r["steps"]),
+            f"{r['tokens']:,}",
+            f"{r['final_loss']:.4f}",
+            _fmt(r["val_loss"], ".4f"),
+            _fmt(r["tokens_per_s"], ",.0f"),
+            _fmt(r["train_seconds"], ".0f"),
+        ]
         if evals:
-            cells += [_fmt(r.get("wikitext_word_ppl"), ".1f"), _fmt(r.get("wikitext_bpb"), ".4f"),
-                      _fmt(r.get("lambada_acc"), ".4f")]
+            cells += [
+                _fmt(r.get("wikitext_word_ppl"), ".1f"),
+                _fmt(r.get("wikitext_bpb"), ".4f"),
+                _fmt(r.get("lambada_acc"), ".4f"),
+            ]
         table.add_row(*cells)
     return table
 
@@ -238,10 +293,14 @@ def _eval_note(rows: list[dict]) -> list[str]:
         return []
     limits = sorted({lim for r in rows for lim in r.get("eval_limits", [])})
     contexts = sorted({r.get("eval_context") for r in rows if r.get("eval_context")})
-    return ["", "WikiText and LAMBADA: `efla eval` of each run's final model (`<run>/eval/eval.json`; "
-            "word perplexity and bits per byte over the raw test text, as lm-evaluation-harness scores them"
-            + (f"; context {', '.join(map(str, contexts))} tokens" if contexts else "")
-            + (f"; {'; '.join(limits)}" if limits else "") + ")."]
+    return [
+        "",
+        "WikiText and LAMBADA: `efla eval` of each run's final model (`<run>/eval/eval.json`; "
+        "word perplexity and bits per byte over the raw test text, as lm-evaluation-harness scores them"
+        + (f"; context {', '.join(map(str, contexts))} tokens" if contexts else "")
+        + (f"; {'; '.join(limits)}" if limits else "")
+        + ").",
+    ]
 
 
 def _run_length(rows: list[dict]) -> str:
@@ -265,8 +324,10 @@ def _spread_note(rows: list[dict]) -> str:
     single = [label(v) for v, rs in groups if not _several_seeds(rs)]
     parts = []
     if several:
-        parts.append(f"{', '.join(several)}: mean ± sample standard deviation over seeds (model initialisation; the "
-                     "data order is the same for every run)")
+        parts.append(
+            f"{', '.join(several)}: mean ± sample standard deviation over seeds (model initialisation; the "
+            "data order is the same for every run)"
+        )
     if single:
         parts.append(f"{', '.join(single)}: one seed, no spread (the mean where several runs share it)")
     return "; ".join(parts) + "."
@@ -274,12 +335,19 @@ def _spread_note(rows: list[dict]) -> str:
 
 def summary_markdown(rows: list[dict], title: str, notes: str, command_line: str) -> str:
     sources = sorted({_model_source(r) for r in rows})
-    lines = [f"# {title}", "",
-             f"{len(rows)} runs; each: {' or '.join(sources)} (parameters with this vocabulary: see the table)"
-             f"{_run_length(rows)} ({_shapes(rows)}).", "",
-             *variants_table(rows).markdown(), "",
-             f"{_spread_note(rows)} Per-run numbers: `lm_losses.json` / `lm_losses.csv`; curves: `lm_loss_curves.png`.",
-             *_eval_note(rows), "", *runs_table(rows).markdown()]
+    lines = [
+        f"# {title}",
+        "",
+        f"{len(rows)} runs; each: {' or '.join(sources)} (parameters with this vocabulary: see the table)"
+        f"{_run_length(rows)} ({_shapes(rows)}).",
+        "",
+        *variants_table(rows).markdown(),
+        "",
+        f"{_spread_note(rows)} Per-run numbers: `lm_losses.json` / `lm_losses.csv`; curves: `lm_loss_curves.png`.",
+        *_eval_note(rows),
+        "",
+        *runs_table(rows).markdown(),
+    ]
     if notes:
         lines += ["", notes.rstrip()]
     if command_line:
@@ -287,8 +355,9 @@ def summary_markdown(rows: list[dict], title: str, notes: str, command_line: str
     return "\n".join(lines) + "\n"
 
 
-def write_lm_report(run_dirs: list[str], out: str, title: str = "Language modelling", notes: str = "",
-                    command_line: str = "") -> list[str]:
+def write_lm_report(
+    run_dirs: list[str], out: str, title: str = "Language modelling", notes: str = "", command_line: str = ""
+) -> list[str]:
     """``lm_losses.json``, ``lm_losses.csv``, ``lm_loss_curves.png`` and ``summary.md`` for runs of
     :func:`efla.experiments.lm.train.train` (grouped by variant; mean and spread over seeds).
     Returns the paths written."""
@@ -296,12 +365,13 @@ def write_lm_report(run_dirs: list[str], out: str, title: str = "Language modell
     if not rows:
         raise ValueError("runs: none of them has finished (no train_summary.json)")
     os.makedirs(out, exist_ok=True)
-    files = {name: os.path.join(out, name) for name in ("lm_losses.json", "lm_losses.csv", "lm_loss_curves.png",
-                                                       "summary.md")}
-    harness.atomic_write_json(files["lm_losses.json"], dict(title=title, runs=rows,
-                                                            versions=harness.versions("transformers")), indent=2)
-    harness.atomic_write_csv(files["lm_losses.csv"], ["run", "variant", "seed", "step", "tokens", "train_loss",
-                                                      "val_loss"], _csv_rows(rows))
+    files = {name: os.path.join(out, name) for name in ("lm_losses.json", "lm_losses.csv", "lm_loss_curves.png", "summary.md")}
+    harness.atomic_write_json(
+        files["lm_losses.json"], dict(title=title, runs=rows, versions=harness.versions("transformers")), indent=2
+    )
+    harness.atomic_write_csv(
+        files["lm_losses.csv"], ["run", "variant", "seed", "step", "tokens", "train_loss", "val_loss"], _csv_rows(rows)
+    )
     plot_loss_curves(rows, title, files["lm_loss_curves.png"])
     harness.atomic_write(files["summary.md"], summary_markdown(rows, title, notes, command_line))
     return list(files.values())

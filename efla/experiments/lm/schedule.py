@@ -33,8 +33,16 @@ def scheduled_lr(step: int, schedule: dict) -> float:
     return lr_at(step, schedule["planned_steps"], schedule["warmup"], schedule["lr"], schedule["min_lr"])
 
 
-_OPTION_OF = {"planned_steps": "--max-steps", "warmup": "--warmup-steps", "lr": "--lr", "min_lr": "--min-lr",
-              "weight_decay": "--weight-decay", "betas": "betas", "eps": "eps", "grad_clip": "--grad-clip"}
+_OPTION_OF = {
+    "planned_steps": "--max-steps",
+    "warmup": "--warmup-steps",
+    "lr": "--lr",
+    "min_lr": "--min-lr",
+    "weight_decay": "--weight-decay",
+    "betas": "betas",
+    "eps": "eps",
+    "grad_clip": "--grad-clip",
+}
 
 
 def schedule_of(cfg: TrainConfig, r: Sizes) -> dict:
@@ -78,8 +86,10 @@ def resumed_schedule(cfg: TrainConfig, r: Sizes, ckpt: str, state: dict) -> dict
         changed.remove("planned_steps")
     if changed:
         what = ", ".join(f"{_OPTION_OF[k]} {saved[k]} -> {now[k]}" for k in changed)
-        hint = ("; to train longer, pass --extend-at-min-lr (the saved schedule runs to its end, the extra steps "
-                "train at --min-lr)" if changed == ["planned_steps"] and now["planned_steps"] > saved["planned_steps"]
-                else "")
+        hint = (
+            "; to train longer, pass --extend-at-min-lr (the saved schedule runs to its end, the extra steps train at --min-lr)"
+            if changed == ["planned_steps"] and now["planned_steps"] > saved["planned_steps"]
+            else ""
+        )
         raise UsageError(f"{ckpt} was trained with other settings ({what}); a resumed run keeps them{hint} (--resume)")
     return {k: saved.get(k, now[k]) for k in ("planned_steps", "warmup", "lr", "min_lr")}

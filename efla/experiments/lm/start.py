@@ -33,12 +33,16 @@ def _choose_start(cfg: TrainConfig) -> str | None:
     if cfg.resume or cfg.resume_or_start:
         ckpt = find_resume_checkpoint(cfg.out)
         if ckpt is None and not cfg.resume_or_start:
-            raise UsageError(f"{cfg.out} has no checkpoint to resume from; pass --resume-or-start to start a new "
-                             "run when there is none (--resume)")
+            raise UsageError(
+                f"{cfg.out} has no checkpoint to resume from; pass --resume-or-start to start a new "
+                "run when there is none (--resume)"
+            )
         return ckpt
     if list_checkpoints(cfg.out) and not cfg.overwrite:
-        raise UsageError(f"{cfg.out} already has checkpoints: pass --resume to continue that run, --overwrite to "
-                         "start again, or another --out (--out)")
+        raise UsageError(
+            f"{cfg.out} already has checkpoints: pass --resume to continue that run, --overwrite to "
+            "start again, or another --out (--out)"
+        )
     return None
 
 
@@ -62,8 +66,11 @@ def claim_and_choose_start(cfg: TrainConfig, dist: Dist):
             check_out_dir(cfg.out, cfg.overwrite)
             lock = claim_run_dir(cfg.out)
             if lock.stale_holder:
-                warnings.warn(f"took over the lock of a run that is no longer running "
-                              f"(pid {lock.stale_holder.get('pid')}) in {cfg.out}", RunWarning, stacklevel=2)
+                warnings.warn(
+                    f"took over the lock of a run that is no longer running (pid {lock.stale_holder.get('pid')}) in {cfg.out}",
+                    RunWarning,
+                    stacklevel=2,
+                )
             ckpt = _choose_start(cfg)
             if ckpt is None:
                 _clear_for_fresh_start(cfg)

@@ -47,8 +47,13 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
+from efla.data.text import SequenceOrder
+from efla.data.tokenizer import tokenizer_eos_id
+from efla.distributed import setup_context_parallel
 from efla.errors import UsageError
+from efla.models import EFLAConfig, EFLAForCausalLM, get_preset_config
 
 from .. import harness
 from ..checkpoint import (
@@ -61,11 +66,8 @@ from ..checkpoint import (
     verify_checkpoint,
     write_checkpoint,
 )
-from .data import check_text, load_data, prepare_tokenizer
-from .session import Progress, Session, log_nothing
-from .start import claim_and_choose_start, clean_after_failure, refuse_a_changed_resume
-from .step import NonFiniteLossError, train_step
 from .config import SIZE_DEFAULTS, Sizes, TrainConfig, check_train_config, stored_train_args
+from .data import check_text, load_data, prepare_tokenizer
 from .distributed import (
     Dist,
     full_model_state,
@@ -82,6 +84,9 @@ from .schedule import (
     schedule_of,
     scheduled_lr,
 )
+from .session import Progress, Session, log_nothing
+from .start import claim_and_choose_start, clean_after_failure, refuse_a_changed_resume
+from .step import NonFiniteLossError, train_step
 
 __all__ = [
     "TrainConfig",
@@ -102,6 +107,7 @@ __all__ = [
 
 
 # -- model / state helpers ---------------------------------------------------------------------------
+
 
 def _param_groups(model, weight_decay: float):
     decay, no_decay = [], []
@@ -147,10 +153,13 @@ def _size_of(preset: str | None) -> str:
 
 
 def _model_config(cfg: TrainConfig, tok, eos_id: int):
-    from efla.models import EFLAConfig, get_preset_config
 
-    ids = dict(vocab_size=len(tok), eos_token_id=eos_id,
-               bos_token_id=getattr(tok, "bos_token_id", None), pad_token_id=getattr(tok, "pad_token_id", None))
+    ids = dict(
+        vocab_size=len(tok),
+        eos_token_id=eos_id,
+        bos_token_id=getattr(tok, "bos_token_id", None),
+        pad_token_id=getattr(tok, "pad_token_id", None),
+    )
     if cfg.config_file:
         with open(cfg.config_file) as f:
             d = json.load(f)
@@ -165,13 +174,13 @@ def _model_config(cfg: TrainConfig, tok, eos_id: int):
 
 # -- the loop ----------------------------------------------------------------------------------------
 
+
 def _resolve(cfg: TrainConfig, dist: Dist) -> Sizes:
     size = _size_of(cfg.preset)
     seq_len = cfg.seq_len or SIZE_DEFAULTS[size][0]
     batch_tokens = cfg.batch_tokens or SIZE_DEFAULTS[size][1]
     if batch_tokens % seq_len:
-        raise UsageError(f"{batch_tokens} tokens are not a whole number of {seq_len}-token sequences "
-                         "(--batch-tokens, --seq-len)")
+        raise UsageError(f"{batch_tokens} tokens are not a whole number of {seq_len}-token sequences (--batch-tokens, --seq-len)")
     global_seqs = batch_tokens // seq_len
     data_world = dist.world // max(1, cfg.context_parallel)  # ranks that take different sequences
     if global_seqs % data_world:
@@ -188,15 +197,24 @@ def _resolve(cfg: TrainConfig, dist: Dist) -> Sizes:
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max_steps // 8
     if cfg.on_nonfinite not in ("stop", "skip"):
         raise UsageError(f"expected 'stop' or 'skip', got {cfg.on_nonfinite!r} (--on-nonfinite)")
-    return Sizes(seq_len=seq_len, batch_tokens=batch_tokens, global_seqs=global_seqs, per_rank=per_rank,
-                 micro=mb, accum=per_rank // mb, max_steps=max_steps, warmup=warmup)
+    return Sizes(
+        seq_len=seq_len,
+        batch_tokens=batch_tokens,
+        global_seqs=global_seqs,
+        per_rank=per_rank,
+        micro=mb,
+        accum=per_rank // mb,
+        max_steps=max_steps,
+        warmup=warmup,
+    )
 
 
 STEADY_STATE_WARMUP = 5
 
 
-def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = None,
-          log: Callable[[str], None] | None = None) -> dict:
+def train(
+    cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = None, log: Callable[[str], None] | None = None
+) -> dict:
     """Train (or resume) a language model; returns the run's summary (also ``out/train_summary.json``).
 
     ``on_step_end(step, entry)`` is called on every rank after each update (and after that step's
@@ -233,8 +251,6 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
         torch.cuda.set_device(device)
     cp = None
     if cfg.context_parallel > 1:
-        from efla.distributed import setup_context_parallel
-
         cp = setup_context_parallel(cfg.context_parallel, fsdp=cfg.fsdp, grad_checkpointing=cfg.grad_checkpointing)
     r = _resolve(cfg, dist)
     log = log if (log is not None and dist.main) else log_nothing
@@ -251,8 +267,7 @@ def train(cfg: TrainConfig, on_step_end: Callable[[int, dict], None] | None = No
             lock.release()
 
 
-def _train_from(cfg: TrainConfig, dist: Dist, device, r: Sizes, ckpt: str | None, on_step_end, cp=None,
-                log=log_nothing) -> dict:
+def _train_from(cfg: TrainConfig, dist: Dist, device, r: Sizes, ckpt: str | None, on_step_end, cp=None, log=log_nothing) -> dict:
     run = Session(cfg, dist, device, r, ckpt, cp, log)
     _read_saved_schedule(run)
     _load_tokenizer_and_data(run)
@@ -277,8 +292,6 @@ def _read_saved_schedule(run: Session) -> None:
 
 
 def _load_tokenizer_and_data(run: Session) -> None:
-    from efla.data.text import SequenceOrder
-    from efla.data.tokenizer import tokenizer_eos_id
 
     run.tok = prepare_tokenizer(run.cfg, run.dist, resuming=run.ckpt is not None, log=run.log)
     run.eos_id = tokenizer_eos_id(run.tok)
@@ -286,31 +299,33 @@ def _load_tokenizer_and_data(run: Session) -> None:
     run.order = SequenceOrder(len(run.train_data), seed=run.cfg.data_seed)
     fingerprint = run.train_data.fingerprint()
     if run.saved is not None and run.saved["data"]["fingerprint"] != fingerprint:
-        raise CheckpointError(f"{run.ckpt}: the training data differs from the checkpoint's (fingerprint "
-                              f"{fingerprint} vs {run.saved['data']['fingerprint']}); resume with the same "
-                              "--data, tokenizer and --seq-len")
+        raise CheckpointError(
+            f"{run.ckpt}: the training data differs from the checkpoint's (fingerprint "
+            f"{fingerprint} vs {run.saved['data']['fingerprint']}); resume with the same "
+            "--data, tokenizer and --seq-len"
+        )
 
 
 def _build_model(run: Session) -> None:
-    from efla.models import EFLAForCausalLM
 
     cfg = run.cfg
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     run.mconf = _model_config(cfg, run.tok, run.eos_id)
-    run.log(f"building the model ({run.mconf.variant}, {run.mconf.num_hidden_layers} layers"
-            + (f", from {run.ckpt})" if run.ckpt else ")"))
+    run.log(
+        f"building the model ({run.mconf.variant}, {run.mconf.num_hidden_layers} layers"
+        + (f", from {run.ckpt})" if run.ckpt else ")")
+    )
     run.model = EFLAForCausalLM(run.mconf)
     if run.ckpt is not None:
-        from safetensors.torch import load_file
-
         try:
             run.model.load_state_dict(load_file(os.path.join(run.ckpt, "model.safetensors")))
         except RuntimeError as e:
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise CheckpointError(f"{run.ckpt}: the model differs from the checkpoint's ({first}); resume with the "
-                                  "run's --preset or --config") from None
+            raise CheckpointError(
+                f"{run.ckpt}: the model differs from the checkpoint's ({first}); resume with the run's --preset or --config"
+            ) from None
     run.model.to(run.device).train()
     if cfg.grad_checkpointing:
         run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -322,16 +337,19 @@ def _wrap_for_parallel_training(run: Session) -> None:
     if run.cfg.fsdp:
         if not run.dist.enabled:
             raise ValueError("fsdp: needs torchrun (WORLD_SIZE > 1)")
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415 (lazy: only for distributed runs)
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if run.precision == "bf16" else MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if run.precision == "bf16"
+            else MixedPrecisionPolicy()
+        )
         for block in model.model.layers:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         run.wrapped = model
     elif run.dist.enabled:
-        from torch.nn.parallel import DistributedDataParallel as DDP
+        from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415 (lazy: only for distributed runs)
 
         run.wrapped = DDP(model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
     else:
@@ -340,10 +358,8 @@ def _wrap_for_parallel_training(run: Session) -> None:
 
 def _build_optimizer(run: Session) -> None:
     cfg = run.cfg
-    run.optimizer = torch.optim.AdamW(_param_groups(run.model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
-                                      eps=cfg.eps)
-    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer,
-                                                      lambda s: scheduled_lr(s, run.schedule) / cfg.lr)
+    run.optimizer = torch.optim.AdamW(_param_groups(run.model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda s: scheduled_lr(s, run.schedule) / cfg.lr)
 
 
 def _restore_checkpoint(run: Session) -> None:
@@ -351,7 +367,7 @@ def _restore_checkpoint(run: Session) -> None:
     ckpt, state = run.ckpt, run.saved
     osd = load_checkpoint_state(os.path.join(ckpt, "optimizer.pt"))
     if run.cfg.fsdp:
-        from torch.distributed.checkpoint.state_dict import (
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415 (lazy: only for distributed runs)
             StateDictOptions,
             set_optimizer_state_dict,
         )
@@ -366,9 +382,11 @@ def _restore_checkpoint(run: Session) -> None:
     set_rng_state(rng[run.dist.rank] if len(rng) == run.dist.world else rng[0])
     run.start_step = state["step"]
     if state["data"]["position"] != run.start_step * run.r.global_seqs:
-        raise CheckpointError(f"{ckpt}: saved with {state['data']['position'] // max(1, run.start_step)} sequences "
-                              f"per step, resuming with {run.r.global_seqs}: resume with the same --batch-tokens "
-                              "and --seq-len")
+        raise CheckpointError(
+            f"{ckpt}: saved with {state['data']['position'] // max(1, run.start_step)} sequences "
+            f"per step, resuming with {run.r.global_seqs}: resume with the same --batch-tokens "
+            "and --seq-len"
+        )
     if run.dist.main:
         _truncate_log(run.cfg.out, run.start_step)
 
@@ -383,11 +401,18 @@ def _write_train_args(run: Session) -> None:
         _update_run_length(run, stored)
         return
     args = dataclasses.asdict(run.cfg)
-    args["resolved"] = dict(dataclasses.asdict(run.r), schedule=run.schedule, world_size=run.dist.world, precision=run.precision,
-                            device=str(run.device), n_params=run.n_params, vocab_size=len(run.tok),
-                            train_sequences=len(run.train_data),
-                            train_tokens_available=len(run.train_data) * run.r.seq_len,
-                            val_sequences=len(run.val_data) if run.val_data is not None else 0)
+    args["resolved"] = dict(
+        dataclasses.asdict(run.r),
+        schedule=run.schedule,
+        world_size=run.dist.world,
+        precision=run.precision,
+        device=str(run.device),
+        n_params=run.n_params,
+        vocab_size=len(run.tok),
+        train_sequences=len(run.train_data),
+        train_tokens_available=len(run.train_data) * run.r.seq_len,
+        val_sequences=len(run.val_data) if run.val_data is not None else 0,
+    )
     harness.atomic_write_json(os.path.join(run.cfg.out, "train_args.json"), args, indent=2)
 
 
@@ -395,8 +420,13 @@ def _update_run_length(run: Session, stored: dict) -> None:
     cfg = run.cfg
     if stored["resolved"].get("max_steps") == run.r.max_steps:
         return
-    stored = dict(stored, max_steps=cfg.max_steps, max_tokens=cfg.max_tokens, extend_at_min_lr=cfg.extend_at_min_lr,
-                  resolved=dict(stored["resolved"], max_steps=run.r.max_steps, schedule=run.schedule))
+    stored = dict(
+        stored,
+        max_steps=cfg.max_steps,
+        max_tokens=cfg.max_tokens,
+        extend_at_min_lr=cfg.extend_at_min_lr,
+        resolved=dict(stored["resolved"], max_steps=run.r.max_steps, schedule=run.schedule),
+    )
     harness.atomic_write_json(os.path.join(cfg.out, "train_args.json"), stored, indent=2)
 
 
@@ -409,15 +439,33 @@ def _save_checkpoint(run: Session, step: int, position: int) -> str | None:
     if run.dist.main:
         run.log(f"writing the checkpoint of step {step}")
         r, cfg = run.r, run.cfg
-        trainer_state = dict(step=step, tokens=step * r.batch_tokens, max_steps=r.max_steps,
-                             world_size=run.dist.world, schedule=run.schedule, hyperparameters=hyperparameters(cfg),
-                             data=dict(position=position, seq_len=r.seq_len, data_seed=cfg.data_seed,
-                                       n_sequences=len(run.train_data), fingerprint=run.train_data.fingerprint(),
-                                       epoch=run.order.epoch_of(position)),
-                             model_config=run.mconf.to_dict())
-        path = write_checkpoint(cfg.out, step, model_state=msd, optimizer_state=osd,
-                                scheduler_state=run.scheduler.state_dict(), rng_states=rngs,
-                                trainer_state=trainer_state, keep=cfg.keep_checkpoints)
+        trainer_state = dict(
+            step=step,
+            tokens=step * r.batch_tokens,
+            max_steps=r.max_steps,
+            world_size=run.dist.world,
+            schedule=run.schedule,
+            hyperparameters=hyperparameters(cfg),
+            data=dict(
+                position=position,
+                seq_len=r.seq_len,
+                data_seed=cfg.data_seed,
+                n_sequences=len(run.train_data),
+                fingerprint=run.train_data.fingerprint(),
+                epoch=run.order.epoch_of(position),
+            ),
+            model_config=run.mconf.to_dict(),
+        )
+        path = write_checkpoint(
+            cfg.out,
+            step,
+            model_state=msd,
+            optimizer_state=osd,
+            scheduler_state=run.scheduler.state_dict(),
+            rng_states=rngs,
+            trainer_state=trainer_state,
+            keep=cfg.keep_checkpoints,
+        )
     run.dist.barrier()
     return path
 
@@ -426,12 +474,15 @@ def _train_loop(run: Session, on_step_end) -> Progress:
     cfg, r = run.cfg, run.r
     progress = Progress(step=run.start_step, last_good=run.ckpt)
     if progress.step < r.max_steps:
-        run.log(f"training steps {progress.step + 1}-{r.max_steps}"
-                + ("; compiling GPU kernels (first step)" if run.device.type == "cuda" else ""))
+        run.log(
+            f"training steps {progress.step + 1}-{r.max_steps}"
+            + ("; compiling GPU kernels (first step)" if run.device.type == "cuda" else "")
+        )
     bar = None
     if run.dist.main and cfg.progress:
         bar = harness.progress_factory(leave=True, unit="step")(
-            r.max_steps, f"train {os.path.basename(cfg.out.rstrip('/'))}", initial=run.start_step)
+            r.max_steps, f"train {os.path.basename(cfg.out.rstrip('/'))}", initial=run.start_step
+        )
     # open for the whole loop (closed in the finally below): every logged step is appended and flushed
     log_f = open(os.path.join(cfg.out, "log.jsonl"), "a") if run.dist.main else None  # noqa: SIM115
     if run.device.type == "cuda":
@@ -486,13 +537,25 @@ def _save_final_model(run: Session, progress: Progress) -> dict:
         # a resumed process with nothing left to train measured no validation loss: the run's last one stands
         val_losses = [e["val_loss"] for e in log if "val_loss" in e]
         val_loss = progress.val_loss if progress.val_loss is not None else (val_losses[-1] if val_losses else None)
-        summary = dict(out=cfg.out, steps=step, tokens=step * r.batch_tokens, max_steps=r.max_steps,
-                       resumed_from=run.ckpt, final_loss=losses[-1] if losses else None, val_loss=val_loss,
-                       **throughput(progress.step_seconds, r.batch_tokens), peak_memory_gib_per_gpu=peak_per_gpu,
-                       train_seconds_this_process=progress.train_time,
-                       wall_seconds_this_process=time.perf_counter() - progress.started,
-                       n_params=run.n_params, world_size=dist.world, device=str(run.device), precision=run.precision,
-                       threads=torch.get_num_threads(), variant=run.mconf.variant)
+        summary = dict(
+            out=cfg.out,
+            steps=step,
+            tokens=step * r.batch_tokens,
+            max_steps=r.max_steps,
+            resumed_from=run.ckpt,
+            final_loss=losses[-1] if losses else None,
+            val_loss=val_loss,
+            **throughput(progress.step_seconds, r.batch_tokens),
+            peak_memory_gib_per_gpu=peak_per_gpu,
+            train_seconds_this_process=progress.train_time,
+            wall_seconds_this_process=time.perf_counter() - progress.started,
+            n_params=run.n_params,
+            world_size=dist.world,
+            device=str(run.device),
+            precision=run.precision,
+            threads=torch.get_num_threads(),
+            variant=run.mconf.variant,
+        )
         harness.atomic_write_json(os.path.join(cfg.out, "train_summary.json"), summary, indent=2)
         summary = dict(summary, losses=losses, log=log)
     dist.barrier()
@@ -510,10 +573,12 @@ def throughput(step_seconds: list[float], batch_tokens: int) -> dict:
     warm-up steps); ``tokens_per_s_all_steps``: the rate over every step this process ran."""
     if not step_seconds:
         return dict(tokens_per_s=None, tokens_per_s_all_steps=None, steady_state_steps=0)
-    steady = step_seconds[warmup_steps(len(step_seconds)):]
-    return dict(tokens_per_s=len(steady) * batch_tokens / sum(steady),
-                tokens_per_s_all_steps=len(step_seconds) * batch_tokens / sum(step_seconds),
-                steady_state_steps=len(steady))
+    steady = step_seconds[warmup_steps(len(step_seconds)) :]
+    return dict(
+        tokens_per_s=len(steady) * batch_tokens / sum(steady),
+        tokens_per_s_all_steps=len(step_seconds) * batch_tokens / sum(step_seconds),
+        steady_state_steps=len(steady),
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -67,8 +67,9 @@ class Mixer(nn.Module):
         variant = Variant.parse(rule)
         update = variant.update_rule
         if variant.gated:
-            self.layer = GatedEFLA(hidden_size=width, head_dim=width // num_heads, num_heads=num_heads, expand_v=1,
-                                   mode="chunk", update_rule=update)
+            self.layer = GatedEFLA(
+                hidden_size=width, head_dim=width // num_heads, num_heads=num_heads, expand_v=1, mode="chunk", update_rule=update
+            )
         else:
             self.layer = EFLA(hidden_size=width, num_heads=num_heads, mode="chunk", update_rule=update)
 
@@ -92,8 +93,16 @@ class MADModel(nn.Module):
     ``forward(input_ids [B, T]) -> logits [B, T, V]`` (auto-encoder: ``T`` = ``seq_len``).
     """
 
-    def __init__(self, vocab_size: int, seq_len: int, rule: str = "exact", width: int = 128, num_heads: int = 8,
-                 blocks: int = 2, autoencoder: bool = False):
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        rule: str = "exact",
+        width: int = 128,
+        num_heads: int = 8,
+        blocks: int = 2,
+        autoencoder: bool = False,
+    ):
         super().__init__()
         self.vocab_size, self.seq_len, self.rule, self.autoencoder = vocab_size, seq_len, rule, autoencoder
         self.embed = nn.Embedding(vocab_size, width)
@@ -104,9 +113,16 @@ class MADModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         if autoencoder:
             self.register_buffer("dec_pos", sinusoidal_positions(seq_len, width), persistent=False)
-            self.decoder = nn.Sequential(RMSNorm(width), nn.Linear(width, width), nn.GELU(),
-                                         RMSNorm(width), nn.Linear(width, width), nn.GELU(),
-                                         RMSNorm(width), nn.Linear(width, vocab_size))
+            self.decoder = nn.Sequential(
+                RMSNorm(width),
+                nn.Linear(width, width),
+                nn.GELU(),
+                RMSNorm(width),
+                nn.Linear(width, width),
+                nn.GELU(),
+                RMSNorm(width),
+                nn.Linear(width, vocab_size),
+            )
         else:
             self.norm = RMSNorm(width)
             self.head = nn.Linear(width, vocab_size)
@@ -137,12 +153,20 @@ class MADModel(nn.Module):
         return self.head(self.norm(x))
 
 
-def build_model(setting: MADSetting, rule: str, width: int = 128, num_heads: int = 8, blocks: int = 2,
-                seed: int | None = None) -> MADModel:
+def build_model(
+    setting: MADSetting, rule: str, width: int = 128, num_heads: int = 8, blocks: int = 2, seed: int | None = None
+) -> MADModel:
     if seed is not None:
         torch.manual_seed(seed)
-    return MADModel(setting.vocab_size, setting.seq_len, rule=rule, width=width, num_heads=num_heads, blocks=blocks,
-                    autoencoder=setting.task == "compression")
+    return MADModel(
+        setting.vocab_size,
+        setting.seq_len,
+        rule=rule,
+        width=width,
+        num_heads=num_heads,
+        blocks=blocks,
+        autoencoder=setting.task == "compression",
+    )
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -177,20 +201,27 @@ def batch_loss_sums(model: MADModel, xb: torch.Tensor, yb: torch.Tensor, autocas
     nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yb.reshape(-1), ignore_index=IGNORE)
     b = len(xb)
     scored = yb != IGNORE
-    return torch.stack([macro_accuracy(logits, yb, model.vocab_size) * b, torch.exp(nll.double().clamp(max=700.0)) * b,
-                        ((logits.argmax(-1) == yb) & scored).sum().double(), scored.sum().double()])
+    return torch.stack(
+        [
+            macro_accuracy(logits, yb, model.vocab_size) * b,
+            torch.exp(nll.double().clamp(max=700.0)) * b,
+            ((logits.argmax(-1) == yb) & scored).sum().double(),
+            scored.sum().double(),
+        ]
+    )
 
 
 @torch.no_grad()
-def test_sums(model: MADModel, x: torch.Tensor, y: torch.Tensor, batch_size: int = 128, autocast: bool = False,
-              batch_sums=None) -> torch.Tensor:
+def test_sums(
+    model: MADModel, x: torch.Tensor, y: torch.Tensor, batch_size: int = 128, autocast: bool = False, batch_sums=None
+) -> torch.Tensor:
     """``batch_loss_sums`` summed over the test set on the device, nothing read back (``scores`` reads
     them). ``batch_sums(xb, yb)``: ``batch_loss_sums`` of the model, or a stand-in for it (``GraphedBatches``)."""
     batch_sums = batch_sums or functools.partial(batch_loss_sums, model, autocast=autocast)
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=x.device)
     for i in range(0, len(x), batch_size):
-        sums += batch_sums(x[i:i + batch_size], y[i:i + batch_size])
+        sums += batch_sums(x[i : i + batch_size], y[i : i + batch_size])
     model.train()
     return sums
 

@@ -30,8 +30,7 @@ GRID_WDS = (0.0, 0.1)
 _TINY = {
     "in-context-recall": MADSetting("in-context-recall", 16, 32, 96, 32),
     "fuzzy-in-context-recall": MADSetting("fuzzy-in-context-recall", 16, 32, 96, 32, k_motif_size=3, v_motif_size=3),
-    "noisy-in-context-recall": MADSetting("noisy-in-context-recall", 32, 32, 96, 32, frac_noise=0.2,
-                                          noise_vocab_size=16),
+    "noisy-in-context-recall": MADSetting("noisy-in-context-recall", 32, 32, 96, 32, frac_noise=0.2, noise_vocab_size=16),
     "selective-copying": MADSetting("selective-copying", 16, 32, 96, 32, num_tokens_to_copy=4),
     "compression": MADSetting("compression", 16, 16, 96, 32),
     "memorization": MADSetting("memorization", 32, 16, 64, 32),
@@ -53,14 +52,26 @@ class Preset:
 
 
 PRESETS = {
-    "tiny": Preset("tiny", "CI smoke test: tiny settings, width 32, 2 epochs, one lr", lrs=(1e-3,), wds=(0.0,),
-                   epochs=2, batch_size=32, width=32, tiny=True),
-    "quick": Preset("quick", "baseline setting of each task, lr 1e-3, wd 0, a budget of 300 optimizer steps "
-                             "(3 epochs of the 12,800-example tasks, 150 of memorization)",
-                    lrs=(1e-3,), wds=(0.0,), max_steps=300),
+    "tiny": Preset(
+        "tiny",
+        "CI smoke test: tiny settings, width 32, 2 epochs, one lr",
+        lrs=(1e-3,),
+        wds=(0.0,),
+        epochs=2,
+        batch_size=32,
+        width=32,
+        tiny=True,
+    ),
+    "quick": Preset(
+        "quick",
+        "baseline setting of each task, lr 1e-3, wd 0, a budget of 300 optimizer steps "
+        "(3 epochs of the 12,800-example tasks, 150 of memorization)",
+        lrs=(1e-3,),
+        wds=(0.0,),
+        max_steps=300,
+    ),
     "baseline": Preset("baseline", "baseline setting of each task, full 3 lr x 2 wd grid, 200 epochs"),
-    "paper": Preset("paper", "all 66 settings of the MAD protocol, full grid, 200 epochs (396 runs per rule)",
-                    all_settings=True),
+    "paper": Preset("paper", "all 66 settings of the MAD protocol, full grid, 200 epochs (396 runs per rule)", all_settings=True),
 }
 
 
@@ -101,8 +112,10 @@ def chosen_settings(opts: MADOptions) -> list[MADSetting]:
     known = {s.id for s in every}
     unknown = [sid for sid in opts.settings if sid not in known]
     if unknown:
-        raise ValueError(f"settings: {', '.join(unknown)} not among the {opts.preset} preset's settings of these "
-                         f"tasks ({', '.join(sorted(known))})")
+        raise ValueError(
+            f"settings: {', '.join(unknown)} not among the {opts.preset} preset's settings of these "
+            f"tasks ({', '.join(sorted(known))})"
+        )
     return [s for s in every if s.id in opts.settings]
 
 
@@ -136,9 +149,21 @@ def plan(opts: MADOptions) -> list[RunConfig]:
         for lr in lrs:
             for wd in wds:
                 for rule in opts.rules:
-                    runs.append(RunConfig(setting=s, rule=rule, lr=lr, weight_decay=wd, epochs=e, batch_size=bs,
-                                          width=width, num_heads=opts.num_heads, blocks=opts.blocks,
-                                          seed=opts.seed, precision=opts.precision))
+                    runs.append(
+                        RunConfig(
+                            setting=s,
+                            rule=rule,
+                            lr=lr,
+                            weight_decay=wd,
+                            epochs=e,
+                            batch_size=bs,
+                            width=width,
+                            num_heads=opts.num_heads,
+                            blocks=opts.blocks,
+                            seed=opts.seed,
+                            precision=opts.precision,
+                        )
+                    )
     return runs
 
 
@@ -195,14 +220,19 @@ def run_mad(opts: MADOptions, out_dir: str, progress_factory=None, log=None) -> 
     report_only = not opts.train
     todo = [c for c in cfgs if load_run(out_dir, c, opts.time_limit, report_only) is None]
     if log:
-        log(f"{len(cfgs)} runs planned, {len(cfgs) - len(todo)} already stored in {out_dir}/runs, "
-            f"{len(todo) if opts.train else 0} to train")
+        log(
+            f"{len(cfgs)} runs planned, {len(cfgs) - len(todo)} already stored in {out_dir}/runs, "
+            f"{len(todo) if opts.train else 0} to train"
+        )
     if opts.train and str(opts.device).startswith("cuda") and opts.together > STREAMS_PER_DEVICE:
-        raise ValueError(f"together: at most {STREAMS_PER_DEVICE} runs side by side on a GPU (a CUDA stream each), "
-                         f"got {opts.together}")
+        raise ValueError(
+            f"together: at most {STREAMS_PER_DEVICE} runs side by side on a GPU (a CUDA stream each), got {opts.together}"
+        )
     if opts.train and opts.together > 1 and opts.time_limit is not None:
-        raise ValueError("time_limit: a limit per run needs runs trained one at a time (together = 1); side by side "
-                         "each run's clock would count the whole group's time")
+        raise ValueError(
+            "time_limit: a limit per run needs runs trained one at a time (together = 1); side by side "
+            "each run's clock would count the whole group's time"
+        )
     if opts.train:
         datasets: dict = {}
         for group in _side_by_side_groups(todo, opts.together):
@@ -215,13 +245,18 @@ def run_mad(opts: MADOptions, out_dir: str, progress_factory=None, log=None) -> 
             missing.append(cfg.key)
         else:
             results.append(res)
-    return {"options": opts.__dict__, "preset": PRESETS[opts.preset].__dict__, "runs": results, "missing": missing,
-            "versions": versions()}
+    return {
+        "options": opts.__dict__,
+        "preset": PRESETS[opts.preset].__dict__,
+        "runs": results,
+        "missing": missing,
+        "versions": versions(),
+    }
 
 
 def _side_by_side_groups(todo: list[RunConfig], size: int) -> list[list[RunConfig]]:
     """The runs in plan order, ``size`` at a time (the last group may be smaller)."""
-    return [todo[i:i + size] for i in range(0, len(todo), size)]
+    return [todo[i : i + size] for i in range(0, len(todo), size)]
 
 
 def _datasets_for(group: list[RunConfig], made: dict) -> dict:
@@ -234,12 +269,15 @@ def _datasets_for(group: list[RunConfig], made: dict) -> dict:
     return out
 
 
-def _train_group(group: list[RunConfig], datasets: dict, cfgs: list[RunConfig], opts: MADOptions, out_dir: str,
-                 progress_factory, log) -> None:
+def _train_group(
+    group: list[RunConfig], datasets: dict, cfgs: list[RunConfig], opts: MADOptions, out_dir: str, progress_factory, log
+) -> None:
     """Train the runs of one group side by side and store each result as its run ends (its partial
     state then goes)."""
-    descs = {c.key: f"[{cfgs.index(c) + 1}/{len(cfgs)}] {c.setting.id} {label(c.rule)} lr={c.lr:g} "
-                    f"wd={c.weight_decay:g}" for c in group}
+    descs = {
+        c.key: f"[{cfgs.index(c) + 1}/{len(cfgs)}] {c.setting.id} {label(c.rule)} lr={c.lr:g} wd={c.weight_decay:g}"
+        for c in group
+    }
     n_steps = sum(c.epochs * math.ceil(c.setting.num_train_examples / c.batch_size) for c in group)
     desc = descs[group[0].key] if len(group) == 1 else f"{len(group)} runs side by side"
     bar = progress_factory(total=n_steps, desc=desc) if progress_factory else None
@@ -250,13 +288,25 @@ def _train_group(group: list[RunConfig], datasets: dict, cfgs: list[RunConfig], 
         with contextlib.suppress(FileNotFoundError):  # stored: its partial state is done with
             os.remove(partial_path(out_dir, cfg))
         if log:
-            log(f"{descs[cfg.key]}: test acc {res['test_acc']:.4f} (best-ppl epoch {res['best_epoch']}/"
+            log(
+                f"{descs[cfg.key]}: test acc {res['test_acc']:.4f} (best-ppl epoch {res['best_epoch']}/"
                 f"{res['epochs_run']}{', early stop' if res['stopped_early'] else ''}"
-                f"{', TRUNCATED' if res['truncated'] else ''}) in {res['seconds']:.0f} s")
+                f"{', TRUNCATED' if res['truncated'] else ''}) in {res['seconds']:.0f} s"
+            )
 
     try:
-        runs = [MADRun(c, datasets[c.setting.id], device=opts.device, time_limit=opts.time_limit, bar=bar,
-                       checkpoint=partial_path(out_dir, c), cuda_graph=opts.cuda_graph) for c in group]
+        runs = [
+            MADRun(
+                c,
+                datasets[c.setting.id],
+                device=opts.device,
+                time_limit=opts.time_limit,
+                bar=bar,
+                checkpoint=partial_path(out_dir, c),
+                cuda_graph=opts.cuda_graph,
+            )
+            for c in group
+        ]
         for run in runs:  # a run resumed complete ends here
             if run.done:
                 store(run)

@@ -49,8 +49,10 @@ class RunConfig:
     @property
     def key(self) -> str:
         """File-name-safe identity of the run (used to store and resume it)."""
-        k = (f"{self.setting.id}__{self.rule}__lr{self.lr:g}-wd{self.weight_decay:g}-e{self.epochs}-b{self.batch_size}"
-             f"-w{self.width}-h{self.num_heads}-L{self.blocks}-s{self.seed}-{self.precision}")
+        k = (
+            f"{self.setting.id}__{self.rule}__lr{self.lr:g}-wd{self.weight_decay:g}-e{self.epochs}-b{self.batch_size}"
+            f"-w{self.width}-h{self.num_heads}-L{self.blocks}-s{self.seed}-{self.precision}"
+        )
         if self.early_stop != EARLY_STOP:
             k += f"-es{self.early_stop}"
         return k
@@ -81,8 +83,15 @@ STATE_FORMAT = 1  # the layout of a partial run's file
 
 def _save_state(path: str, cfg: RunConfig, model, opt, sched, gen, progress: dict) -> None:
     """The run's state after an epoch, written whole or not at all."""
-    state = dict(format=STATE_FORMAT, key=cfg.key, model=model.state_dict(), optimizer=opt.state_dict(),
-                 scheduler=sched.state_dict(), generator=gen.get_state(), progress=progress)
+    state = dict(
+        format=STATE_FORMAT,
+        key=cfg.key,
+        model=model.state_dict(),
+        optimizer=opt.state_dict(),
+        scheduler=sched.state_dict(),
+        generator=gen.get_state(),
+        progress=progress,
+    )
     harness.atomic_save_torch(path, state)
 
 
@@ -111,8 +120,12 @@ def _resume_state(path: str | None, cfg: RunConfig, model, opt, sched, gen) -> d
         sched.load_state_dict(state["scheduler"])
         gen.set_state(state["generator"])
         progress = state["progress"]
-        return dict(history=list(progress["history"]), best=progress["best"], steps=int(progress["steps"]),
-                    seconds=float(progress["seconds"]))
+        return dict(
+            history=list(progress["history"]),
+            best=progress["best"],
+            steps=int(progress["steps"]),
+            seconds=float(progress["seconds"]),
+        )
     except Exception:  # noqa: BLE001  any damage: the run starts over rather than failing every call
         return None
 
@@ -169,8 +182,7 @@ class GraphedBatches:
 
     def _keep_to_one_stream(self, current: torch.cuda.Stream) -> None:
         if current == torch.cuda.default_stream():
-            raise RuntimeError("graphed batches run in a stream of the run's own, not the default stream (which "
-                               "cannot capture)")
+            raise RuntimeError("graphed batches run in a stream of the run's own, not the default stream (which cannot capture)")
         if self.stream is None:
             self.stream = current
         elif current != self.stream:
@@ -192,8 +204,9 @@ class GraphedSteps(GraphedBatches):
     WARMUP = 3
 
     def __init__(self, model, opt, vocab_size: int, bf16: bool, batch_size: int, device: torch.device):
-        super().__init__(functools.partial(_eager_step, model, opt, vocab_size=vocab_size, bf16=bf16), batch_size,
-                         device, self.WARMUP)
+        super().__init__(
+            functools.partial(_eager_step, model, opt, vocab_size=vocab_size, bf16=bf16), batch_size, device, self.WARMUP
+        )
         self.opt = opt
         self.lr = opt.param_groups[0]["lr"]
 
@@ -232,9 +245,16 @@ def _set_step_form(opt, sched, graphed: bool, dev: torch.device) -> None:
     sched._last_lr = [float(x) for x in sched.get_last_lr()]
 
 
-def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", time_limit: float | None = None,
-              bar=None, checkpoint: str | None = None, checkpoint_every: float = 60.0,
-              cuda_graph: bool = False) -> dict:
+def train_run(
+    cfg: RunConfig,
+    dataset: dict | None = None,
+    device: str = "cpu",
+    time_limit: float | None = None,
+    bar=None,
+    checkpoint: str | None = None,
+    checkpoint_every: float = 60.0,
+    cuda_graph: bool = False,
+) -> dict:
     """Train one model on one setting with the MAD recipe and return a plain dict.
 
     AdamW (weight decay on every parameter), cosine annealing stepped once per epoch to 1e-6,
@@ -256,15 +276,17 @@ def train_run(cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", 
     return run.result()
 
 
-def train_side_by_side(runs: list, on_done=lambda run: None) -> None:
+def train_side_by_side(runs: list, on_done=lambda _run: None) -> None:
     """Train ``MADRun``s to their end, side by side: each epoch, step ``i`` of every run, then every
     run's evaluation queued, then read; ``on_done(run)`` as each ends (to store it before the others end). On a GPU each
     run works in its own CUDA stream, so the small kernels (or graph replays) of several runs can
     share the GPU; each run's arithmetic is what it would be alone. Runs may have different settings."""
     streams = [r.stream for r in runs if r.stream is not None]
     if len(set(streams)) < len(streams):  # their work would serialize, their graphs share a cuBLAS workspace
-        raise ValueError(f"runs: {len(runs)} runs side by side share CUDA streams; PyTorch lends at most "
-                         f"{STREAMS_PER_DEVICE} a device, so train at most that many together")
+        raise ValueError(
+            f"runs: {len(runs)} runs side by side share CUDA streams; PyTorch lends at most "
+            f"{STREAMS_PER_DEVICE} a device, so train at most that many together"
+        )
     while True:
         active = [r for r in runs if not r.done]
         if not active:
@@ -293,8 +315,17 @@ class MADRun:
     ``train_side_by_side`` can interleave several. On a GPU each call runs in the run's stream
     (``in_stream``)."""
 
-    def __init__(self, cfg: RunConfig, dataset: dict | None = None, device: str = "cpu", time_limit: float | None = None,
-                 bar=None, checkpoint: str | None = None, checkpoint_every: float = 60.0, cuda_graph: bool = False):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        dataset: dict | None = None,
+        device: str = "cpu",
+        time_limit: float | None = None,
+        bar=None,
+        checkpoint: str | None = None,
+        checkpoint_every: float = 60.0,
+        cuda_graph: bool = False,
+    ):
         started = time.perf_counter()
         dev = torch.device(device)
         if cuda_graph and dev.type != "cuda":
@@ -307,8 +338,11 @@ class MADRun:
         self.model, self.opt, self.sched, self.gen = self._setup(checkpoint)
         self.bf16 = cfg.precision == "bf16"
         V = cfg.setting.vocab_size
-        self.train_step = (GraphedSteps(self.model, self.opt, V, self.bf16, cfg.batch_size, dev) if cuda_graph
-                           else functools.partial(_eager_step, self.model, self.opt, vocab_size=V, bf16=self.bf16))
+        self.train_step = (
+            GraphedSteps(self.model, self.opt, V, self.bf16, cfg.batch_size, dev)
+            if cuda_graph
+            else functools.partial(_eager_step, self.model, self.opt, vocab_size=V, bf16=self.bf16)
+        )
         test_batch = functools.partial(batch_loss_sums, self.model, autocast=self.bf16)
         self.test_batch = GraphedBatches(test_batch, cfg.batch_size, dev, warmup=1) if cuda_graph else test_batch
         self.n = len(self.data.train_x)
@@ -350,7 +384,7 @@ class MADRun:
 
     def step(self, i: int) -> None:
         """The epoch's ``i``-th batch (in order; none after a truncation)."""
-        idx = self.perm[i * self.cfg.batch_size:(i + 1) * self.cfg.batch_size]
+        idx = self.perm[i * self.cfg.batch_size : (i + 1) * self.cfg.batch_size]
         self.loss_sum += self.train_step(self.data.train_x[idx], self.data.train_y[idx])
         self.n_batches += 1
         self.steps += 1
@@ -361,8 +395,9 @@ class MADRun:
 
     def start_evaluation(self) -> None:
         """Queue the epoch's evaluation (on a GPU the host goes on to the other runs' meanwhile)."""
-        self.pending_test_sums = test_sums(self.model, self.data.test_x, self.data.test_y, self.cfg.batch_size,
-                                           batch_sums=self.test_batch)
+        self.pending_test_sums = test_sums(
+            self.model, self.data.test_x, self.data.test_y, self.cfg.batch_size, batch_sums=self.test_batch
+        )
 
     def end_epoch(self) -> None:
         """After ``start_evaluation``: the schedule's step, the record and the stop rules; ``done`` when it ends."""
@@ -374,14 +409,22 @@ class MADRun:
         self.sched.step()
         ev = scores(self.pending_test_sums, len(self.data.test_x))
         self.pending_test_sums = None
-        rec = {"epoch": len(self.history) + 1, "train_loss": train_loss, "lr": lr_used, "test_acc": ev["acc"],
-               "test_ppl": ev["ppl"], "test_token_acc": ev["token_acc"], "seconds": time.perf_counter() - self.t0}
+        rec = {
+            "epoch": len(self.history) + 1,
+            "train_loss": train_loss,
+            "lr": lr_used,
+            "test_acc": ev["acc"],
+            "test_ppl": ev["ppl"],
+            "test_token_acc": ev["token_acc"],
+            "seconds": time.perf_counter() - self.t0,
+        }
         self.history.append(rec)
         if math.isfinite(ev["ppl"]) and (self.best is None or ev["ppl"] < self.best["test_ppl"]):
             self.best = rec
         if self.bar is not None:
-            self.bar.set_postfix(epoch=rec["epoch"], loss=f"{train_loss:.3f}", acc=f"{ev['acc']:.3f}",
-                                 best=f"{(self.best or rec)['test_acc']:.3f}")
+            self.bar.set_postfix(
+                epoch=rec["epoch"], loss=f"{train_loss:.3f}", acc=f"{ev['acc']:.3f}", best=f"{(self.best or rec)['test_acc']:.3f}"
+            )
         self.diverged = not math.isfinite(train_loss)
         self.stopped_early = not self.diverged and cfg.early_stop is not None and ev["acc"] > cfg.early_stop
         self.done = self.diverged or self.stopped_early or self.truncated or len(self.history) >= cfg.epochs
@@ -391,23 +434,44 @@ class MADRun:
                 if isinstance(graphed, GraphedBatches):
                     graphed.release()
         elif self.checkpoint and time.perf_counter() - self.last_save >= self.checkpoint_every:
-            _save_state(self.checkpoint, cfg, self.model, self.opt, self.sched, self.gen,
-                        dict(history=self.history, best=self.best, steps=self.steps,
-                             seconds=time.perf_counter() - self.t0))
+            _save_state(
+                self.checkpoint,
+                cfg,
+                self.model,
+                self.opt,
+                self.sched,
+                self.gen,
+                dict(history=self.history, best=self.best, steps=self.steps, seconds=time.perf_counter() - self.t0),
+            )
             self.last_save = time.perf_counter()
 
     def result(self) -> dict:
         cfg, history = self.cfg, self.history
         best = self.best or history[-1]
         return {
-            "key": cfg.key, "config": cfg.to_dict(), "task": cfg.setting.task, "setting": cfg.setting.id,
-            "rule": cfg.rule, "lr": cfg.lr, "weight_decay": cfg.weight_decay,
-            "test_acc": best["test_acc"], "test_ppl": best["test_ppl"], "test_token_acc": best["test_token_acc"],
-            "best_epoch": best["epoch"], "max_test_acc": max(h["test_acc"] for h in history),
-            "final_train_loss": history[-1]["train_loss"], "epochs_run": len(history), "steps": self.steps,
-            "stopped_early": self.stopped_early, "truncated": self.truncated, "diverged": self.diverged,
+            "key": cfg.key,
+            "config": cfg.to_dict(),
+            "task": cfg.setting.task,
+            "setting": cfg.setting.id,
+            "rule": cfg.rule,
+            "lr": cfg.lr,
+            "weight_decay": cfg.weight_decay,
+            "test_acc": best["test_acc"],
+            "test_ppl": best["test_ppl"],
+            "test_token_acc": best["test_token_acc"],
+            "best_epoch": best["epoch"],
+            "max_test_acc": max(h["test_acc"] for h in history),
+            "final_train_loss": history[-1]["train_loss"],
+            "epochs_run": len(history),
+            "steps": self.steps,
+            "stopped_early": self.stopped_early,
+            "truncated": self.truncated,
+            "diverged": self.diverged,
             "time_limit": self.time_limit,
-            "seconds": self.seconds if self.seconds is not None else time.perf_counter() - self.t0, "device": str(self.dev),
-            "cuda_graph": self.cuda_graph, "leakage": self.data.leakage,
-            "num_params": sum(p.numel() for p in self.model.parameters()), "history": history,
+            "seconds": self.seconds if self.seconds is not None else time.perf_counter() - self.t0,
+            "device": str(self.dev),
+            "cuda_graph": self.cuda_graph,
+            "leakage": self.data.leakage,
+            "num_params": sum(p.numel() for p in self.model.parameters()),
+            "history": history,
         }

@@ -32,8 +32,15 @@ def _op(rule: str, mode: str):
 class PixelSequenceClassifier(nn.Module):
     """One-layer (gated) delta-rule classifier over a sequence of scalar pixels."""
 
-    def __init__(self, rule: str = "exact", seq_len: int = 784, width: int = 64, num_heads: int = 1,
-                 num_classes: int = 10, authors_model: bool = False):
+    def __init__(
+        self,
+        rule: str = "exact",
+        seq_len: int = 784,
+        width: int = 64,
+        num_heads: int = 1,
+        num_classes: int = 10,
+        authors_model: bool = False,
+    ):
         super().__init__()
         if rule not in RULES:
             raise ValueError(f"rule: expected one of {RULES}, got {rule!r}")
@@ -145,8 +152,7 @@ def train_classifier(data, cfg: TrainConfig, progress=None):
     """Train one classifier; returns (model, TrainResult). ``progress(n)`` is called per step."""
     torch.manual_seed(cfg.seed)
     dev = torch.device(cfg.device)
-    model = PixelSequenceClassifier(cfg.rule, data.seq_len, cfg.width, cfg.num_heads,
-                                    authors_model=cfg.authors_model).to(dev)
+    model = PixelSequenceClassifier(cfg.rule, data.seq_len, cfg.width, cfg.num_heads, authors_model=cfg.authors_model).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     x_all, y_all = data.x_train, data.y_train
     if cfg.train_limit:
@@ -174,7 +180,7 @@ def train_classifier(data, cfg: TrainConfig, progress=None):
                 progress(1)
         if res.diverged:
             break
-    tail = [v for v in res.losses[-max(1, len(res.losses) // 10):] if math.isfinite(v)]
+    tail = [v for v in res.losses[-max(1, len(res.losses) // 10) :] if math.isfinite(v)]
     res.final_train_loss = sum(tail) / len(tail) if tail else float("nan")
     res.seconds = time.perf_counter() - t0
     return model, res
@@ -190,8 +196,9 @@ def evaluate(model, x, y, batch_size: int = 500, device: str = "cpu") -> float:
     return correct / len(x)
 
 
-def evaluate_perturbations(model, data, levels: dict, eval_seed: int = 1234, test_limit: int | None = None,
-                           device: str = "cpu", progress=None) -> dict:
+def evaluate_perturbations(
+    model, data, levels: dict, eval_seed: int = 1234, test_limit: int | None = None, device: str = "cpu", progress=None
+) -> dict:
     """Accuracy on the clean test set and under every perturbation level (fixed seed)."""
     x, y = data.x_test, data.y_test
     if test_limit:

@@ -30,10 +30,14 @@ def aggregate(results: dict) -> dict:
             for kind in results["levels"]:
                 accs = [r["eval"][kind]["accuracy"] for r in runs]
                 cols = list(zip(*accs))
-                entry[kind] = dict(levels=results["levels"][kind], mean=[statistics.mean(c) for c in cols],
-                                   min=[min(c) for c in cols], max=[max(c) for c in cols],
-                                   area=statistics.mean(statistics.mean(a) for a in accs),
-                                   area_std=sample_std([statistics.mean(a) for a in accs]))
+                entry[kind] = dict(
+                    levels=results["levels"][kind],
+                    mean=[statistics.mean(c) for c in cols],
+                    min=[min(c) for c in cols],
+                    max=[max(c) for c in cols],
+                    area=statistics.mean(statistics.mean(a) for a in accs),
+                    area_std=sample_std([statistics.mean(a) for a in accs]),
+                )
             out[setting][rule] = entry
     return out
 
@@ -48,8 +52,9 @@ def write_robustness_outputs(results: dict, out_dir: str, command: str) -> list[
     written.append(p)
     for setting in agg:
         p = os.path.join(out_dir, f"robustness_{setting}.csv")
-        harness.atomic_write_csv(p, ["setting", "rule", "seed", "lr", "perturbation", "level", "accuracy"],
-                                 _robustness_csv_rows(results, setting))
+        harness.atomic_write_csv(
+            p, ["setting", "rule", "seed", "lr", "perturbation", "level", "accuracy"], _robustness_csv_rows(results, setting)
+        )
         written.append(p)
     written += plot_robustness(results, agg, out_dir)
     p = os.path.join(out_dir, "summary.md")
@@ -111,8 +116,9 @@ def plot_robustness(results: dict, agg: dict, out_dir: str) -> list[str]:
         mean = [statistics.mean(c[i] for c in curves) for i in range(n)]
         win = max(1, n // 50)
         smooth = [statistics.mean(mean[max(0, i - win + 1) : i + 1]) for i in range(n)]
-        ax.plot(range(1, n + 1), smooth, styles.get(setting, "-"), color=colour(rule),
-                label=f"{label(rule)} lr {lr:g} ({setting})")
+        ax.plot(
+            range(1, n + 1), smooth, styles.get(setting, "-"), color=colour(rule), label=f"{label(rule)} lr {lr:g} ({setting})"
+        )
     ax.set_xlabel("training step")
     ax.set_ylabel("cross-entropy (moving average)")
     ax.set_title(f"Training loss: {_title(results)}")
@@ -133,15 +139,15 @@ def robustness_tables(results: dict, agg: dict) -> dict[str, harness.Table]:
         compared = "exact" in by_rule and "euler" in by_rule
         table = harness.Table(
             title=f"{results['dataset']['name']}: accuracy averaged over perturbation levels ({setting})",
-            columns=["perturbation", "levels", *(f"{label(r)} (lr {by_rule[r]['lr']:g})" for r in rules),
-                     "EFLA − DeltaNet"], right=set(range(2, len(rules) + 3)))
+            columns=["perturbation", "levels", *(f"{label(r)} (lr {by_rule[r]['lr']:g})" for r in rules), "EFLA − DeltaNet"],
+            right=set(range(2, len(rules) + 3)),
+        )
         diff = f"{by_rule['exact']['clean']['mean'] - by_rule['euler']['clean']['mean']:+.4f}" if compared else ""
         table.add_row("clean", "–", *(f"{by_rule[r]['clean']['mean']:.4f}" for r in rules), diff)
         for kind in results["levels"]:
             lv = by_rule[rules[0]][kind]["levels"]
             diff = f"{by_rule['exact'][kind]['area'] - by_rule['euler'][kind]['area']:+.4f}" if compared else ""
-            table.add_row(kind, f"{lv[0]:g}..{lv[-1]:g} ({len(lv)})",
-                          *(_area_cell(by_rule[r], kind) for r in rules), diff)
+            table.add_row(kind, f"{lv[0]:g}..{lv[-1]:g} ({len(lv)})", *(_area_cell(by_rule[r], kind) for r in rules), diff)
         tables[setting] = table
     return tables
 
@@ -159,17 +165,28 @@ def _area_cell(entry: dict, kind: str) -> str:
 def _cell_note(agg: dict) -> str:
     entries = [entry for by_rule in agg.values() for entry in by_rule.values()]
     if any(_several_seeds(e) for e in entries):
-        return ("Each cell: accuracy averaged over the perturbation levels (mean over seeds ± sample standard "
-                "deviation over seeds where a cell has several seeds).")
+        return (
+            "Each cell: accuracy averaged over the perturbation levels (mean over seeds ± sample standard "
+            "deviation over seeds where a cell has several seeds)."
+        )
     seeds = sorted({s for e in entries for s in e["seeds"]})
-    return (f"Each cell: accuracy averaged over the perturbation levels, from one seed (seed "
-            f"{', '.join(map(str, seeds))}; no spread over seeds).")
+    return (
+        f"Each cell: accuracy averaged over the perturbation levels, from one seed (seed "
+        f"{', '.join(map(str, seeds))}; no spread over seeds)."
+    )
 
 
 def robustness_summary(results: dict, agg: dict, command: str) -> str:
-    lines = [f"# Robustness: {_title(results)}", "", f"Command as run: `{command}`", "",
-             f"Data: {results['dataset']['source']}; versions: {json.dumps(results['versions'])}", "",
-             f"{_cell_note(agg)} Higher means the model degrades more slowly.", ""]
+    lines = [
+        f"# Robustness: {_title(results)}",
+        "",
+        f"Command as run: `{command}`",
+        "",
+        f"Data: {results['dataset']['source']}; versions: {json.dumps(results['versions'])}",
+        "",
+        f"{_cell_note(agg)} Higher means the model degrades more slowly.",
+        "",
+    ]
     tables = robustness_tables(results, agg)
     for setting, by_rule in agg.items():
         lines += [f"## {setting}", "", *tables[setting].markdown()]
@@ -179,8 +196,10 @@ def robustness_summary(results: dict, agg: dict, command: str) -> str:
                 a, b = by_rule["exact"][kind]["area"], by_rule["euler"][kind]["area"]
                 verdict = "EFLA degrades more slowly" if a > b else "EFLA does NOT degrade more slowly"
                 worst_e, worst_d = by_rule["exact"][kind]["mean"][-1], by_rule["euler"][kind]["mean"][-1]
-                lines.append(f"- {kind}: {verdict} (mean accuracy over levels {a:.4f} vs {b:.4f}; at the strongest "
-                             f"level {worst_e:.4f} vs {worst_d:.4f}).")
+                lines.append(
+                    f"- {kind}: {verdict} (mean accuracy over levels {a:.4f} vs {b:.4f}; at the strongest "
+                    f"level {worst_e:.4f} vs {worst_d:.4f})."
+                )
             lines.append("")
     return "\n".join(lines)
 
@@ -212,10 +231,12 @@ def lr_sweep_table(results: dict) -> harness.Table:
     """Final train loss / test accuracy by rule and learning rate, mean ± sample std over seeds
     (console and lr_sweep.md)."""
     seeds = len({r["seed"] for r in results["rows"]})
-    table = harness.Table(title=f"{results['dataset']['name']}: learning-rate sweep (final train loss / test accuracy"
-                                + (f", mean ± sample std over {seeds} seeds)" if seeds > 1 else ")"),
-                          columns=["rule", *(f"lr {lr:g}" for lr in results["lrs"])],
-                          right=set(range(1, len(results["lrs"]) + 1)))
+    table = harness.Table(
+        title=f"{results['dataset']['name']}: learning-rate sweep (final train loss / test accuracy"
+        + (f", mean ± sample std over {seeds} seeds)" if seeds > 1 else ")"),
+        columns=["rule", *(f"lr {lr:g}" for lr in results["lrs"])],
+        right=set(range(1, len(results["lrs"]) + 1)),
+    )
     for rule, by_lr in _lr_sweep_means(results).items():
         table.add_row(label(rule), *(_sweep_cell(*by_lr[lr]) if lr in by_lr else "–" for lr in results["lrs"]))
     return table
@@ -231,8 +252,15 @@ def plot_lr_sweep(results: dict, path: str) -> None:
     for rule, by_lr in _lr_sweep_means(results).items():
         lrs = list(by_lr)
         for ax, mean, spread in ((axes[0], 0, 2), (axes[1], 1, 3)):
-            ax.errorbar(lrs, [by_lr[lr][mean] for lr in lrs], yerr=[by_lr[lr][spread] for lr in lrs], fmt="o-",
-                        capsize=3, color=colour(rule), label=label(rule))
+            ax.errorbar(
+                lrs,
+                [by_lr[lr][mean] for lr in lrs],
+                yerr=[by_lr[lr][spread] for lr in lrs],
+                fmt="o-",
+                capsize=3,
+                color=colour(rule),
+                label=label(rule),
+            )
     for ax, lab in zip(axes, ["final training loss (last 10% of steps)", "test accuracy"]):
         ax.set_xscale("log")
         ax.set_xlabel("learning rate")
@@ -240,8 +268,10 @@ def plot_lr_sweep(results: dict, path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     o = results["options"]
-    fig.suptitle(f"Learning-rate sweep: {results['dataset']['name']} ({results['dataset']['n_train']} train), "
-                 f"{o['epochs']} epoch(s), {len(o['seeds'])} seed(s)")
+    fig.suptitle(
+        f"Learning-rate sweep: {results['dataset']['name']} ({results['dataset']['n_train']} train), "
+        f"{o['epochs']} epoch(s), {len(o['seeds'])} seed(s)"
+    )
     fig.tight_layout()
     harness.atomic_save_figure(fig, path)
 
@@ -249,15 +279,20 @@ def plot_lr_sweep(results: dict, path: str) -> None:
 def write_lr_sweep_outputs(results: dict, out_dir: str, command: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     results = dict(results, command=command)
-    files = {name: os.path.join(out_dir, name) for name in ("lr_sweep.json", "lr_sweep.csv", "lr_sweep.png",
-                                                           "lr_sweep.md")}
+    files = {name: os.path.join(out_dir, name) for name in ("lr_sweep.json", "lr_sweep.csv", "lr_sweep.png", "lr_sweep.md")}
     harness.atomic_write_json(files["lr_sweep.json"], results)
-    harness.atomic_write_csv(files["lr_sweep.csv"], ["rule", "lr", "seed", "final_train_loss", "test_accuracy",
-                                                     "diverged"],
-                             ([r["rule"], r["lr"], r["seed"], r["final_train_loss"], r["test_accuracy"], r["diverged"]]
-                              for r in results["rows"]))
+    harness.atomic_write_csv(
+        files["lr_sweep.csv"],
+        ["rule", "lr", "seed", "final_train_loss", "test_accuracy", "diverged"],
+        ([r["rule"], r["lr"], r["seed"], r["final_train_loss"], r["test_accuracy"], r["diverged"]] for r in results["rows"]),
+    )
     plot_lr_sweep(results, files["lr_sweep.png"])
-    lines = [f"# Learning-rate sweep: {results['dataset']['name']}", "", f"Command as run: `{command}`", "",
-             *lr_sweep_table(results).markdown()]
+    lines = [
+        f"# Learning-rate sweep: {results['dataset']['name']}",
+        "",
+        f"Command as run: `{command}`",
+        "",
+        *lr_sweep_table(results).markdown(),
+    ]
     harness.atomic_write(files["lr_sweep.md"], "\n".join(lines) + "\n")
     return list(files.values())

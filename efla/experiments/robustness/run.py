@@ -42,16 +42,30 @@ class RobustnessOptions:
     eval_seed: int = 1234
 
     @classmethod
-    def for_data(cls, data_name: str, *, quick: bool, epochs: int | None, seeds: list | None,
-                 train_limit: int | None, test_limit: int | None, **settings) -> RobustnessOptions:
+    def for_data(
+        cls,
+        data_name: str,
+        *,
+        quick: bool,
+        epochs: int | None,
+        seeds: list | None,
+        train_limit: int | None,
+        test_limit: int | None,
+        **settings,
+    ) -> RobustnessOptions:
         """The options of a run on ``data_name``: one epoch on MNIST as in the paper, 40 on the small
         embedded digits; ``quick`` trains and tests on a subset."""
         if quick:
             train_limit = train_limit or QUICK_TRAIN_LIMIT
             test_limit = test_limit or QUICK_TEST_LIMIT
-        return cls(quick=quick, epochs=epochs if epochs is not None else (1 if data_name == "mnist" else 40),
-                   seeds=seeds if seeds is not None else [0], train_limit=train_limit, test_limit=test_limit,
-                   **settings)
+        return cls(
+            quick=quick,
+            epochs=epochs if epochs is not None else (1 if data_name == "mnist" else 40),
+            seeds=seeds if seeds is not None else [0],
+            train_limit=train_limit,
+            test_limit=test_limit,
+            **settings,
+        )
 
 
 def sweep_lrs(lrs: list | None, quick: bool) -> list:
@@ -76,25 +90,61 @@ def run_robustness(data, opts: RobustnessOptions, progress_factory=None) -> dict
     for setting, lrs in settings:
         for rule in opts.rules:
             for seed in opts.seeds:
-                cfg = TrainConfig(rule=rule, lr=lrs[rule], epochs=opts.epochs, batch_size=opts.batch_size, seed=seed,
-                                  width=opts.width, num_heads=opts.num_heads, authors_model=opts.authors_model,
-                                  train_limit=opts.train_limit, device=opts.device)
+                cfg = TrainConfig(
+                    rule=rule,
+                    lr=lrs[rule],
+                    epochs=opts.epochs,
+                    batch_size=opts.batch_size,
+                    seed=seed,
+                    width=opts.width,
+                    num_heads=opts.num_heads,
+                    authors_model=opts.authors_model,
+                    train_limit=opts.train_limit,
+                    device=opts.device,
+                )
                 desc = f"{setting} {label(rule)} lr={lrs[rule]:g} seed={seed}"
                 bar = progress_factory(total=steps_per_run, desc="train " + desc) if progress_factory else None
                 model, tr = train_classifier(data, cfg, progress=bar.update if bar else None)
                 if bar:
                     bar.close()
                 bar = progress_factory(total=n_evals, desc="eval  " + desc) if progress_factory else None
-                ev = evaluate_perturbations(model, data, levels, eval_seed=opts.eval_seed, test_limit=opts.test_limit,
-                                            device=opts.device, progress=bar.update if bar else None)
+                ev = evaluate_perturbations(
+                    model,
+                    data,
+                    levels,
+                    eval_seed=opts.eval_seed,
+                    test_limit=opts.test_limit,
+                    device=opts.device,
+                    progress=bar.update if bar else None,
+                )
                 if bar:
                     bar.close()
-                runs.append(dict(setting=setting, rule=rule, seed=seed, lr=lrs[rule], diverged=tr.diverged,
-                                 train_seconds=tr.seconds, final_train_loss=tr.final_train_loss, losses=tr.losses,
-                                 eval=ev))
-    return dict(dataset=dict(name=data.name, source=data.source, seq_len=data.seq_len, n_train=n_train,
-                             n_test=min(len(data.x_test), opts.test_limit or len(data.x_test))),
-                options=opts.__dict__, levels=levels, runs=runs, versions=versions())
+                runs.append(
+                    dict(
+                        setting=setting,
+                        rule=rule,
+                        seed=seed,
+                        lr=lrs[rule],
+                        diverged=tr.diverged,
+                        train_seconds=tr.seconds,
+                        final_train_loss=tr.final_train_loss,
+                        losses=tr.losses,
+                        eval=ev,
+                    )
+                )
+    return dict(
+        dataset=dict(
+            name=data.name,
+            source=data.source,
+            seq_len=data.seq_len,
+            n_train=n_train,
+            n_test=min(len(data.x_test), opts.test_limit or len(data.x_test)),
+        ),
+        options=opts.__dict__,
+        levels=levels,
+        runs=runs,
+        versions=versions(),
+    )
 
 
 def run_lr_sweep(data, opts: RobustnessOptions, lrs=None, progress_factory=None) -> dict:
@@ -105,11 +155,23 @@ def run_lr_sweep(data, opts: RobustnessOptions, lrs=None, progress_factory=None)
     for rule in opts.rules:
         for lr in lrs:
             for seed in opts.seeds:
-                cfg = TrainConfig(rule=rule, lr=lr, epochs=opts.epochs, batch_size=opts.batch_size, seed=seed,
-                                  width=opts.width, num_heads=opts.num_heads, authors_model=opts.authors_model,
-                                  train_limit=opts.train_limit, device=opts.device)
-                bar = progress_factory(total=steps, desc=f"lr-sweep {label(rule)} lr={lr:g} seed={seed}") \
-                    if progress_factory else None
+                cfg = TrainConfig(
+                    rule=rule,
+                    lr=lr,
+                    epochs=opts.epochs,
+                    batch_size=opts.batch_size,
+                    seed=seed,
+                    width=opts.width,
+                    num_heads=opts.num_heads,
+                    authors_model=opts.authors_model,
+                    train_limit=opts.train_limit,
+                    device=opts.device,
+                )
+                bar = (
+                    progress_factory(total=steps, desc=f"lr-sweep {label(rule)} lr={lr:g} seed={seed}")
+                    if progress_factory
+                    else None
+                )
                 model, tr = train_classifier(data, cfg, progress=bar.update if bar else None)
                 if bar:
                     bar.close()
@@ -117,7 +179,21 @@ def run_lr_sweep(data, opts: RobustnessOptions, lrs=None, progress_factory=None)
                 if opts.test_limit:
                     x, y = x[: opts.test_limit], y[: opts.test_limit]
                 acc = evaluate(model, x, y, device=opts.device)
-                rows.append(dict(rule=rule, lr=lr, seed=seed, final_train_loss=tr.final_train_loss,
-                                 test_accuracy=acc, diverged=tr.diverged, losses=tr.losses))
-    return dict(dataset=dict(name=data.name, source=data.source, n_train=n_train), options=opts.__dict__,
-                lrs=lrs, rows=rows, versions=versions())
+                rows.append(
+                    dict(
+                        rule=rule,
+                        lr=lr,
+                        seed=seed,
+                        final_train_loss=tr.final_train_loss,
+                        test_accuracy=acc,
+                        diverged=tr.diverged,
+                        losses=tr.losses,
+                    )
+                )
+    return dict(
+        dataset=dict(name=data.name, source=data.source, n_train=n_train),
+        options=opts.__dict__,
+        lrs=lrs,
+        rows=rows,
+        versions=versions(),
+    )

@@ -49,7 +49,7 @@ def fla_available() -> bool:
     global _fla_ok
     if _fla_ok is None:
         try:
-            from . import chunk as _chunk
+            from . import chunk as _chunk  # noqa: PLC0415 (lazy: triton, and no import cycle with efla.ops)
 
             _chunk.load()
             _fla_ok = True
@@ -87,11 +87,10 @@ def _refuse_overflowing_raw_keys(k) -> None:
     exact rules' chunk form flags raw keys in its coefficient pass instead, and their scan computes
     them exactly). Skipped where a sync is not allowed (compiled code, CUDA-graph capture), where
     validation has checked them and with ``EFLA_CHECK_KEYS=0``."""
-    from ..validate import check_key_energy, values_checked
-    from .key_checks import key_checks_enabled
+    from ..validate import check_key_energy, values_checked  # noqa: PLC0415 (lazy: triton, and no import cycle with efla.ops)
+    from .key_checks import key_checks_enabled  # noqa: PLC0415 (lazy: triton, and no import cycle with efla.ops)
 
-    if (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing() or values_checked(k)
-            or not key_checks_enabled()):
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing() or values_checked(k) or not key_checks_enabled():
         return
     check_key_energy(k)
 
@@ -100,8 +99,9 @@ def _needs_grad(*xs) -> bool:
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
 
-def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, q_l2norm=False,
-             k_l2norm=False, gates=None):
+def dispatch(
+    kind, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, q_l2norm=False, k_l2norm=False, gates=None
+):
     """Run ``kind`` (efla | gated_efla | delta_rule | gated_delta_rule) in ``mode`` (chunk |
     recurrent) on the GPU; ``None`` means "not handled here, use the PyTorch path". ``gates``: raw
     gate inputs (``efla.ops.gates``), which the public ops pass only for the Gated EFLA chunk op
@@ -122,7 +122,7 @@ def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_st
         raise ValueError(f"g: required for {kind}")
 
     if cu_seqlens is not None and cu_seqlens.numel() > 1:
-        from ..validate import host_offsets
+        from ..validate import host_offsets  # noqa: PLC0415 (lazy: triton, and no import cycle with efla.ops)
 
         cs = host_offsets(cu_seqlens)
         if bool((cs[1:] == cs[:-1]).any()):
@@ -141,20 +141,33 @@ def dispatch(kind, mode, q, k, v, g, beta, scale, initial_state, output_final_st
         _refuse_overflowing_raw_keys(k)
 
     if mode == "recurrent" and not _needs_grad(q, k, v, beta, g, h0):
-        from ..normalize import l2_normalize
-        from .recurrent import recurrent_forward
+        from ..normalize import l2_normalize  # noqa: PLC0415 (lazy: triton, and no import cycle with efla.ops)
+        from .recurrent import recurrent_forward  # noqa: PLC0415 (lazy: triton, and no import cycle with efla.ops)
 
         q = l2_normalize(q) if q_l2norm else q
         k = l2_normalize(k) if k_l2norm else k
         return recurrent_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu)
 
     if not fla_available():
-        return fall_back("flash-linear-attention is not installed (pip install \"efla[cuda]\")")
-    from .custom_ops import chunk_forward
+        return fall_back('flash-linear-attention is not installed (pip install "efla[cuda]")')
+    from .custom_ops import chunk_forward  # noqa: PLC0415 (lazy: triton, and no import cycle with efla.ops)
 
     if kind == "gated_efla" and dt == torch.float16:
         # v * (w / c) grows like 1 / exp(g); bf16 has the range for it, fp16 may not.
-        o, ht = chunk_forward(kind, q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16),
-                              g, beta, scale, h0, output_final_state, cu, q_l2norm, k_l2norm, gates)
+        o, ht = chunk_forward(
+            kind,
+            q.to(torch.bfloat16),
+            k.to(torch.bfloat16),
+            v.to(torch.bfloat16),
+            g,
+            beta,
+            scale,
+            h0,
+            output_final_state,
+            cu,
+            q_l2norm,
+            k_l2norm,
+            gates,
+        )
         return o.to(dt), ht
     return chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu, q_l2norm, k_l2norm, gates)

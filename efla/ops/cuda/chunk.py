@@ -23,11 +23,10 @@ import threading
 import torch
 import triton
 
-from . import kernels as kn
 from ..gates import RawGates
 from ..validate import key_energy_error
-from .key_checks import (check_flag_later, defer_key_check, key_checks_enabled, raise_earlier_overflows, read_each_call,
-                         reset_flag)
+from . import kernels as kn
+from .key_checks import check_flag_later, defer_key_check, key_checks_enabled, raise_earlier_overflows, read_each_call, reset_flag
 
 CHUNK = 64
 COEF_DTYPE = {torch.bfloat16: torch.bfloat16}
@@ -35,12 +34,12 @@ COEF_DTYPE = {torch.bfloat16: torch.bfloat16}
 
 def _fla():
     """fla's internal stage functions (flash-linear-attention==0.6.0), or raise."""
+    from fla.modules.l2norm import l2norm, l2norm_bwd, l2norm_fwd
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_bwd_dv_local
     from fla.ops.delta_rule.chunk import chunk_delta_rule_bwd, chunk_delta_rule_fwd
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
     from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
-    from fla.modules.l2norm import l2norm, l2norm_bwd, l2norm_fwd
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.index import prepare_chunk_indices
 
@@ -87,8 +86,7 @@ def _gate_launch_args(gates) -> tuple[tuple, dict]:
     # the kernels index the parameters as flat arrays; a strided or expanded one is copied (autograd
     # gives the copy's gradient back to it)
     params = tuple(x.contiguous() if x is not None else None for x in (gates.A_log, gates.dt_bias))
-    consts = dict(GATE_ACT=gates.gate_in_kernel, HAS_DT_BIAS=gates.dt_bias is not None,
-                  BETA_SCALE=float(gates.beta_scale or 0.0))
+    consts = dict(GATE_ACT=gates.gate_in_kernel, HAS_DT_BIAS=gates.dt_bias is not None, BETA_SCALE=float(gates.beta_scale or 0.0))
     return params, consts
 
 
@@ -118,16 +116,39 @@ def coef_fwd(k, beta, g=None, v=None, launch=None, overflow=None, gates=None, q=
     q_out = torch.empty_like(q) if q is not None else None
     q_rstd = torch.empty(B, T, H, device=k.device, dtype=torch.float32) if q is not None else None
     kn.coef_fwd_kernel[(triton.cdiv(R, BR),)](
-        k, v, beta, g, *gate_params, erase, gl, vout, overflow, q, q_out, q_rstd, R, H,
-        K=K, V=V, BK=BK, BV=BV, BR=BR, GATED=gated, G_MIN=kn.G_FLOOR, FLAG=overflow is not None, num_warps=nw,
-        QNORM=q is not None, **gate_consts,
+        k,
+        v,
+        beta,
+        g,
+        *gate_params,
+        erase,
+        gl,
+        vout,
+        overflow,
+        q,
+        q_out,
+        q_rstd,
+        R,
+        H,
+        K=K,
+        V=V,
+        BK=BK,
+        BV=BV,
+        BR=BR,
+        GATED=gated,
+        G_MIN=kn.G_FLOOR,
+        FLAG=overflow is not None,
+        num_warps=nw,
+        QNORM=q is not None,
+        **gate_consts,
     )
     coefficients = (erase, gl, vout) if gated else erase
     return coefficients if q is None else (coefficients, q_out, q_rstd)
 
 
-def coef_bwd(k, beta, derase, dk, g=None, v=None, dgl=None, dvin=None, launch=None, dk_more=None, gates=None,
-             q=None, q_rstd=None, dq=None):
+def coef_bwd(
+    k, beta, derase, dk, g=None, v=None, dgl=None, dvin=None, launch=None, dk_more=None, gates=None, q=None, q_rstd=None, dq=None
+):
     """Fold coefficient grads (and ``dk_more``, a second part of k's grad) into dk (in place); return
     dbeta (, dg, dv) in the inputs' dtypes; with raw ``gates`` (gated only) the grads are those of the
     raw inputs, followed by those of ``A_log`` and ``dt_bias`` (``None`` where absent). With the
@@ -148,8 +169,7 @@ def coef_bwd(k, beta, derase, dk, g=None, v=None, dgl=None, dvin=None, launch=No
     # the autotuner restores dq between its trials: an empty stand-in where there is none
     dq_arg = dq if qnorm else k.new_empty(0)
     args = (k, v, beta, g, *gate_params, derase, dgl, dvin, dk, dk_more, dbeta, dg, dv, dgate, q, q_rstd, dq_arg, R, H)
-    consts = dict(K=K, V=V, GATED=gated, G_MIN=kn.G_FLOOR, HAS_DK_MORE=dk_more is not None, QNORM=qnorm,
-                  **gate_consts)
+    consts = dict(K=K, V=V, GATED=gated, G_MIN=kn.G_FLOOR, HAS_DK_MORE=dk_more is not None, QNORM=qnorm, **gate_consts)
     if launch is None:
         kn.coef_bwd_kernel[lambda meta: (triton.cdiv(R, meta["BR"]),)](*args, **consts)
     else:
@@ -188,9 +208,30 @@ def gated_dqkwg(q, k, v_new, g, h, do, dh, dv, scale, cu_seqlens, chunk_indices,
     dg = torch.empty(NK, B, T, H, device=k.device, dtype=torch.float32)
     kernel = kn.gated_dqkwg_kernel if launch is None else kn.gated_dqkwg_kernel.fn
     kernel[(NK, NT, B * H)](
-        q, k, v_new, g, h, do, dh, dv, dq, dk, dw, dg,
-        cu_seqlens, chunk_indices, scale, T, B * T,
-        H=H, K=K, V=V, BT=BT, BK=BK, IS_VARLEN=cu_seqlens is not None, **(launch or {}),
+        q,
+        k,
+        v_new,
+        g,
+        h,
+        do,
+        dh,
+        dv,
+        dq,
+        dk,
+        dw,
+        dg,
+        cu_seqlens,
+        chunk_indices,
+        scale,
+        T,
+        B * T,
+        H=H,
+        K=K,
+        V=V,
+        BT=BT,
+        BK=BK,
+        IS_VARLEN=cu_seqlens is not None,
+        **(launch or {}),
     )
     return dq, dk, dw, (dg[0] if NK == 1 else dg.sum(0))
 
@@ -286,8 +327,15 @@ def delta_fwd(q, k, v, beta, h0, scale, output_final_state, cu_seqlens, exact, q
     else:
         alpha = beta
     o, A, ht = FLA["chunk_delta_rule_fwd"](
-        q=q, k=k, v=v, beta=alpha, scale=scale, initial_state=h0, output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(cu_seqlens),
+        q=q,
+        k=k,
+        v=v,
+        beta=alpha,
+        scale=scale,
+        initial_state=h0,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices(cu_seqlens),
     )
     return o, ht, A, alpha, q, q_rstd, k, k_rstd
 
@@ -295,9 +343,17 @@ def delta_fwd(q, k, v, beta, h0, scale, output_final_state, cu_seqlens, exact, q
 def delta_bwd(q, q_rstd, k, k_rstd, v, beta, alpha, A, h0, cu_seqlens, do, dht, scale, exact):
     """Gradients ``(dq, dk, dv, dbeta, dh0)`` of ``delta_fwd`` (its saved tensors as it returned them)."""
     dq, dk, dv, dalpha, dh0 = FLA["chunk_delta_rule_bwd"](
-        q=q, k=k, v=v, beta=alpha, A=A, scale=scale, initial_state=h0,
-        do=do.contiguous(), dht=dht.contiguous() if dht is not None else None,
-        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(cu_seqlens),
+        q=q,
+        k=k,
+        v=v,
+        beta=alpha,
+        A=A,
+        scale=scale,
+        initial_state=h0,
+        do=do.contiguous(),
+        dht=dht.contiguous() if dht is not None else None,
+        cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices(cu_seqlens),
     )
     if exact:
         dk = dk.contiguous()
@@ -328,8 +384,17 @@ def gated_fwd(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact
     else:
         c, gl, vp = beta, g.float(), v
     gcum, o, A, ht, _, _ = FLA["chunk_gated_delta_rule_fwd"](
-        q=q, k=k, v=vp, g=gl, beta=c, scale=scale, initial_state=h0, output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(cu_seqlens), chunk_size=CHUNK,
+        q=q,
+        k=k,
+        v=vp,
+        g=gl,
+        beta=c,
+        scale=scale,
+        initial_state=h0,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices(cu_seqlens),
+        chunk_size=CHUNK,
     )
     return o, ht, A, gcum, c, vp, q, q_rstd, k, k_rstd
 
@@ -342,18 +407,42 @@ def gated_bwd(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens, 
     dht = dht.contiguous() if dht is not None else None
     w, u = FLA["recompute_w_u_fwd"](k=k, v=vp, beta=c, A=A, g=gcum, cu_seqlens=cu, chunk_indices=ci)
     h, v_new, _ = FLA["chunk_gated_delta_rule_fwd_h"](
-        k=k, w=w, u=u, g=gcum, initial_state=h0, output_final_state=False,
-        cu_seqlens=cu, chunk_indices=ci, chunk_size=CHUNK,
+        k=k,
+        w=w,
+        u=u,
+        g=gcum,
+        initial_state=h0,
+        output_final_state=False,
+        cu_seqlens=cu,
+        chunk_indices=ci,
+        chunk_size=CHUNK,
     )
-    dv = FLA["chunk_bwd_dv_local"](q=q, k=k, do=do, g=gcum, scale=scale, cu_seqlens=cu,
-                                 chunk_indices=ci, chunk_size=CHUNK)
+    dv = FLA["chunk_bwd_dv_local"](q=q, k=k, do=do, g=gcum, scale=scale, cu_seqlens=cu, chunk_indices=ci, chunk_size=CHUNK)
     dh, dh0, dv = FLA["chunk_gated_delta_rule_bwd_dhu"](
-        q=q, k=k, w=w, do=do, dv=dv, g=gcum, h0=h0, dht=dht, scale=scale,
-        cu_seqlens=cu, chunk_indices=ci, chunk_size=CHUNK,
+        q=q,
+        k=k,
+        w=w,
+        do=do,
+        dv=dv,
+        g=gcum,
+        h0=h0,
+        dht=dht,
+        scale=scale,
+        cu_seqlens=cu,
+        chunk_indices=ci,
+        chunk_size=CHUNK,
     )
     dq, dk, dw, dgc = gated_dqkwg(q, k, v_new, gcum, h, do, dh, dv, scale, cu, ci)
     dk2, dvp, dc, dg2 = FLA["prepare_wy_repr_bwd"](
-        k=k, v=vp, beta=c, A=A, dw=dw, du=dv, g=gcum, cu_seqlens=cu, chunk_indices=ci,
+        k=k,
+        v=vp,
+        beta=c,
+        A=A,
+        dw=dw,
+        du=dv,
+        g=gcum,
+        cu_seqlens=cu,
+        chunk_indices=ci,
     )
     dgc.add_(dg2)
     dgl = FLA["chunk_local_cumsum"](dgc, chunk_size=CHUNK, reverse=True, cu_seqlens=cu, chunk_indices=ci)
@@ -361,9 +450,19 @@ def gated_bwd(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens, 
     if exact:  # the coefficient pass reads and writes dk anyway: dk2 joins it there, and dq's normalisation
         fold_q = _fold_q_norm(exact, q_rstd is not None, k_rstd is not None)
         dq = dq.contiguous() if fold_q else dq
-        dbeta, dg, dv_out, *d_gate_params = coef_bwd(k, beta, dc.contiguous(), dk, g=g, v=v, dgl=dgl.contiguous(),
-                                                     dvin=dvp.contiguous(), dk_more=dk2.contiguous(), gates=gates,
-                                                     **_q_norm_grad_args(fold_q, q, q_rstd, dq))
+        dbeta, dg, dv_out, *d_gate_params = coef_bwd(
+            k,
+            beta,
+            dc.contiguous(),
+            dk,
+            g=g,
+            v=v,
+            dgl=dgl.contiguous(),
+            dvin=dvp.contiguous(),
+            dk_more=dk2.contiguous(),
+            gates=gates,
+            **_q_norm_grad_args(fold_q, q, q_rstd, dq),
+        )
         q_rstd = None if fold_q else q_rstd
     else:
         dk.add_(dk2)
@@ -376,8 +475,9 @@ def gated_bwd(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens, 
 class ChunkEFLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, beta, h0, scale, output_final_state, cu_seqlens, q_l2norm, k_l2norm):
-        o, ht, A, alpha, q, q_rstd, k, k_rstd = delta_fwd(q, k, v, beta, h0, scale, output_final_state, cu_seqlens,
-                                                          True, q_l2norm, k_l2norm)
+        o, ht, A, alpha, q, q_rstd, k, k_rstd = delta_fwd(
+            q, k, v, beta, h0, scale, output_final_state, cu_seqlens, True, q_l2norm, k_l2norm
+        )
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, beta, alpha, A, h0)
         ctx.scale, ctx.cu = scale, cu_seqlens
         return o, ht
@@ -385,8 +485,7 @@ class ChunkEFLA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, q_rstd, k, k_rstd, v, beta, alpha, A, h0 = ctx.saved_tensors
-        dq, dk, dv, dbeta, dh0 = delta_bwd(q, q_rstd, k, k_rstd, v, beta, alpha, A, h0, ctx.cu, do, dht, ctx.scale,
-                                           True)
+        dq, dk, dv, dbeta, dh0 = delta_bwd(q, q_rstd, k, k_rstd, v, beta, alpha, A, h0, ctx.cu, do, dht, ctx.scale, True)
         return dq, dk, dv, dbeta, (dh0 if h0 is not None else None), None, None, None, None, None
 
 
@@ -395,11 +494,28 @@ class ChunkGated(torch.autograd.Function):
     ``A_log``, ``dt_bias``, ``beta_scale``: raw gates (``efla.ops.gates.RawGates``), Gated EFLA only."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact, q_l2norm, k_l2norm,
-                A_log=None, dt_bias=None, beta_scale=None):
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        h0,
+        scale,
+        output_final_state,
+        cu_seqlens,
+        exact,
+        q_l2norm,
+        k_l2norm,
+        A_log=None,
+        dt_bias=None,
+        beta_scale=None,
+    ):
         gates = _raw_gates(A_log, dt_bias, beta_scale)
-        o, ht, A, gcum, c, vp, q, q_rstd, k, k_rstd = gated_fwd(q, k, v, g, beta, h0, scale, output_final_state,
-                                                                cu_seqlens, exact, q_l2norm, k_l2norm, gates)
+        o, ht, A, gcum, c, vp, q, q_rstd, k, k_rstd = gated_fwd(
+            q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact, q_l2norm, k_l2norm, gates
+        )
         ctx.save_for_backward(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, A_log, dt_bias)
         ctx.scale, ctx.cu, ctx.exact, ctx.beta_scale = scale, cu_seqlens, exact, beta_scale
         return o, ht
@@ -408,11 +524,27 @@ class ChunkGated(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, A_log, dt_bias = ctx.saved_tensors
         gates = _raw_gates(A_log, dt_bias, ctx.beta_scale)
-        dq, dk, dv, dg, dbeta, dh0, *d_gate_params = gated_bwd(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0,
-                                                               ctx.cu, do, dht, ctx.scale, ctx.exact, gates)
+        dq, dk, dv, dg, dbeta, dh0, *d_gate_params = gated_bwd(
+            q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, ctx.cu, do, dht, ctx.scale, ctx.exact, gates
+        )
         d_A_log, d_dt_bias = d_gate_params or (None, None)
-        return (dq, dk, dv, dg, dbeta, (dh0 if h0 is not None else None),
-                None, None, None, None, None, None, d_A_log, d_dt_bias, None)
+        return (
+            dq,
+            dk,
+            dv,
+            dg,
+            dbeta,
+            (dh0 if h0 is not None else None),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            d_A_log,
+            d_dt_bias,
+            None,
+        )
 
 
 def _raw_gates(A_log, dt_bias, beta_scale):
@@ -421,8 +553,7 @@ def _raw_gates(A_log, dt_bias, beta_scale):
     return RawGates(A_log, dt_bias, beta_scale)
 
 
-def eager_chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm, k_l2norm,
-                        gates=None):
+def eager_chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm, k_l2norm, gates=None):
     """``(o, final_state or None)`` through the autograd Functions (and fla's DeltaNet as is);
     ``gates``: raw gate inputs, for ``gated_efla`` only."""
     if kind == "efla":
@@ -436,11 +567,20 @@ def eager_chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, c
             q = FLA["l2norm"](q)
         if k_l2norm and not both:
             k = FLA["l2norm"](k)
-        o, ht = chunk_delta_rule(q, k, v, beta, scale=scale, initial_state=h0,
-                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                 use_qk_l2norm_in_kernel=both)
+        o, ht = chunk_delta_rule(
+            q,
+            k,
+            v,
+            beta,
+            scale=scale,
+            initial_state=h0,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=both,
+        )
     else:
         raw = (gates.A_log, gates.dt_bias, gates.beta_scale) if gates is not None else ()
-        o, ht = ChunkGated.apply(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens,
-                                 kind == "gated_efla", q_l2norm, k_l2norm, *raw)
+        o, ht = ChunkGated.apply(
+            q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, kind == "gated_efla", q_l2norm, k_l2norm, *raw
+        )
     return o, (ht if output_final_state else None)

@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import chunk as C
 from ..gates import activate
+from . import chunk as C
 
 _T5 = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
 _T6 = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -64,36 +64,73 @@ def _norm_fakes(x: Tensor, present: bool) -> tuple[Tensor, Tensor]:
 def _normed_inputs(q, k, normed, q_l2norm, k_l2norm):
     """``(q, q_rstd, k, k_rstd)`` for the backward: the op's normalised outputs where it normalised."""
     qn, q_rstd, kn, k_rstd = normed
-    return (qn if q_l2norm else q, q_rstd if q_l2norm else None,
-            kn if k_l2norm else k, k_rstd if k_l2norm else None)
+    return (qn if q_l2norm else q, q_rstd if q_l2norm else None, kn if k_l2norm else k, k_rstd if k_l2norm else None)
 
 
 # ------------------------------------------------------------------ EFLA / DeltaNet
 @torch.library.custom_op("efla::chunk_delta_fwd", mutates_args=())
-def chunk_delta_fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, h0: Tensor | None, cu_seqlens: Tensor | None,
-                    scale: float, exact: bool, output_final_state: bool, q_l2norm: bool, k_l2norm: bool) -> _T8:
+def chunk_delta_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    h0: Tensor | None,
+    cu_seqlens: Tensor | None,
+    scale: float,
+    exact: bool,
+    output_final_state: bool,
+    q_l2norm: bool,
+    k_l2norm: bool,
+) -> _T8:
     C.load()
-    o, ht, A, alpha, qn, q_rstd, kn, k_rstd = C.delta_fwd(q, k, v, beta, h0, scale, output_final_state, cu_seqlens,
-                                                          exact, q_l2norm, k_l2norm)
-    return (o, _as_output(ht, k), A, _as_output(alpha, beta), _as_output(qn, q), _as_output(q_rstd, q),
-            _as_output(kn, k), _as_output(k_rstd, k))
+    o, ht, A, alpha, qn, q_rstd, kn, k_rstd = C.delta_fwd(
+        q, k, v, beta, h0, scale, output_final_state, cu_seqlens, exact, q_l2norm, k_l2norm
+    )
+    return (
+        o,
+        _as_output(ht, k),
+        A,
+        _as_output(alpha, beta),
+        _as_output(qn, q),
+        _as_output(q_rstd, q),
+        _as_output(kn, k),
+        _as_output(k_rstd, k),
+    )
 
 
 @chunk_delta_fwd.register_fake
 def _(q, k, v, beta, h0, cu_seqlens, scale, exact, output_final_state, q_l2norm, k_l2norm):
     B, T, H, _ = k.shape
     alpha = _fake_like(exact, beta, B, T, H, dtype=C.COEF_DTYPE.get(k.dtype, torch.float32))
-    return (torch.empty_like(v), _state_fake(k, v, cu_seqlens, output_final_state),
-            k.new_empty(B, T, H, C.CHUNK), alpha, *_norm_fakes(q, q_l2norm), *_norm_fakes(k, k_l2norm))
+    return (
+        torch.empty_like(v),
+        _state_fake(k, v, cu_seqlens, output_final_state),
+        k.new_empty(B, T, H, C.CHUNK),
+        alpha,
+        *_norm_fakes(q, q_l2norm),
+        *_norm_fakes(k, k_l2norm),
+    )
 
 
 @torch.library.custom_op("efla::chunk_delta_bwd", mutates_args=())
-def chunk_delta_bwd(q: Tensor, q_rstd: Tensor | None, k: Tensor, k_rstd: Tensor | None, v: Tensor, beta: Tensor,
-                    alpha: Tensor, A: Tensor, h0: Tensor | None, cu_seqlens: Tensor | None, do: Tensor,
-                    dht: Tensor | None, scale: float, exact: bool) -> _T5:
+def chunk_delta_bwd(
+    q: Tensor,
+    q_rstd: Tensor | None,
+    k: Tensor,
+    k_rstd: Tensor | None,
+    v: Tensor,
+    beta: Tensor,
+    alpha: Tensor,
+    A: Tensor,
+    h0: Tensor | None,
+    cu_seqlens: Tensor | None,
+    do: Tensor,
+    dht: Tensor | None,
+    scale: float,
+    exact: bool,
+) -> _T5:
     C.load()
-    dq, dk, dv, dbeta, dh0 = C.delta_bwd(q, q_rstd, k, k_rstd, v, beta, alpha, A, h0, cu_seqlens, do, dht, scale,
-                                         exact)
+    dq, dk, dv, dbeta, dh0 = C.delta_bwd(q, q_rstd, k, k_rstd, v, beta, alpha, A, h0, cu_seqlens, do, dht, scale, exact)
     return dq, dk, dv, dbeta, _as_output(dh0, k)
 
 
@@ -117,8 +154,9 @@ def _delta_backward(ctx, do, dht, *_):
     qn, q_rstd, kn, k_rstd, v, beta, alpha, A, h0, cu_seqlens = ctx.saved_tensors
     do = torch.zeros_like(v) if do is None else do  # only the final state was used
     dht = dht if ctx.output_final_state else None
-    dq, dk, dv, dbeta, dh0 = torch.ops.efla.chunk_delta_bwd(qn, q_rstd, kn, k_rstd, v, beta, alpha, A, h0,
-                                                            cu_seqlens, do, dht, ctx.scale, ctx.exact)
+    dq, dk, dv, dbeta, dh0 = torch.ops.efla.chunk_delta_bwd(
+        qn, q_rstd, kn, k_rstd, v, beta, alpha, A, h0, cu_seqlens, do, dht, ctx.scale, ctx.exact
+    )
     return dq, dk, dv, dbeta, (dh0 if h0 is not None else None), None, None, None, None, None, None
 
 
@@ -127,14 +165,36 @@ chunk_delta_fwd.register_autograd(_delta_backward, setup_context=_delta_setup)
 
 # ------------------------------------------------------------------ Gated EFLA / Gated DeltaNet
 @torch.library.custom_op("efla::chunk_gated_fwd", mutates_args=())
-def chunk_gated_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None,
-                    cu_seqlens: Tensor | None, scale: float, exact: bool, output_final_state: bool, q_l2norm: bool,
-                    k_l2norm: bool) -> _T10:
+def chunk_gated_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    h0: Tensor | None,
+    cu_seqlens: Tensor | None,
+    scale: float,
+    exact: bool,
+    output_final_state: bool,
+    q_l2norm: bool,
+    k_l2norm: bool,
+) -> _T10:
     C.load()
-    o, ht, A, gcum, c, vp, qn, q_rstd, kn, k_rstd = C.gated_fwd(q, k, v, g, beta, h0, scale, output_final_state,
-                                                                cu_seqlens, exact, q_l2norm, k_l2norm)
-    return (o, _as_output(ht, k), A, gcum, _as_output(c, beta), _as_output(vp, v), _as_output(qn, q),
-            _as_output(q_rstd, q), _as_output(kn, k), _as_output(k_rstd, k))
+    o, ht, A, gcum, c, vp, qn, q_rstd, kn, k_rstd = C.gated_fwd(
+        q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact, q_l2norm, k_l2norm
+    )
+    return (
+        o,
+        _as_output(ht, k),
+        A,
+        gcum,
+        _as_output(c, beta),
+        _as_output(vp, v),
+        _as_output(qn, q),
+        _as_output(q_rstd, q),
+        _as_output(kn, k),
+        _as_output(k_rstd, k),
+    )
 
 
 @chunk_gated_fwd.register_fake
@@ -142,26 +202,49 @@ def _(q, k, v, g, beta, h0, cu_seqlens, scale, exact, output_final_state, q_l2no
     B, T, H, _ = k.shape
     c = _fake_like(exact, beta, B, T, H, dtype=C.COEF_DTYPE.get(k.dtype, torch.float32))
     vp = torch.empty_like(v) if exact else _placeholder(v)
-    return (torch.empty_like(v), _state_fake(k, v, cu_seqlens, output_final_state),
-            k.new_empty(B, T, H, C.CHUNK), k.new_empty(B, T, H, dtype=torch.float32), c, vp,
-            *_norm_fakes(q, q_l2norm), *_norm_fakes(k, k_l2norm))
+    return (
+        torch.empty_like(v),
+        _state_fake(k, v, cu_seqlens, output_final_state),
+        k.new_empty(B, T, H, C.CHUNK),
+        k.new_empty(B, T, H, dtype=torch.float32),
+        c,
+        vp,
+        *_norm_fakes(q, q_l2norm),
+        *_norm_fakes(k, k_l2norm),
+    )
 
 
 @torch.library.custom_op("efla::chunk_gated_bwd", mutates_args=())
-def chunk_gated_bwd(q: Tensor, q_rstd: Tensor | None, k: Tensor, k_rstd: Tensor | None, v: Tensor, vp: Tensor,
-                    g: Tensor, beta: Tensor, c: Tensor, gcum: Tensor, A: Tensor, h0: Tensor | None,
-                    cu_seqlens: Tensor | None, do: Tensor, dht: Tensor | None, scale: float, exact: bool) -> _T6:
+def chunk_gated_bwd(
+    q: Tensor,
+    q_rstd: Tensor | None,
+    k: Tensor,
+    k_rstd: Tensor | None,
+    v: Tensor,
+    vp: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    c: Tensor,
+    gcum: Tensor,
+    A: Tensor,
+    h0: Tensor | None,
+    cu_seqlens: Tensor | None,
+    do: Tensor,
+    dht: Tensor | None,
+    scale: float,
+    exact: bool,
+) -> _T6:
     C.load()
-    dq, dk, dv, dg, dbeta, dh0 = C.gated_bwd(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens, do,
-                                             dht, scale, exact)
+    dq, dk, dv, dg, dbeta, dh0 = C.gated_bwd(
+        q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens, do, dht, scale, exact
+    )
     return dq, dk, dv, dg, dbeta, _as_output(dh0, k)
 
 
 @chunk_gated_bwd.register_fake
 def _(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens, do, dht, scale, exact):
     dh0 = torch.empty_like(h0, dtype=torch.float32) if h0 is not None else _placeholder(k)
-    return (q.new_empty(q.shape), k.new_empty(k.shape), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta), dh0)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta), dh0)
 
 
 def _gated_setup(ctx, inputs, output):
@@ -170,8 +253,7 @@ def _gated_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(A, gcum, c, vp, *normed, *(() if output_final_state else (ht,)))
     ctx.set_materialize_grads(False)
     qn, q_rstd, kn, k_rstd = _normed_inputs(q, k, normed, q_l2norm, k_l2norm)
-    ctx.save_for_backward(qn, q_rstd, kn, k_rstd, v, vp if exact else v, g, beta, c if exact else beta, gcum, A, h0,
-                          cu_seqlens)
+    ctx.save_for_backward(qn, q_rstd, kn, k_rstd, v, vp if exact else v, g, beta, c if exact else beta, gcum, A, h0, cu_seqlens)
     ctx.scale, ctx.exact, ctx.output_final_state = scale, exact, output_final_state
 
 
@@ -179,8 +261,9 @@ def _gated_backward(ctx, do, dht, *_):
     qn, q_rstd, kn, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens = ctx.saved_tensors
     do = torch.zeros_like(v) if do is None else do
     dht = dht if ctx.output_final_state else None
-    dq, dk, dv, dg, dbeta, dh0 = torch.ops.efla.chunk_gated_bwd(qn, q_rstd, kn, k_rstd, v, vp, g, beta, c, gcum, A,
-                                                                h0, cu_seqlens, do, dht, ctx.scale, ctx.exact)
+    dq, dk, dv, dg, dbeta, dh0 = torch.ops.efla.chunk_gated_bwd(
+        qn, q_rstd, kn, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens, do, dht, ctx.scale, ctx.exact
+    )
     return dq, dk, dv, dg, dbeta, (dh0 if h0 is not None else None), None, None, None, None, None, None
 
 
@@ -191,16 +274,17 @@ chunk_gated_fwd.register_autograd(_gated_backward, setup_context=_gated_setup)
 def op_chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm, k_l2norm):
     """``(o, final_state or None)`` through the custom ops."""
     if kind in ("efla", "delta_rule"):
-        out = torch.ops.efla.chunk_delta_fwd(q, k, v, beta, h0, cu_seqlens, scale, kind == "efla",
-                                             output_final_state, q_l2norm, k_l2norm)
+        out = torch.ops.efla.chunk_delta_fwd(
+            q, k, v, beta, h0, cu_seqlens, scale, kind == "efla", output_final_state, q_l2norm, k_l2norm
+        )
     else:
-        out = torch.ops.efla.chunk_gated_fwd(q, k, v, g, beta, h0, cu_seqlens, scale, kind == "gated_efla",
-                                             output_final_state, q_l2norm, k_l2norm)
+        out = torch.ops.efla.chunk_gated_fwd(
+            q, k, v, g, beta, h0, cu_seqlens, scale, kind == "gated_efla", output_final_state, q_l2norm, k_l2norm
+        )
     return out[0], (out[1] if output_final_state else None)
 
 
-def chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm=False, k_l2norm=False,
-                  gates=None):
+def chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm=False, k_l2norm=False, gates=None):
     """Returns (o, final_state or None). Inputs already checked by the dispatcher. Under
     ``torch.compile`` the custom ops (raw ``gates`` activated first), in eager the autograd
     Functions (same stages; Gated EFLA's take the raw gates)."""
@@ -208,5 +292,4 @@ def chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seql
     if torch.compiler.is_compiling():
         g, beta = activate(g, beta, gates)
         return op_chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm, k_l2norm)
-    return C.eager_chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm, k_l2norm,
-                                 gates)
+    return C.eager_chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm, k_l2norm, gates)

@@ -21,6 +21,7 @@ The chunk kernels get erase ``c`` as their ``beta`` and ``v * (w / c)`` as their
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import triton
@@ -33,7 +34,6 @@ G_FLOOR = -60.0
 
 def _autotune_kwargs() -> dict:
     """Keep autotuning results on disk where this Triton can (as flash-linear-attention does)."""
-    import inspect
 
     return {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
@@ -82,8 +82,9 @@ def _softplus(x):
 
 
 @triton.jit
-def _raw_gate_inputs(g, beta, A_log, dt_bias, i_r, m_r, H, GATE_ACT: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                     BETA_SCALE: tl.constexpr):
+def _raw_gate_inputs(
+    g, beta, A_log, dt_bias, i_r, m_r, H, GATE_ACT: tl.constexpr, HAS_DT_BIAS: tl.constexpr, BETA_SCALE: tl.constexpr
+):
     """Rows' ``(g, beta, x, sigmoid(beta logit), exp(A_log))`` in float32 from what the op was given:
     with ``GATE_ACT`` ``g`` is the raw decay input (``x = g + dt_bias``, log-gate
     ``-exp(A_log) softplus(x)``), with ``BETA_SCALE > 0`` ``beta`` is a logit (step
@@ -158,16 +159,34 @@ def _q_step64(x1, delta, q1, dq1, em_neg1, q_eta, dq_eta, em_pos_eta):
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def coef_fwd_kernel(
-    k, v, beta, g,  # inputs: k [R, K], v [R, V] (gated only), beta [R], g [R] (gated only)
-    A_log, dt_bias,  # [H]: with GATE_ACT, g is the decay's raw input (see _raw_gate_inputs)
-    erase, gl, vout,  # outputs: erase [R] f32; gated: gl [R] f32 = expm1(g), vout [R, V]
+    k,
+    v,
+    beta,
+    g,  # inputs: k [R, K], v [R, V] (gated only), beta [R], g [R] (gated only)
+    A_log,
+    dt_bias,  # [H]: with GATE_ACT, g is the decay's raw input (see _raw_gate_inputs)
+    erase,
+    gl,
+    vout,  # outputs: erase [R] f32; gated: gl [R] f32 = expm1(g), vout [R, V]
     overflow,  # FLAG: int32 [1], set to 1 where a key's ||k||^2 overflows float32 (else untouched)
-    q, q_out, q_rstd,  # QNORM: q [R, K] in, q / ||q|| [R, K] and 1 / ||q|| [R] f32 out (fla's l2norm, eps Q_EPS)
-    R, H,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
-    GATED: tl.constexpr, G_MIN: tl.constexpr, FLAG: tl.constexpr,
-    GATE_ACT: tl.constexpr = False, HAS_DT_BIAS: tl.constexpr = False, BETA_SCALE: tl.constexpr = 0.0,
-    QNORM: tl.constexpr = False, Q_EPS: tl.constexpr = 1e-6,
+    q,
+    q_out,
+    q_rstd,  # QNORM: q [R, K] in, q / ||q|| [R, K] and 1 / ||q|| [R] f32 out (fla's l2norm, eps Q_EPS)
+    R,
+    H,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BR: tl.constexpr,
+    GATED: tl.constexpr,
+    G_MIN: tl.constexpr,
+    FLAG: tl.constexpr,
+    GATE_ACT: tl.constexpr = False,
+    HAS_DT_BIAS: tl.constexpr = False,
+    BETA_SCALE: tl.constexpr = 0.0,
+    QNORM: tl.constexpr = False,
+    Q_EPS: tl.constexpr = 1e-6,
 ):
     i_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     m_r = i_r < R
@@ -184,8 +203,7 @@ def coef_fwd_kernel(
         n_over = tl.sum((m_r & (lam > FLOAT32_MAX)).to(tl.int32), 0)
         tl.atomic_max(overflow, 1, mask=n_over > 0)
     if GATED:
-        b_g, b_beta, _, _, _ = _raw_gate_inputs(g, beta, A_log, dt_bias, i_r, m_r, H, GATE_ACT, HAS_DT_BIAS,
-                                                BETA_SCALE)
+        b_g, b_beta, _, _, _ = _raw_gate_inputs(g, beta, A_log, dt_bias, i_r, m_r, H, GATE_ACT, HAS_DT_BIAS, BETA_SCALE)
         a_c = tl.exp(tl.maximum(b_g, G_MIN))
         rho = a_c * b_beta
         x1 = rho * lam
@@ -217,28 +235,48 @@ def coef_fwd_kernel(
 # Register counts from ptxas for sm_90 (no spills at BC <= 16): 48-64 plain, 80-104 gated.
 COEF_BWD_CONFIGS = [
     triton.Config({"BR": br, "BC": bc}, num_warps=w)
-    for br, bc, w in ((128, 8, 4), (64, 8, 2), (256, 8, 8), (64, 16, 4), (128, 16, 8), (32, 32, 4), (64, 128, 2),
-                      (8, 128, 4))
+    for br, bc, w in ((128, 8, 4), (64, 8, 2), (256, 8, 8), (64, 16, 4), (128, 16, 8), (32, 32, 4), (64, 128, 2), (8, 128, 4))
 ]
 
 
-@triton.autotune(configs=_tunable(COEF_BWD_CONFIGS), key=["K", "V", "GATED", "GATE_ACT", "BETA_SCALE", "QNORM"],
-                 restore_value=["dk", "dq"],
-                 **_autotune_kwargs())
+@triton.autotune(
+    configs=_tunable(COEF_BWD_CONFIGS),
+    key=["K", "V", "GATED", "GATE_ACT", "BETA_SCALE", "QNORM"],
+    restore_value=["dk", "dq"],
+    **_autotune_kwargs(),
+)
 @triton.jit(do_not_specialize=["R"])
 def coef_bwd_kernel(
-    k, v, beta, g,  # inputs as in the forward
-    A_log, dt_bias,  # as in the forward (GATE_ACT)
-    derase, dgl, dvin,  # grads of erase [R] (the erase's dtype), of gl [R] f32 (gated), of vout [R, V] (gated)
+    k,
+    v,
+    beta,
+    g,  # inputs as in the forward
+    A_log,
+    dt_bias,  # as in the forward (GATE_ACT)
+    derase,
+    dgl,
+    dvin,  # grads of erase [R] (the erase's dtype), of gl [R] f32 (gated), of vout [R, V] (gated)
     dk,  # [R, K]: grad of k from the chunk kernels; updated in place
     dk_more,  # [R, K]: a second part of that grad, added in the same pass (HAS_DK_MORE)
-    dbeta, dg, dv,  # outputs: dbeta [R], dg [R] (gated), dv [R, V] (gated; may alias dvin)
+    dbeta,
+    dg,
+    dv,  # outputs: dbeta [R], dg [R] (gated), dv [R, V] (gated; may alias dvin)
     dgate,  # GATE_ACT: [2, R] f32, each row's part of the grads of A_log (first R) and dt_bias (last R)
-    q, q_rstd, dq,  # QNORM: the forward's q / ||q|| [R, K] and 1 / ||q|| [R]; dq [R, K], chained back in place
-    R, H,
-    K: tl.constexpr, V: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-    GATED: tl.constexpr, G_MIN: tl.constexpr, HAS_DK_MORE: tl.constexpr,
-    GATE_ACT: tl.constexpr = False, HAS_DT_BIAS: tl.constexpr = False, BETA_SCALE: tl.constexpr = 0.0,
+    q,
+    q_rstd,
+    dq,  # QNORM: the forward's q / ||q|| [R, K] and 1 / ||q|| [R]; dq [R, K], chained back in place
+    R,
+    H,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    GATED: tl.constexpr,
+    G_MIN: tl.constexpr,
+    HAS_DK_MORE: tl.constexpr,
+    GATE_ACT: tl.constexpr = False,
+    HAS_DT_BIAS: tl.constexpr = False,
+    BETA_SCALE: tl.constexpr = 0.0,
     QNORM: tl.constexpr = False,
 ):
     i_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
@@ -261,8 +299,7 @@ def coef_bwd_kernel(
         # erase c = (1 - e^-x1) / lam (x1 = rho lam, rho = a_c beta); value v' = v r with
         # r = w / c = phi(eta) / (a_c phi(x1)), eta = x1 + delta, delta = -expm1(g). The gradients of
         # log r are differences q(eta) - q(x1) of q = phi'/phi, taken by _q_step64 (no cancellation).
-        g32, beta32, b_x, b_sig, b_A = _raw_gate_inputs(g, beta, A_log, dt_bias, i_r, m_r, H, GATE_ACT, HAS_DT_BIAS,
-                                                        BETA_SCALE)
+        g32, beta32, b_x, b_sig, b_A = _raw_gate_inputs(g, beta, A_log, dt_bias, i_r, m_r, H, GATE_ACT, HAS_DT_BIAS, BETA_SCALE)
         b_beta = beta32.to(tl.float64)
         b_g = g32.to(tl.float64)
         s_g = tl.where(b_g > G_MIN, 1.0, 0.0)  # d a_c / dg = s_g * a_c
@@ -289,9 +326,7 @@ def coef_bwd_kernel(
         d_beta = b_de * a_c * ex1 + dr_scale * a_c * lam * q_step
         d_lam = b_de * rho * rho * q1 * p1 + dr_scale * rho * q_step
         dgl_in = tl.load(dgl + i_r, mask=m_r, other=0.0).to(tl.float32).to(tl.float64)
-        d_g = (b_de * s_g * rho * ex1
-               + dr_scale * (s_g * x1 * q_step - a * q_eta - s_g)
-               + dgl_in * a)
+        d_g = b_de * s_g * rho * ex1 + dr_scale * (s_g * x1 * q_step - a * q_eta - s_g) + dgl_in * a
         if GATE_ACT:  # g = -A softplus(x), A = exp(A_log): dg/dx = -A sigmoid(x), dg/dA_log = g
             d_x = d_g * (-b_A * tl.sigmoid(b_x)).to(tl.float64)
             tl.store(dgate + i_r, (d_g * b_g).to(tl.float32), mask=m_r)
@@ -334,9 +369,7 @@ def coef_bwd_kernel(
 # Launch settings chosen per (H, K, V) on the first call. Measured on an H200 at K = V = 128: 0.33 ms
 # with 8 warps, 3 stages against 0.52 ms for the single fixed setting of earlier versions (4 warps,
 # 2 stages); 2 warps took 8-11 ms (the [64, 128] float32 accumulators spill) and are left out.
-DQKWG_CONFIGS = [
-    triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv in (64, 128) for w in (4, 8) for s in (2, 3)
-]
+DQKWG_CONFIGS = [triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv in (64, 128) for w in (4, 8) for s in (2, 3)]
 
 
 def dqkwg_configs(V: int, configs=DQKWG_CONFIGS) -> list:
@@ -349,24 +382,48 @@ def dqkwg_configs(V: int, configs=DQKWG_CONFIGS) -> list:
     widest = max(16, 1 << (V.bit_length() - 1))
     for c in configs:
         bv = min(c.kwargs["BV"], widest)
-        fitted.setdefault((bv, c.num_warps, c.num_stages),
-                          triton.Config({**c.kwargs, "BV": bv}, num_warps=c.num_warps, num_stages=c.num_stages))
+        fitted.setdefault(
+            (bv, c.num_warps, c.num_stages), triton.Config({**c.kwargs, "BV": bv}, num_warps=c.num_warps, num_stages=c.num_stages)
+        )
     return list(fitted.values())
 
 
-def _fit_dqkwg_configs(configs, named_args, **kwargs) -> list:
+def _fit_dqkwg_configs(configs, named_args, **kwargs) -> list:  # noqa: ARG001 (Triton's prune hook signature)
     return dqkwg_configs(kwargs["V"], configs)
 
 
-@triton.autotune(configs=_tunable(DQKWG_CONFIGS), key=["H", "K", "V", "BT", "BK", "IS_VARLEN"],
-                 prune_configs_by={"early_config_prune": _fit_dqkwg_configs}, **_autotune_kwargs())
+@triton.autotune(
+    configs=_tunable(DQKWG_CONFIGS),
+    key=["H", "K", "V", "BT", "BK", "IS_VARLEN"],
+    prune_configs_by={"early_config_prune": _fit_dqkwg_configs},
+    **_autotune_kwargs(),
+)
 @triton.jit(do_not_specialize=["T", "TOT"])
 def gated_dqkwg_kernel(
-    q, k, v, g, h, do, dh, dv,  # v = v_new [B,T,H,V]; g = chunk-local cumsum (log2) [B,T,H] f32
-    dq, dk, dw, dg,  # outputs; dg [NK, B, T, H] f32 (per position, before the reverse cumsum)
-    cu_seqlens, chunk_indices, scale, T, TOT,  # TOT = B * T (all tokens)
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    q,
+    k,
+    v,
+    g,
+    h,
+    do,
+    dh,
+    dv,  # v = v_new [B,T,H,V]; g = chunk-local cumsum (log2) [B,T,H] f32
+    dq,
+    dk,
+    dw,
+    dg,  # outputs; dg [NK, B, T, H] f32 (per position, before the reverse cumsum)
+    cu_seqlens,
+    chunk_indices,
+    scale,
+    T,
+    TOT,  # TOT = B * T (all tokens)
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
@@ -396,7 +453,7 @@ def gated_dqkwg_kernel(
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-    b_ds = tl.zeros([BT, BT], dtype=tl.float32)   # ds[i, j]  = do_i . v_j
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)  # ds[i, j]  = do_i . v_j
     b_dst = tl.zeros([BT, BT], dtype=tl.float32)  # dst[j, i] = v_j . do_i (formed directly)
     b_dgl = tl.zeros([1], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):

@@ -82,8 +82,10 @@ def read_each_call() -> bool:
 
 
 def _deferred_key_error() -> ValueError:
-    return ValueError("k: a key's squared norm ||k||^2 overflows float32 in a chunk call of this block "
-                      f"(max {torch.finfo(torch.float32).max:.4g}); scale the keys down")
+    return ValueError(
+        "k: a key's squared norm ||k||^2 overflows float32 in a chunk call of this block "
+        f"(max {torch.finfo(torch.float32).max:.4g}); scale the keys down"
+    )
 
 
 def _read_and_reset(flags: dict, quiet: bool = False) -> bool:
@@ -149,8 +151,11 @@ def check_flag_later(flag: torch.Tensor) -> None:
     if check is None or check.flag is not flag:
         cuda = flag.is_cuda
         check = checks[id(flag)] = _LaterCheck(
-            flag, torch.zeros(1, dtype=flag.dtype, pin_memory=cuda),
-            torch.cuda.current_stream(flag.device) if cuda else None, torch.cuda.Event() if cuda else None)
+            flag,
+            torch.zeros(1, dtype=flag.dtype, pin_memory=cuda),
+            torch.cuda.current_stream(flag.device) if cuda else None,
+            torch.cuda.Event() if cuda else None,
+        )
     check.host.copy_(check.flag, non_blocking=check.event is not None)
     if check.event is not None:
         check.event.record(check.stream)
@@ -169,10 +174,12 @@ def raise_earlier_overflows(wait: bool = False) -> None:
         if check.host.item():
             with _in_stream(check.stream):
                 reset_flag(check.flag)
-            raise ValueError("k: a key's squared norm ||k||^2 overflowed float32 "
-                             f"(max {torch.finfo(torch.float32).max:.4g}) in an earlier chunk call on this thread, "
-                             "whose output is NaN; scale the keys down (EFLA_CHECK_KEYS=sync raises from that call "
-                             "itself, at one device sync per call)")
+            raise ValueError(
+                "k: a key's squared norm ||k||^2 overflowed float32 "
+                f"(max {torch.finfo(torch.float32).max:.4g}) in an earlier chunk call on this thread, "
+                "whose output is NaN; scale the keys down (EFLA_CHECK_KEYS=sync raises from that call "
+                "itself, at one device sync per call)"
+            )
 
 
 def check_keys() -> None:

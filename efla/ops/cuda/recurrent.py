@@ -13,8 +13,7 @@ import triton
 from . import step_kernels as kn
 from .kernels import G_FLOOR
 
-_RULES = {"efla": (True, False), "gated_efla": (True, True),
-          "delta_rule": (False, False), "gated_delta_rule": (False, True)}
+_RULES = {"efla": (True, False), "gated_efla": (True, True), "delta_rule": (False, False), "gated_delta_rule": (False, True)}
 
 
 def recurrent_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens):
@@ -27,9 +26,28 @@ def recurrent_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_
     o = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, device=k.device, dtype=torch.float32) if output_final_state else None
     kn.recurrent_kernel[(triton.cdiv(V, BV), N * H)](
-        q, k, v, beta, g, h0, ht, o, cu_seqlens, scale, T,
-        H=H, K=K, V=V, BK=BK, BV=BV, EXACT=exact, GATED=gated, HAS_H0=h0 is not None,
-        STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None, G_MIN=G_FLOOR,
+        q,
+        k,
+        v,
+        beta,
+        g,
+        h0,
+        ht,
+        o,
+        cu_seqlens,
+        scale,
+        T,
+        H=H,
+        K=K,
+        V=V,
+        BK=BK,
+        BV=BV,
+        EXACT=exact,
+        GATED=gated,
+        HAS_H0=h0 is not None,
+        STORE_HT=output_final_state,
+        IS_VARLEN=cu_seqlens is not None,
+        G_MIN=G_FLOOR,
         num_warps=4 if BK * BV <= 4096 else 8,
     )
     return o, ht

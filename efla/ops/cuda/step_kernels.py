@@ -40,8 +40,7 @@ def _delta_step(b_s, b_k, b_v, b_b, b_g, EXACT: tl.constexpr, GATED: tl.constexp
             frac_e = _one_minus_exp_neg(x1)
             eta = x1 - b_gl
             big = tl.maximum(x1, 1.0)
-            frac_w = tl.where(x1 < 1.0, x1 / a_c * _phi(eta),
-                              _one_minus_exp_neg(eta) / (a_c * (1.0 - b_gl / big)))
+            frac_w = tl.where(x1 < 1.0, x1 / a_c * _phi(eta), _one_minus_exp_neg(eta) / (a_c * (1.0 - b_gl / big)))
             b_s = b_s * tl.exp(b_gl)
         else:
             frac_e = _one_minus_exp_neg((b_b * m) * m * s)
@@ -58,11 +57,28 @@ def _delta_step(b_s, b_k, b_v, b_b, b_g, EXACT: tl.constexpr, GATED: tl.constexp
 
 @triton.jit
 def recurrent_kernel(
-    q, k, v, beta, g, h0, ht, o,
-    cu_seqlens, scale, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    EXACT: tl.constexpr, GATED: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, G_MIN: tl.constexpr,
+    q,
+    k,
+    v,
+    beta,
+    g,
+    h0,
+    ht,
+    o,
+    cu_seqlens,
+    scale,
+    T,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    EXACT: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_H0: tl.constexpr,
+    STORE_HT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    G_MIN: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -109,8 +125,20 @@ def _shifted_history(x_row, p_hist, m_c, o_w, W: tl.constexpr):
 
 
 @triton.jit
-def _conv_step(x_row, pool, row_base, o_c, m_c, weight, bias, o_w, W: tl.constexpr, HAS_BIAS: tl.constexpr,
-               SILU: tl.constexpr, PUSH: tl.constexpr):
+def _conv_step(
+    x_row,
+    pool,
+    row_base,
+    o_c,
+    m_c,
+    weight,
+    bias,
+    o_w,
+    W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    PUSH: tl.constexpr,
+):
     """The short convolution's output for ``x_row [BC]`` (SiLU'd if asked) after its history
     (``pool + row_base``, ``[C, W]`` row-major, oldest first); ``PUSH``: ``x_row`` also goes into
     that history, in place."""
@@ -152,13 +180,55 @@ def _norm_gate(b_o, o_v, m_v, norm_w, xg, row_g, V: tl.constexpr, norm_eps, OUT_
 
 @triton.jit
 def decode_step_kernel(
-    xq, xk, xv, xb, xa, xg, sxq, sxk, sxv, sxb, sxa, sxg,
-    wq, wk, wv, bq, bk, bv, cq, ck, cv,
-    state, slots, A_log, dt_bias, norm_w, out, scale, norm_eps, l2_eps,
-    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    W: tl.constexpr, BW: tl.constexpr, EXACT: tl.constexpr, GATED: tl.constexpr, HAS_CONV: tl.constexpr,
-    HAS_CONV_BIAS: tl.constexpr, QK_SILU: tl.constexpr, USE_BETA: tl.constexpr, BETA_SCALE: tl.constexpr,
-    K_L2: tl.constexpr, HAS_SLOTS: tl.constexpr, OUT_GATE: tl.constexpr, G_MIN: tl.constexpr,
+    xq,
+    xk,
+    xv,
+    xb,
+    xa,
+    xg,
+    sxq,
+    sxk,
+    sxv,
+    sxb,
+    sxa,
+    sxg,
+    wq,
+    wk,
+    wv,
+    bq,
+    bk,
+    bv,
+    cq,
+    ck,
+    cv,
+    state,
+    slots,
+    A_log,
+    dt_bias,
+    norm_w,
+    out,
+    scale,
+    norm_eps,
+    l2_eps,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    W: tl.constexpr,
+    BW: tl.constexpr,
+    EXACT: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_CONV: tl.constexpr,
+    HAS_CONV_BIAS: tl.constexpr,
+    QK_SILU: tl.constexpr,
+    USE_BETA: tl.constexpr,
+    BETA_SCALE: tl.constexpr,
+    K_L2: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    OUT_GATE: tl.constexpr,
+    G_MIN: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
     """One program per (row, q/k head, block of ``BV`` value columns): its ``G`` value heads one
@@ -216,9 +286,30 @@ def decode_step_kernel(
 
 @triton.jit
 def decode_norm_kernel(
-    raw, xq, xk, xg, sxq, sxk, sxg, cq, ck, slots, norm_w, out, norm_eps,
-    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    W: tl.constexpr, BW: tl.constexpr, HAS_CONV: tl.constexpr, HAS_SLOTS: tl.constexpr, OUT_GATE: tl.constexpr,
+    raw,
+    xq,
+    xk,
+    xg,
+    sxq,
+    sxk,
+    sxg,
+    cq,
+    ck,
+    slots,
+    norm_w,
+    out,
+    norm_eps,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    W: tl.constexpr,
+    BW: tl.constexpr,
+    HAS_CONV: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    OUT_GATE: tl.constexpr,
 ):
     """The rest of a ``SPLIT`` decoding step, one program per (row, q/k head): the output norm (and
     gate) of its ``G`` value heads and the push of its q/k convolution histories."""
