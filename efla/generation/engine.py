@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from efla.cuda_graphs import capture
 from efla.layers.decode import refresh_stacked_weights
 from efla.models.cache import EFLACache
 from efla.ops.validate import unchecked_values
@@ -306,16 +307,8 @@ class DecodeEngine:
         return self._captured(lambda: self._prefill_step(bucket))
 
     def _captured(self, run: Callable[[], None]) -> torch.cuda.CUDAGraph:
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.no_grad(), torch.cuda.stream(side):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, pool=self.memory_pool):
-            run()
-        return graph
+        with torch.no_grad(), torch.cuda.device(self.device):
+            return capture(run, warmup=2, pool=self.memory_pool)[0]
 
     # -- decoding -------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from efla.cuda_graphs import capture
 from efla.data.mad_tasks import IGNORE, MADSetting, make_dataset
 from efla.experiments import harness
 from efla.experiments.checkpoint import load_checkpoint_state
@@ -191,9 +192,7 @@ class GraphedBatches:
     def _capture(self, xb, yb):
         """Record ``fn`` on static inputs; recording runs nothing, the replay after it does."""
         self.x, self.y = xb.clone(), yb.clone()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=self.stream):
-            self.out = self.fn(self.x, self.y)
+        self.graph, self.out = capture(lambda: self.fn(self.x, self.y), stream=self.stream)
 
 
 class GraphedSteps(GraphedBatches):
