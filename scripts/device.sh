@@ -19,6 +19,11 @@
 #   generate  benchmarks/gpu_generate.py: generation speed (340M), then the kernel and profile stages
 #   serve     benchmarks/serve_load.py: the server's scheduler under load beside static batching
 #
+# Triton's compiled kernels and tuning results: a fresh machine compiles and tunes every kernel again
+# (minutes for fla's gated kernels). Carry .triton-cache/ (git-ignored) as well and they are reused;
+# each run leaves the cache it ended with in $OUT/triton-cache.tar.gz (when under 40 MB), to unpack
+# into .triton-cache/ for the next visit.
+#
 # The one-visit scripts that recorded earlier results (scripts/device_*.sh, named in docs/results)
 # are in git history up to commit a97566f.
 set -uo pipefail
@@ -28,6 +33,8 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "device.sh: cannot install the carried wheels (.whl/)"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+mkdir -p .triton-cache
+export TRITON_CACHE_DIR=$PWD/.triton-cache
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__)"
@@ -52,4 +59,9 @@ for phase in "$@"; do
   echo "== $phase at ${SECONDS}s"
   timeout "$LIMIT" bash -c 'run_phase "$0"' "$phase" 2>&1 | grep -v Warning | tail -60
 done
+tar -czf "$OUT/triton-cache.tar.gz" -C .triton-cache . 2>/dev/null
+if [ "$(stat -c %s "$OUT/triton-cache.tar.gz" 2>/dev/null || echo 0)" -gt 40000000 ]; then
+  rm -f "$OUT/triton-cache.tar.gz"
+  echo "device.sh: the Triton cache is over 40 MB compressed; not returned"
+fi
 echo "== done in ${SECONDS}s"
