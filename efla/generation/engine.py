@@ -248,13 +248,10 @@ class DecodeEngine:
         bucket = self.prefill_bucket(len(pieces), max(map(len, pieces)))
         if self.use_graphs and bucket.graph is None:  # before the inputs go in: capturing overwrites them
             bucket.graph = self._capture_prefill(bucket)
-        n, scratch = len(pieces), self.scratch_slot
-        ids = torch.zeros(bucket.rows, bucket.length, dtype=torch.long)
-        for row, piece in enumerate(pieces):
-            ids[row, : len(piece)] = torch.tensor(piece, dtype=torch.long)
-        padding_rows = bucket.rows - n
+        n, scratch, padding_rows = len(pieces), self.scratch_slot, bucket.rows - len(pieces)
+        rows = [piece + [0] * (bucket.length - len(piece)) for piece in pieces] + [[0] * bucket.length] * padding_rows
         for static, values in (
-            (bucket.ids, ids),
+            (bucket.ids, torch.tensor(rows, dtype=torch.long)),
             (bucket.lengths, torch.tensor([len(p) for p in pieces] + [1] * padding_rows)),
             (bucket.slots, torch.tensor(list(slots) + [scratch] * padding_rows)),
             (bucket.fresh, torch.tensor(list(fresh) + [True] * padding_rows)),

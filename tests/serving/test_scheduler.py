@@ -59,6 +59,18 @@ def _scheduler(model, **options) -> Scheduler:
     return scheduler
 
 
+def _served_as_alone(scheduler: Scheduler, prompts: list[list[int]], expected: list[list[int]]) -> dict:
+    """Submit every prompt at once (10 new tokens each) to a scheduler of 4 slots; each gets
+    ``expected``'s tokens, every slot is free again and every prompt token was prefilled. The status."""
+    collector = Collector(len(prompts))
+    requests = [scheduler.submit([p], SamplingParams(max_tokens=10), collector)[0] for p in prompts]
+    collector.wait()
+    assert [r.tokens for r in requests] == expected
+    status = scheduler.status()
+    assert status["slots_free"] == 4 and status["prompt_tokens_prefilled"] == sum(map(len, prompts))
+    return status
+
+
 @pytest.mark.parametrize("preset", ["tiny-efla", "tiny-gated-efla", "tiny-deltanet", "tiny-hybrid-efla"])
 def test_chunked_prefill_gives_generates_tokens(preset):
     """Prompts of 20-150 tokens prefilled 7 tokens per step, each continuing from its slot's state, with
@@ -69,12 +81,7 @@ def test_chunked_prefill_gives_generates_tokens(preset):
     expected = [_generate_alone(model, p, 10) for p in prompts]
     scheduler = _scheduler(model, prefill_chunk=7, prefix_cache=PrefixCache(block=16))
     try:
-        collector = Collector(len(prompts))
-        requests = [scheduler.submit([p], SamplingParams(max_tokens=10), collector)[0] for p in prompts]
-        collector.wait()
-        assert [r.tokens for r in requests] == expected
-        status = scheduler.status()
-        assert status["slots_free"] == 4 and status["prompt_tokens_prefilled"] == sum(map(len, prompts))
+        status = _served_as_alone(scheduler, prompts, expected)
         assert status["prefix_cache"]["enabled"] is (preset != "tiny-hybrid-efla")
     finally:
         scheduler.close()
@@ -95,12 +102,7 @@ def test_with_captured_steps_prompts_share_prefill_calls_and_give_generates_toke
     scheduler.start()
     try:
         assert sorted(scheduler.engine.prefill_buckets) == [(1, 32), (1, 64), (1, 128), (2, 32), (2, 64), (4, 32)]
-        collector = Collector(len(prompts))
-        requests = [scheduler.submit([p], SamplingParams(max_tokens=10), collector)[0] for p in prompts]
-        collector.wait()
-        assert [r.tokens for r in requests] == expected
-        status = scheduler.status()
-        assert status["slots_free"] == 4 and status["prompt_tokens_prefilled"] == sum(map(len, prompts))
+        status = _served_as_alone(scheduler, prompts, expected)
         assert status["prefill_calls"] < len(prompts)
     finally:
         scheduler.close()
