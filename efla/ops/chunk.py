@@ -79,6 +79,20 @@ def _unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
     return T.reshape(M, C, C)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous once: a gradient that arrives
+    transposed back from the caller's layout (or expanded, from a sum) would otherwise send every
+    batched product of the backward down a per-matrix loop on the CPU."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 class _ChunkScan(torch.autograd.Function):
     """R_c = U_c - W_c S_c ;  S_{c+1} = decay_c S_c + Kd_c^T R_c.
 
@@ -190,6 +204,6 @@ def chunk_generic(q, k, v, gamma, a, w, h0, chunk_size: int | None = None):
     U = inverse @ (w[..., None] * v)
     W = inverse @ (erase[..., None] * k)
     R, starts, S = _ChunkScan.apply(U, W, Kd.contiguous(), decay, h0)
-    o = Qg @ starts + A_qk @ R
+    o = _ContiguousGrad.apply(Qg @ starts + A_qk @ R)
     o = o.reshape(N, NC * C, V)[:, :T]
     return o, S
