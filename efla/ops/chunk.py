@@ -85,11 +85,11 @@ class _ContiguousGrad(torch.autograd.Function):
     batched product of the backward down a per-matrix loop on the CPU."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x):  # noqa: ARG004 (autograd's signature)
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):  # noqa: ARG004 (autograd's signature)
         return grad.contiguous()
 
 
