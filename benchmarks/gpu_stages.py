@@ -76,6 +76,15 @@ def efla_stages(ch, F, q, k, v, beta, do, scale):
         "fla chunk_delta_rule_fwd": lambda: F["chunk_delta_rule_fwd"](
             q=qn, k=k, v=v, beta=alpha, scale=scale, initial_state=None, output_final_state=False
         ),
+        "our delta_rule_fwd: fla's fused kkt + solve, then its w/u, h and o (what the op runs)": lambda: ch.delta_rule_fwd(
+            qn, k, v, alpha, scale, None, False, None
+        ),
+        "fla WY preparation, DeltaNet's: kkt, solve, w/u": lambda: F["prepare_wy_repr_fwd"](
+            k=k, v=v, beta=alpha, cu_seqlens=None
+        ),
+        "fla WY preparation, the gated path's: fused kkt + solve, w/u (what the op runs)": lambda: F[
+            "chunk_gated_delta_rule_fwd_intra"
+        ](k=k, v=v, g=None, beta=alpha, chunk_size=ch.CHUNK),
         "fla chunk_delta_rule_bwd": lambda: F["chunk_delta_rule_bwd"](
             q=qn, k=k, v=v, beta=alpha, A=A, scale=scale, initial_state=None, do=do, dht=None
         ),

@@ -36,9 +36,13 @@ def _fla():
     """fla's internal stage functions (flash-linear-attention==0.6.0), or raise."""
     from fla.modules.l2norm import l2norm, l2norm_bwd, l2norm_fwd
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
-    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+    from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local, chunk_fwd_o
     from fla.ops.delta_rule.chunk import chunk_delta_rule_bwd, chunk_delta_rule_fwd
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.delta_rule.wy_fast import prepare_wy_repr_bwd as delta_prepare_wy_repr_bwd
+    from fla.ops.delta_rule.wy_fast import prepare_wy_repr_fwd
+    from fla.ops.delta_rule.wy_fast import recompute_w_u_fwd as delta_recompute_w_u_fwd
     from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.index import prepare_chunk_indices
@@ -47,7 +51,13 @@ def _fla():
         chunk_delta_rule_fwd=chunk_delta_rule_fwd,
         chunk_delta_rule_bwd=chunk_delta_rule_bwd,
         chunk_gated_delta_rule_fwd=chunk_gated_delta_rule_fwd,
+        chunk_gated_delta_rule_fwd_intra=chunk_gated_delta_rule_fwd_intra,
+        chunk_fwd_o=chunk_fwd_o,
         recompute_w_u_fwd=recompute_w_u_fwd,
+        prepare_wy_repr_fwd=prepare_wy_repr_fwd,  # DeltaNet's unfused preparation (benchmarks compare)
+        delta_recompute_w_u_fwd=delta_recompute_w_u_fwd,
+        delta_prepare_wy_repr_bwd=delta_prepare_wy_repr_bwd,
+        chunk_bwd_dqkwg=chunk_bwd_dqkwg,
         chunk_gated_delta_rule_fwd_h=chunk_gated_delta_rule_fwd_h,
         chunk_bwd_dv_local=chunk_bwd_dv_local,
         chunk_gated_delta_rule_bwd_dhu=chunk_gated_delta_rule_bwd_dhu,
@@ -326,45 +336,106 @@ def delta_fwd(q, k, v, beta, h0, scale, output_final_state, cu_seqlens, exact, q
         refuse_overflowing_keys(overflow, k)
     else:
         alpha = beta
-    o, A, ht = FLA["chunk_delta_rule_fwd"](
-        q=q,
+    o, A, ht = delta_rule_fwd(q, k, v, alpha, scale, h0, output_final_state, cu_seqlens)
+    return o, ht, A, alpha, q, q_rstd, k, k_rstd
+
+
+def delta_rule_fwd(q, k, v, beta, scale, h0, output_final_state, cu_seqlens):
+    """fla's delta-rule chunk forward, ``(o, A, final state)`` as its ``chunk_delta_rule_fwd``
+    returns them, but with the WY preparation of its gated path: ``k k^T`` and the triangular solve
+    in one kernel (the same ``A = (I + diag(beta) strict_tril(k k^T))^{-1}``), so one launch and
+    one pass of ``A`` through memory fewer."""
+    ci = chunk_indices(cu_seqlens)
+    w, u, A = FLA["chunk_gated_delta_rule_fwd_intra"](
+        k=k, v=v, g=None, beta=beta, cu_seqlens=cu_seqlens, chunk_indices=ci, chunk_size=CHUNK
+    )
+    h, v_new, ht = FLA["chunk_gated_delta_rule_fwd_h"](
         k=k,
-        v=v,
-        beta=alpha,
-        scale=scale,
+        w=w,
+        u=u,
+        g=None,
         initial_state=h0,
         output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices(cu_seqlens),
+        chunk_indices=ci,
+        chunk_size=CHUNK,
     )
-    return o, ht, A, alpha, q, q_rstd, k, k_rstd
+    o = FLA["chunk_fwd_o"](q=q, k=k, v=v_new, h=h, g=None, scale=scale, cu_seqlens=cu_seqlens, chunk_indices=ci, chunk_size=CHUNK)
+    return o, A, ht
 
 
 def delta_bwd(q, q_rstd, k, k_rstd, v, beta, alpha, A, h0, cu_seqlens, do, dht, scale, exact):
     """Gradients ``(dq, dk, dv, dbeta, dh0)`` of ``delta_fwd`` (its saved tensors as it returned them)."""
-    dq, dk, dv, dalpha, dh0 = FLA["chunk_delta_rule_bwd"](
-        q=q,
-        k=k,
-        v=v,
-        beta=alpha,
-        A=A,
-        scale=scale,
-        initial_state=h0,
-        do=do.contiguous(),
-        dht=dht.contiguous() if dht is not None else None,
-        cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices(cu_seqlens),
-    )
-    if exact:
+    dq, dk, dk_wy, dv, dalpha, dh0 = delta_rule_bwd(q, k, v, alpha, A, scale, h0, do, dht, cu_seqlens)
+    if exact:  # the coefficient pass reads and writes dk anyway: the WY part joins it there
         dk = dk.contiguous()
         fold_q = _fold_q_norm(exact, q_rstd is not None, k_rstd is not None)
         dq = dq.contiguous() if fold_q else dq
-        dbeta = coef_bwd(k, beta, dalpha.contiguous(), dk, **_q_norm_grad_args(fold_q, q, q_rstd, dq))
+        dk_more = dk_wy.contiguous()
+        dbeta = coef_bwd(k, beta, dalpha.contiguous(), dk, dk_more=dk_more, **_q_norm_grad_args(fold_q, q, q_rstd, dq))
         q_rstd = None if fold_q else q_rstd
     else:
+        dk.add_(dk_wy)
         dbeta = dalpha
     dq, dk = l2norm_grads(q, q_rstd, dq, k, k_rstd, dk)
     return dq, dk, dv, dbeta, dh0
+
+
+def delta_rule_bwd(q, k, v, beta, A, scale, h0, do, dht, cu_seqlens):
+    """fla's ``chunk_delta_rule_bwd`` stage by stage, with the keys' gradient in its two parts
+    (through the chunk's products and through the WY preparation) left apart: ``(dq, dk, dk_wy, dv,
+    dbeta, dh0)``."""
+    ci = chunk_indices(cu_seqlens)
+    do = do.contiguous()
+    dht = dht.contiguous() if dht is not None else None
+    w, u = FLA["delta_recompute_w_u_fwd"](k=k, v=v, beta=beta, A=A, cu_seqlens=cu_seqlens, chunk_indices=ci)
+    h, v_new, _ = FLA["chunk_gated_delta_rule_fwd_h"](
+        k=k,
+        w=w,
+        u=u,
+        g=None,
+        initial_state=h0,
+        output_final_state=False,
+        cu_seqlens=cu_seqlens,
+        chunk_indices=ci,
+        chunk_size=CHUNK,
+    )
+    dv = FLA["chunk_bwd_dv_local"](
+        q=q, k=k, do=do, g=None, scale=scale, cu_seqlens=cu_seqlens, chunk_indices=ci, chunk_size=CHUNK
+    )
+    dh, dh0, dv = FLA["chunk_gated_delta_rule_bwd_dhu"](
+        q=q,
+        k=k,
+        w=w,
+        g=None,
+        h0=h0,
+        dht=dht,
+        do=do,
+        dv=dv,
+        scale=scale,
+        cu_seqlens=cu_seqlens,
+        chunk_indices=ci,
+        chunk_size=CHUNK,
+    )
+    dq, dk, dw, _ = FLA["chunk_bwd_dqkwg"](
+        q=q,
+        k=k,
+        v=v_new,
+        h=h,
+        w=w,
+        dv=dv,
+        do=do,
+        dh=dh,
+        g=None,
+        scale=scale,
+        cu_seqlens=cu_seqlens,
+        chunk_indices=ci,
+        chunk_size=CHUNK,
+    )
+    dk_wy, dv, dbeta = FLA["delta_prepare_wy_repr_bwd"](
+        k=k, v=v, beta=beta, A=A, dw=dw, du=dv, cu_seqlens=cu_seqlens, chunk_indices=ci
+    )
+    return dq, dk, dk_wy, dv, dbeta, dh0
 
 
 def gated_fwd(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact, q_l2norm, k_l2norm, gates=None):
