@@ -8,13 +8,15 @@
 #
 # Phases:
 #   tests     the GPU tests (pytest -m gpu)
+#   optests   the GPU tests of the ops alone (tests/ops, pytest -m gpu; PYTEST_K picks some)
 #   gentests  the generation and serving GPU tests only (tokens against transformers, no allocation
 #             after capture, 8K tokens at the memory of 128, the scheduler on the GPU); PYTEST_K picks
 #             some (pytest -k): on a fresh machine Triton compiles and tunes fla's kernels for each
 #             variant and dtype first (the Gated EFLA bf16 test alone took over 110 s), so the whole
 #             set may need two calls on one warm machine
 #   ops       benchmarks/gpu_ops.py: correctness, then the decode and chunk ops against fla
-#   stages    benchmarks/gpu_stages.py: where an op's time goes
+#             (OPS_ARGS: more of its options, e.g. "--skip-decode --skip-model")
+#   stages    benchmarks/gpu_stages.py: where an op's time goes (STAGES_ARGS: more of its options)
 #   model     benchmarks/gpu_model.py: 340M and 1.3B training steps against fla's models
 #   generate  benchmarks/gpu_generate.py: generation speed (340M), then the kernel and profile stages
 #   serve     benchmarks/serve_load.py: the server's scheduler under load beside static batching
@@ -44,12 +46,13 @@ run_phase() {
     tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
     gentests) python3 -m pytest -q -rfE -p no:cacheprovider --durations=0 ${PYTEST_K:+-k "$PYTEST_K"} \
                 tests/serving/test_scheduler_gpu.py tests/generation/test_generate_gpu.py ;;
-    ops) python3 benchmarks/gpu_ops.py --out "$OUT/ops" ;;
-    stages) python3 benchmarks/gpu_stages.py --out "$OUT/stages" ;;
+    optests) python3 -m pytest -q -rfE -m gpu -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests/ops ;;
+    ops) python3 benchmarks/gpu_ops.py --out "$OUT/ops" ${OPS_ARGS:-} ;;
+    stages) python3 benchmarks/gpu_stages.py --out "$OUT/stages" ${STAGES_ARGS:-} ;;
     model) python3 benchmarks/gpu_model.py --sizes 340m,1.3b --out "$OUT/model" ;;
     generate) python3 benchmarks/gpu_generate.py --sizes 340m --stages speed,kernel,profile --out "$OUT/generate" ;;
     serve) python3 benchmarks/serve_load.py --rates 64,inf --requests 512 --out "$OUT/serve" ;;
-    *) echo "device.sh: unknown phase $1 (tests, gentests, ops, stages, model, generate, serve)"; return 2 ;;
+    *) echo "device.sh: unknown phase $1 (tests, gentests, optests, ops, stages, model, generate, serve)"; return 2 ;;
   esac
 }
 
