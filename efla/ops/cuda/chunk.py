@@ -7,6 +7,11 @@ rescaling) and, backwards, fold the coefficients' gradients into ``dk`` (in plac
 ``dg`` and ``dv`` in one pass. EFLA keys are raw; the queries' L2 normalisation that EFLA's layers ask
 for is done in the same passes (forward and, on ``dq``, backward), not by fla's separate kernels.
 
+The delta-rule forward takes the WY preparation of fla's gated path (``k k^T`` and the triangular
+solve in one kernel; fla's own delta-rule forward spends three launches on it), and its backward runs
+fla's delta-rule stages one by one so that the keys' gradient through the WY form is added in our
+coefficient pass rather than by a pass of its own.
+
 The stages (``delta_fwd`` / ``delta_bwd``, ``gated_fwd`` / ``gated_bwd``) run eagerly through the
 autograd Functions below and under ``torch.compile`` through the custom ops of ``custom_ops.py``.
 
