@@ -208,8 +208,9 @@ def _engine(mode, q, k, v, gamma, a, w, h0):
         def batch_major(x):  # [B, T, H, ...] -> [B*H, T, ...]
             return x.transpose(1, 2).reshape(B * H, T, *x.shape[3:])
 
-        args = (batch_major(x) if x is not None else None for x in (q, k, v, gamma, a, w))
-        o, S = chunk_generic(*args, h0)
+        q, k, v, gamma, a_bm = (batch_major(x) if x is not None else None for x in (q, k, v, gamma, a))
+        w = a_bm if w is a else batch_major(w)  # one coefficient stays one tensor
+        o, S = chunk_generic(q, k, v, gamma, a_bm, w, h0)
         return o.reshape(B, H, T, V).transpose(1, 2), S
 
     def time_major(x):  # [B, T, H, ...] -> [T, B*H, ...]
