@@ -14,7 +14,8 @@ stage times (``triton.testing.do_bench`` medians, alternated, median over rounds
   ``--with-fla-dqkwg``) fla's own kernel forced to run (its results may be wrong there; only its time
   is of interest);
 * the whole op's fwd+bwd through autograd, against the sum of its stages (the rest is launch and
-  Python overhead);
+  Python overhead), and the host time of the op calls (forward, and forward and backward): from an
+  idle GPU until the call returns;
 * at the first shape, the coefficient kernels at other launch settings (rows per program, warps).
 
 Usage (GPU machine): ``python benchmarks/gpu_stages.py --shapes "8,2048,16;2,16384,16" --out DIR``;
@@ -28,6 +29,7 @@ import datetime
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -197,6 +199,19 @@ def coef_sweep(out, ch, q, k, v, g, beta, scale, rounds, rep):
     emit(out, "")
 
 
+def host_ms(fn, calls: int = 30) -> float:
+    """Median host time (ms) of one call from an idle GPU until the call returns: where it exceeds
+    the call's GPU time, the op is bound by its host side (Python and launches)."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e3
+
+
 def whole_op(fn, leaves, do):
     def run():
         fn()[0].backward(do)
@@ -251,6 +266,14 @@ def one_shape(out, ch, F, B, T, H, rounds, rep, sweep):
         emit(out, f"| {label} | sum of its stages | {counted:.3f} |")
     for name, t in bench(whole, rounds, rep).items():
         emit(out, f"| whole op | {name} | {t:.3f} |")
+    forwards = {
+        "EFLA fwd": lambda: ops.chunk_efla(q, k, v, beta, use_q_l2norm_in_kernel=True),
+        "DeltaNet fwd (fla, qk l2norm in kernel)": lambda: chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True),
+    }
+    with torch.no_grad():
+        host_forward = {name: host_ms(f) for name, f in forwards.items()}
+    for name, t in {**host_forward, **{name: host_ms(f) for name, f in whole.items()}}.items():
+        emit(out, f"| host | {name}: the call's return after a synchronised start | {t:.3f} |")
     cfg = getattr(kn.gated_dqkwg_kernel, "best_config", None)
     emit(out, "")
     emit(out, f"dqkwg autotuned choice: {cfg} (triton {triton.__version__})")
