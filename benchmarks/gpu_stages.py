@@ -25,8 +25,10 @@ writes ``DIR/gpu_stages.md``.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -212,6 +214,24 @@ def host_ms(fn, calls: int = 30) -> float:
     return statistics.median(times) * 1e3
 
 
+def host_functions(fn, calls: int = 20, top: int = 25) -> list[tuple[str, float]]:
+    """The functions with the most cumulative host time over ``calls`` calls of ``fn`` (cProfile),
+    as ``(file:line(function), ms per call)``."""
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats
+    rows = [
+        (f"{os.path.basename(path)}:{line}({func})", cumulative / calls * 1e3)
+        for (path, line, func), (_, _, _, cumulative, _) in stats.items()
+    ]
+    return sorted(rows, key=lambda row: -row[1])[:top]
+
+
 def whole_op(fn, leaves, do):
     def run():
         fn()[0].backward(do)
@@ -274,6 +294,15 @@ def one_shape(out, ch, F, B, T, H, rounds, rep, sweep):
         host_forward = {name: host_ms(f) for name, f in forwards.items()}
     for name, t in {**host_forward, **{name: host_ms(f) for name, f in whole.items()}}.items():
         emit(out, f"| host | {name}: the call's return after a synchronised start | {t:.3f} |")
+    with torch.no_grad():
+        host_profile = host_functions(forwards["EFLA fwd"])
+    emit(out, "")
+    emit(out, "Where the EFLA forward call's host time goes (cProfile over 20 calls, cumulative ms per call):")
+    emit(out, "")
+    emit(out, "| function | ms per call |")
+    emit(out, "| --- | --- |")
+    for name, ms in host_profile:
+        emit(out, f"| `{name}` | {ms:.3f} |")
     cfg = getattr(kn.gated_dqkwg_kernel, "best_config", None)
     emit(out, "")
     emit(out, f"dqkwg autotuned choice: {cfg} (triton {triton.__version__})")
