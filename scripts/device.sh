@@ -25,7 +25,8 @@
 # (minutes for fla's gated kernels). Carry .triton-cache/ (git-ignored) as well and they are reused;
 # each run leaves the cache it ended with in $OUT/triton-cache.tar.gz when it is under 16 MB (the most
 # a file from $OUT may weigh to come back), to unpack into .triton-cache/ for the next visit. A visit
-# that tunes fla's kernels for several variants leaves more than that (2026-12-03: every visit did).
+# that tunes fla's kernels for several variants leaves more than that (2026-12-03: every visit did);
+# its tuning results alone come back as $OUT/triton-autotune.tar.gz.
 #
 # The one-visit scripts that recorded earlier results (scripts/device_*.sh, named in docs/results)
 # are in git history up to commit a97566f.
@@ -63,6 +64,9 @@ for phase in "$@"; do
   echo "== $phase at ${SECONDS}s"
   timeout "$LIMIT" bash -c 'run_phase "$0"' "$phase" 2>&1 | grep -v Warning | tail -60
 done
+# the tuning results alone are small and spare the next machine the timing of every setting (only the
+# chosen one compiles there): unpack triton-autotune.tar.gz into .triton-cache/ and carry it
+(cd .triton-cache && find . -name '*.autotune.json' -print0 | tar -czf "$OUT/triton-autotune.tar.gz" --null -T -) 2>/dev/null
 tar -czf "$OUT/triton-cache.tar.gz" -C .triton-cache . 2>/dev/null
 if [ "$(stat -c %s "$OUT/triton-cache.tar.gz" 2>/dev/null || echo 0)" -gt 16000000 ]; then
   rm -f "$OUT/triton-cache.tar.gz"
