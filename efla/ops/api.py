@@ -180,7 +180,9 @@ def _engines(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_st
     cu = None
     if cu_seqlens is not None:
         cu = host_offsets(cu_seqlens).tolist()
-        qc, kc, vc, a, w = (_to_padded(x, cu) for x in (qc, kc, vc, a, w))
+        same_factor = w is a
+        qc, kc, vc, a = (_to_padded(x, cu) for x in (qc, kc, vc, a))
+        w = a if same_factor else _to_padded(w, cu)  # one coefficient stays one tensor
         if gamma is not None:
             gamma = _to_padded(gamma, cu)
     Bp = kc.shape[0]
