@@ -79,18 +79,8 @@ def _unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
     return T.reshape(M, C, C)
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous once: a gradient that arrives
-    transposed back from the caller's layout (or expanded, from a sum) would otherwise send every
-    batched product of the backward down a per-matrix loop on the CPU."""
-
-    @staticmethod
-    def forward(ctx, x):  # noqa: ARG004 (autograd's signature)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ARG004 (autograd's signature)
-        return grad.contiguous()
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous()
 
 
 class _ChunkScan(torch.autograd.Function):
@@ -211,6 +201,12 @@ def chunk_generic(q, k, v, gamma, a, w, h0, chunk_size: int | None = None):
     U = write_inverse @ v
     W = erase_inverse @ k
     R, starts, S = _ChunkScan.apply(U, W, Kd.contiguous(), decay, h0)
-    o = _ContiguousGrad.apply(Qg @ starts + A_qk @ R)
+    o = Qg @ starts + A_qk @ R
+    if o.requires_grad:
+        # a gradient that arrives transposed back from the caller's layout (or expanded, from a sum)
+        # would send every batched product of the backward down a per-matrix loop on the CPU: made
+        # contiguous once here (a hook, not an identity Function, whose output would be a view that
+        # callers could not modify in place)
+        o.register_hook(_contiguous)
     o = o.reshape(N, NC * C, V)[:, :T]
     return o, S

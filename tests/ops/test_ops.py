@@ -222,3 +222,20 @@ def test_scale_keyword():
     o1, _ = ops.chunk_efla(q, k, v, beta, scale=0.25)
     o_ref, _ = naive.efla(q, k, v, beta, scale=0.25)
     assert rel(o1, o_ref) < 1e-10
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_a_chunk_output_can_be_changed_in_place_with_the_same_gradients(rule):
+    # one value head and a whole number of chunks: the op hands back its own output tensor, no copy
+    q, k, v, beta, g, _ = make_inputs(rule, T=64, H=1, dtype=torch.float32)
+    grads = []
+    for in_place in (False, True):
+        leaf = q.clone().requires_grad_()
+        o, _ = call("chunk", rule, leaf, k, v, beta, g)
+        if in_place:
+            o.mul_(2.0)
+        else:
+            o = o * 2.0
+        (o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum().backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-6)
