@@ -5,9 +5,10 @@ place.
 For each [B, T, H] shape (K = V = 128, bf16, stiff keys as in ``gpu_ops.py``) it prints one table of
 stage times (``triton.testing.do_bench`` medians, alternated, median over rounds):
 
-* EFLA: the query L2 norm, the coefficient pass, fla's ``chunk_delta_rule_fwd`` / ``_bwd``, the
-  coefficient backward and the query norm's backward, beside the key L2 norm (and its backward)
-  that DeltaNet runs where EFLA runs its coefficient passes;
+* EFLA: the coefficient pass (with the queries' normalisation), the delta-rule forward (fla's fused
+  WY preparation, its state and output kernels) and backward (fla's stages), the coefficient
+  backward, each beside what DeltaNet runs in its place (fla's ``chunk_delta_rule_fwd`` / ``_bwd``,
+  its q and k normalisation); rows in brackets are parts or alternatives, left out of the sum;
 * Gated EFLA: the coefficient pass, fla's gated forward, then each backward stage; the one stage
   fla refuses on Hopper with Triton < 3.7.1 (``chunk_bwd_dqkwg`` with a gate) is timed three ways:
   ours autotuned (the default), ours at the single launch setting of earlier versions, and (with
@@ -64,39 +65,39 @@ def bench(fns: dict, rounds: int, rep: float) -> dict:
 
 
 def efla_stages(ch, F, q, k, v, beta, do, scale):
-    """name -> callable for each EFLA stage (inputs prepared by running the forward once)."""
+    """name -> callable for each EFLA stage (inputs prepared by running the forward once); the
+    names in brackets are not what the op runs (parts of it, or DeltaNet's) and stay out of the sum."""
     o, ht, A, alpha, qn, q_rstd, _, _ = ch.delta_fwd(q, k, v, beta, None, scale, False, None, True, True, False)
     kn, k_rstd = F["l2norm_fwd"](k)
-    dq, dk, _, dalpha, _ = F["chunk_delta_rule_bwd"](
-        q=qn, k=k, v=v, beta=alpha, A=A, scale=scale, initial_state=None, do=do, dht=None
-    )
-    dk = dk.contiguous()
+    dq, dk, dk_wy, _, dalpha, _ = ch.delta_rule_bwd(qn, k, v, alpha, A, scale, None, do, None, None)
+    dk, dk_wy = dk.contiguous(), dk_wy.contiguous()
     # the coefficient passes flag overflowing keys as the model's do (the flag's read is not timed)
     return {
-        "q l2norm fwd": lambda: F["l2norm_fwd"](q),
-        "coefficient fwd": lambda: ch.coef_fwd(k, beta, overflow=ch.overflow_flag(k)),
+        "(q l2norm fwd alone)": lambda: F["l2norm_fwd"](q),
+        "(coefficient fwd alone)": lambda: ch.coef_fwd(k, beta, overflow=ch.overflow_flag(k)),
         "coefficient fwd with q l2norm (what the op runs)": lambda: ch.coef_fwd(k, beta, overflow=ch.overflow_flag(k), q=q),
         "(DeltaNet: k l2norm fwd)": lambda: F["l2norm_fwd"](k),
-        "fla chunk_delta_rule_fwd": lambda: F["chunk_delta_rule_fwd"](
-            q=qn, k=k, v=v, beta=alpha, scale=scale, initial_state=None, output_final_state=False
-        ),
-        "our delta_rule_fwd: fla's fused kkt + solve, then its w/u, h and o (what the op runs)": lambda: ch.delta_rule_fwd(
+        "delta_rule_fwd: fla's fused kkt + solve, then its w/u, h and o (what the op runs)": lambda: ch.delta_rule_fwd(
             qn, k, v, alpha, scale, None, False, None
         ),
-        "fla WY preparation, DeltaNet's: kkt, solve, w/u": lambda: F["prepare_wy_repr_fwd"](
-            k=k, v=v, beta=alpha, cu_seqlens=None
+        "(DeltaNet: fla chunk_delta_rule_fwd)": lambda: F["chunk_delta_rule_fwd"](
+            q=qn, k=k, v=v, beta=alpha, scale=scale, initial_state=None, output_final_state=False
         ),
-        "fla WY preparation, the gated path's: fused kkt + solve, w/u (what the op runs)": lambda: F[
-            "chunk_gated_delta_rule_fwd_intra"
-        ](k=k, v=v, g=None, beta=alpha, chunk_size=ch.CHUNK),
-        "fla chunk_delta_rule_bwd": lambda: F["chunk_delta_rule_bwd"](
+        "(its WY preparation: fla's fused kkt + solve, w/u)": lambda: F["chunk_gated_delta_rule_fwd_intra"](
+            k=k, v=v, g=None, beta=alpha, chunk_size=ch.CHUNK
+        ),
+        "(DeltaNet's WY preparation: kkt, solve, w/u)": lambda: F["prepare_wy_repr_fwd"](k=k, v=v, beta=alpha, cu_seqlens=None),
+        "delta_rule_bwd: fla's delta-rule backward stages, the WY part of dk apart (what the op runs)": lambda: ch.delta_rule_bwd(
+            qn, k, v, alpha, A, scale, None, do, None, None
+        ),
+        "(DeltaNet: fla chunk_delta_rule_bwd)": lambda: F["chunk_delta_rule_bwd"](
             q=qn, k=k, v=v, beta=alpha, A=A, scale=scale, initial_state=None, do=do, dht=None
         ),
-        "coefficient bwd": lambda: ch.coef_bwd(k, beta, dalpha, dk),
-        "q l2norm bwd": lambda: F["l2norm_bwd"](qn, q_rstd, dq),
+        "(coefficient bwd alone)": lambda: ch.coef_bwd(k, beta, dalpha, dk),
+        "(q l2norm bwd alone)": lambda: F["l2norm_bwd"](qn, q_rstd, dq),
         # dk and dq are updated in place call after call: their values drift, the work does not
-        "coefficient bwd with q l2norm bwd (what the op runs)": lambda: ch.coef_bwd(
-            k, beta, dalpha, dk, q=qn, q_rstd=q_rstd, dq=dq
+        "coefficient bwd with q l2norm bwd and the WY part of dk (what the op runs)": lambda: ch.coef_bwd(
+            k, beta, dalpha, dk, dk_more=dk_wy, q=qn, q_rstd=q_rstd, dq=dq
         ),
         "(DeltaNet: k l2norm bwd)": lambda: F["l2norm_bwd"](kn, k_rstd, dk),
     }
@@ -129,8 +130,8 @@ def gated_stages(ch, F, q, k, v, g, beta, do, scale):
             fla_chunk_o.TRITON_ABOVE_3_7_1 = before
 
     return {
-        "q l2norm fwd": lambda: F["l2norm_fwd"](q),
-        "coefficient fwd (gated)": lambda: ch.coef_fwd(k, beta, g=g, v=v, overflow=ch.overflow_flag(k)),
+        "(q l2norm fwd alone)": lambda: F["l2norm_fwd"](q),
+        "(coefficient fwd (gated) alone)": lambda: ch.coef_fwd(k, beta, g=g, v=v, overflow=ch.overflow_flag(k)),
         "coefficient fwd (gated) with q l2norm (what the op runs)": lambda: ch.coef_fwd(
             k, beta, g=g, v=v, overflow=ch.overflow_flag(k), q=q
         ),
@@ -160,10 +161,10 @@ def gated_stages(ch, F, q, k, v, g, beta, do, scale):
         **({"(bwd: dqkwg, fla's kernel forced)": fla_dqkwg} if WITH_FLA_DQKWG else {}),
         "bwd: prepare_wy_repr_bwd": lambda: F["prepare_wy_repr_bwd"](k=k, v=vp, beta=c, A=A, dw=dw, du=dv, g=gcum),
         "bwd: reverse cumsum of dg": lambda: F["chunk_local_cumsum"](dgc, chunk_size=ch.CHUNK, reverse=True),
-        "bwd: coefficient bwd (gated)": lambda: ch.coef_bwd(
+        "(bwd: coefficient bwd (gated) alone)": lambda: ch.coef_bwd(
             k, beta, dc, dk, g=g, v=v, dgl=dgl, dvin=dvp, dk_more=dk2.contiguous()
         ),
-        "bwd: q l2norm bwd": lambda: F["l2norm_bwd"](qn, q_rstd, dq),
+        "(bwd: q l2norm bwd alone)": lambda: F["l2norm_bwd"](qn, q_rstd, dq),
         "bwd: coefficient bwd (gated) with q l2norm bwd (what the op runs)": lambda: ch.coef_bwd(
             k, beta, dc, dk, g=g, v=v, dgl=dgl, dvin=dvp, dk_more=dk2.contiguous(), q=qn, q_rstd=q_rstd, dq=dq
         ),
