@@ -10,7 +10,10 @@ for is done in the same passes (forward and, on ``dq``, backward), not by fla's 
 The delta-rule forward takes the WY preparation of fla's gated path (``k k^T`` and the triangular
 solve in one kernel; fla's own delta-rule forward spends three launches on it), and its backward runs
 fla's delta-rule stages one by one so that the keys' gradient through the WY form is added in our
-coefficient pass rather than by a pass of its own.
+coefficient pass rather than by a pass of its own. The fused solve merges its blocks in TF32 where
+the GPU has it (fla's separate solve in full float32), well inside bf16's rounding (the GPU tests'
+float64 comparisons); the Euler DeltaNet runs fla's own function in eager mode, these stages under
+``torch.compile``.
 
 The stages (``delta_fwd`` / ``delta_bwd``, ``gated_fwd`` / ``gated_bwd``) run eagerly through the
 autograd Functions below and under ``torch.compile`` through the custom ops of ``custom_ops.py``.
