@@ -348,6 +348,40 @@ def delta_fwd(q, k, v, beta, h0, scale, output_final_state, cu_seqlens, exact, q
     return o, ht, A, alpha, q, q_rstd, k, k_rstd
 
 
+def state_pass(k, w, u, g, h0, cu_seqlens, ci, output_final_state=False):
+    """fla's chunk-to-chunk state pass: ``(h, v_new, final state)``, ``g`` the chunk-local gate
+    cumsum or ``None``."""
+    return FLA["chunk_gated_delta_rule_fwd_h"](
+        k=k,
+        w=w,
+        u=u,
+        g=g,
+        initial_state=h0,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        chunk_indices=ci,
+        chunk_size=CHUNK,
+    )
+
+
+def state_grads(q, k, w, g, h0, dht, do, dv, scale, cu_seqlens, ci):
+    """fla's reverse state pass: ``(dh, dh0, dv)``."""
+    return FLA["chunk_gated_delta_rule_bwd_dhu"](
+        q=q,
+        k=k,
+        w=w,
+        g=g,
+        h0=h0,
+        dht=dht,
+        do=do,
+        dv=dv,
+        scale=scale,
+        cu_seqlens=cu_seqlens,
+        chunk_indices=ci,
+        chunk_size=CHUNK,
+    )
+
+
 def delta_rule_fwd(q, k, v, beta, scale, h0, output_final_state, cu_seqlens):
     """fla's delta-rule chunk forward, ``(o, A, final state)`` as its ``chunk_delta_rule_fwd``
     returns them, but with the WY preparation of its gated path: ``k k^T`` and the triangular solve
@@ -357,17 +391,7 @@ def delta_rule_fwd(q, k, v, beta, scale, h0, output_final_state, cu_seqlens):
     w, u, A = FLA["chunk_gated_delta_rule_fwd_intra"](
         k=k, v=v, g=None, beta=beta, cu_seqlens=cu_seqlens, chunk_indices=ci, chunk_size=CHUNK
     )
-    h, v_new, ht = FLA["chunk_gated_delta_rule_fwd_h"](
-        k=k,
-        w=w,
-        u=u,
-        g=None,
-        initial_state=h0,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        chunk_indices=ci,
-        chunk_size=CHUNK,
-    )
+    h, v_new, ht = state_pass(k, w, u, None, h0, cu_seqlens, ci, output_final_state)
     o = FLA["chunk_fwd_o"](q=q, k=k, v=v_new, h=h, g=None, scale=scale, cu_seqlens=cu_seqlens, chunk_indices=ci, chunk_size=CHUNK)
     return o, A, ht
 
@@ -397,34 +421,11 @@ def delta_rule_bwd(q, k, v, beta, A, scale, h0, do, dht, cu_seqlens):
     do = do.contiguous()
     dht = dht.contiguous() if dht is not None else None
     w, u = FLA["delta_recompute_w_u_fwd"](k=k, v=v, beta=beta, A=A, cu_seqlens=cu_seqlens, chunk_indices=ci)
-    h, v_new, _ = FLA["chunk_gated_delta_rule_fwd_h"](
-        k=k,
-        w=w,
-        u=u,
-        g=None,
-        initial_state=h0,
-        output_final_state=False,
-        cu_seqlens=cu_seqlens,
-        chunk_indices=ci,
-        chunk_size=CHUNK,
-    )
+    h, v_new, _ = state_pass(k, w, u, None, h0, cu_seqlens, ci)
     dv = FLA["chunk_bwd_dv_local"](
         q=q, k=k, do=do, g=None, scale=scale, cu_seqlens=cu_seqlens, chunk_indices=ci, chunk_size=CHUNK
     )
-    dh, dh0, dv = FLA["chunk_gated_delta_rule_bwd_dhu"](
-        q=q,
-        k=k,
-        w=w,
-        g=None,
-        h0=h0,
-        dht=dht,
-        do=do,
-        dv=dv,
-        scale=scale,
-        cu_seqlens=cu_seqlens,
-        chunk_indices=ci,
-        chunk_size=CHUNK,
-    )
+    dh, dh0, dv = state_grads(q, k, w, None, h0, dht, do, dv, scale, cu_seqlens, ci)
     dq, dk, dw, _ = FLA["chunk_bwd_dqkwg"](
         q=q,
         k=k,
@@ -485,32 +486,9 @@ def gated_bwd(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens, 
     do = do.contiguous()
     dht = dht.contiguous() if dht is not None else None
     w, u = FLA["recompute_w_u_fwd"](k=k, v=vp, beta=c, A=A, g=gcum, cu_seqlens=cu, chunk_indices=ci)
-    h, v_new, _ = FLA["chunk_gated_delta_rule_fwd_h"](
-        k=k,
-        w=w,
-        u=u,
-        g=gcum,
-        initial_state=h0,
-        output_final_state=False,
-        cu_seqlens=cu,
-        chunk_indices=ci,
-        chunk_size=CHUNK,
-    )
+    h, v_new, _ = state_pass(k, w, u, gcum, h0, cu, ci)
     dv = FLA["chunk_bwd_dv_local"](q=q, k=k, do=do, g=gcum, scale=scale, cu_seqlens=cu, chunk_indices=ci, chunk_size=CHUNK)
-    dh, dh0, dv = FLA["chunk_gated_delta_rule_bwd_dhu"](
-        q=q,
-        k=k,
-        w=w,
-        do=do,
-        dv=dv,
-        g=gcum,
-        h0=h0,
-        dht=dht,
-        scale=scale,
-        cu_seqlens=cu,
-        chunk_indices=ci,
-        chunk_size=CHUNK,
-    )
+    dh, dh0, dv = state_grads(q, k, w, gcum, h0, dht, do, dv, scale, cu, ci)
     dq, dk, dw, dgc = gated_dqkwg(q, k, v_new, gcum, h, do, dh, dv, scale, cu, ci)
     dk2, dvp, dc, dg2 = FLA["prepare_wy_repr_bwd"](
         k=k,
