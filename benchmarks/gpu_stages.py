@@ -64,6 +64,35 @@ def bench(fns: dict, rounds: int, rep: float) -> dict:
     return {n: statistics.median(v) for n, v in res.items()}
 
 
+def fla_functions() -> dict:
+    """fla's stage functions by name, as its own ops call them (the stages beside ours)."""
+    from fla.modules.l2norm import l2norm_bwd, l2norm_fwd
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+    from fla.ops.delta_rule.chunk import chunk_delta_rule_bwd, chunk_delta_rule_fwd
+    from fla.ops.delta_rule.wy_fast import prepare_wy_repr_fwd
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
+    from fla.ops.utils import chunk_local_cumsum
+
+    return dict(
+        l2norm_fwd=l2norm_fwd,
+        l2norm_bwd=l2norm_bwd,
+        chunk_gated_delta_rule_bwd_dhu=chunk_gated_delta_rule_bwd_dhu,
+        chunk_gated_delta_rule_fwd_h=chunk_gated_delta_rule_fwd_h,
+        chunk_bwd_dv_local=chunk_bwd_dv_local,
+        chunk_delta_rule_fwd=chunk_delta_rule_fwd,
+        chunk_delta_rule_bwd=chunk_delta_rule_bwd,
+        prepare_wy_repr_fwd=prepare_wy_repr_fwd,
+        chunk_gated_delta_rule_fwd=chunk_gated_delta_rule_fwd,
+        chunk_gated_delta_rule_fwd_intra=chunk_gated_delta_rule_fwd_intra,
+        prepare_wy_repr_bwd=prepare_wy_repr_bwd,
+        recompute_w_u_fwd=recompute_w_u_fwd,
+        chunk_local_cumsum=chunk_local_cumsum,
+    )
+
+
 def efla_stages(ch, F, q, k, v, beta, do, scale):
     """name -> callable for each EFLA stage (inputs prepared by running the forward once); the
     names in brackets are not what the op runs (parts of it, or DeltaNet's) and stay out of the sum."""
@@ -324,7 +353,8 @@ def main():
     WITH_FLA_DQKWG = args.with_fla_dqkwg
     from efla.ops.cuda import chunk as ch
 
-    F = ch.load()
+    ch.load()
+    F = fla_functions()
     import fla
     import triton
 

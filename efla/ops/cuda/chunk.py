@@ -34,6 +34,8 @@ import triton
 from ..gates import RawGates
 from ..validate import key_energy_error
 from . import kernels as kn
+from . import stages as st
+from .launch import launch as launch_kernel
 from .key_checks import check_flag_later, defer_key_check, key_checks_enabled, raise_earlier_overflows, read_each_call, reset_flag
 
 CHUNK = 64
@@ -41,41 +43,13 @@ COEF_DTYPE = {torch.bfloat16: torch.bfloat16}
 
 
 def _fla():
-    """fla's internal stage functions (flash-linear-attention==0.6.0), or raise."""
+    """fla's functions that the op calls as they are (flash-linear-attention==0.6.0), or raise; its
+    chunk kernels are launched by ``stages.py``."""
     from fla.modules.l2norm import l2norm, l2norm_bwd, l2norm_fwd
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
-    from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local, chunk_fwd_o
-    from fla.ops.delta_rule.chunk import chunk_delta_rule_bwd, chunk_delta_rule_fwd
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-    from fla.ops.delta_rule.wy_fast import prepare_wy_repr_bwd as delta_prepare_wy_repr_bwd
-    from fla.ops.delta_rule.wy_fast import prepare_wy_repr_fwd
-    from fla.ops.delta_rule.wy_fast import recompute_w_u_fwd as delta_recompute_w_u_fwd
-    from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
-    from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.index import prepare_chunk_indices
 
-    return dict(
-        chunk_delta_rule_fwd=chunk_delta_rule_fwd,
-        chunk_delta_rule_bwd=chunk_delta_rule_bwd,
-        chunk_gated_delta_rule_fwd=chunk_gated_delta_rule_fwd,
-        chunk_gated_delta_rule_fwd_intra=chunk_gated_delta_rule_fwd_intra,
-        chunk_fwd_o=chunk_fwd_o,
-        recompute_w_u_fwd=recompute_w_u_fwd,
-        prepare_wy_repr_fwd=prepare_wy_repr_fwd,  # DeltaNet's unfused preparation (benchmarks compare)
-        delta_recompute_w_u_fwd=delta_recompute_w_u_fwd,
-        delta_prepare_wy_repr_bwd=delta_prepare_wy_repr_bwd,
-        chunk_bwd_dqkwg=chunk_bwd_dqkwg,
-        chunk_gated_delta_rule_fwd_h=chunk_gated_delta_rule_fwd_h,
-        chunk_bwd_dv_local=chunk_bwd_dv_local,
-        chunk_gated_delta_rule_bwd_dhu=chunk_gated_delta_rule_bwd_dhu,
-        prepare_wy_repr_bwd=prepare_wy_repr_bwd,
-        chunk_local_cumsum=chunk_local_cumsum,
-        prepare_chunk_indices=prepare_chunk_indices,
-        l2norm=l2norm,
-        l2norm_fwd=l2norm_fwd,
-        l2norm_bwd=l2norm_bwd,
-    )
+    st.kernels()  # every kernel imports, or fla counts as absent
+    return dict(prepare_chunk_indices=prepare_chunk_indices, l2norm=l2norm, l2norm_fwd=l2norm_fwd, l2norm_bwd=l2norm_bwd)
 
 
 FLA = None  # flash-linear-attention's functions by name, filled by load()
@@ -133,21 +107,25 @@ def coef_fwd(k, beta, g=None, v=None, launch=None, overflow=None, gates=None, q=
         q = q.contiguous()
     q_out = torch.empty_like(q) if q is not None else None
     q_rstd = torch.empty(B, T, H, device=k.device, dtype=torch.float32) if q is not None else None
-    kn.coef_fwd_kernel[(triton.cdiv(R, BR),)](
-        k,
-        v,
-        beta,
-        g,
-        *gate_params,
-        erase,
-        gl,
-        vout,
-        overflow,
-        q,
-        q_out,
-        q_rstd,
-        R,
-        H,
+    A_log, dt_bias = gate_params
+    launch_kernel(
+        kn.coef_fwd_kernel,
+        (triton.cdiv(R, BR),),
+        k=k,
+        v=v,
+        beta=beta,
+        g=g,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        erase=erase,
+        gl=gl,
+        vout=vout,
+        overflow=overflow,
+        q=q,
+        q_out=q_out,
+        q_rstd=q_rstd,
+        R=R,
+        H=H,
         K=K,
         V=V,
         BK=BK,
@@ -186,13 +164,15 @@ def coef_bwd(
     qnorm = dq is not None
     # the autotuner restores dq between its trials: an empty stand-in where there is none
     dq_arg = dq if qnorm else k.new_empty(0)
-    args = (k, v, beta, g, *gate_params, derase, dgl, dvin, dk, dk_more, dbeta, dg, dv, dgate, q, q_rstd, dq_arg, R, H)
+    A_log, dt_bias = gate_params
+    args = dict(k=k, v=v, beta=beta, g=g, A_log=A_log, dt_bias=dt_bias, derase=derase, dgl=dgl, dvin=dvin, dk=dk)
+    args.update(dk_more=dk_more, dbeta=dbeta, dg=dg, dv=dv, dgate=dgate, q=q, q_rstd=q_rstd, dq=dq_arg, R=R, H=H)
     consts = dict(K=K, V=V, GATED=gated, G_MIN=kn.G_FLOOR, HAS_DK_MORE=dk_more is not None, QNORM=qnorm, **gate_consts)
     if launch is None:
-        kn.coef_bwd_kernel[lambda meta: (triton.cdiv(R, meta["BR"]),)](*args, **consts)
+        launch_kernel(kn.coef_bwd_kernel, lambda meta: (triton.cdiv(R, meta["BR"]),), **args, **consts)
     else:
         BR, nw, BC = (*launch, triton.next_power_of_2(max(K, V)))[:3]
-        kn.coef_bwd_kernel.fn[(triton.cdiv(R, BR),)](*args, **consts, BR=BR, BC=BC, num_warps=nw)
+        kn.coef_bwd_kernel.fn[(triton.cdiv(R, BR),)](**args, **consts, BR=BR, BC=BC, num_warps=nw)
     if not gated:
         return dbeta
     if gates is None:
@@ -224,33 +204,13 @@ def gated_dqkwg(q, k, v_new, g, h, do, dh, dv, scale, cu_seqlens, chunk_indices,
     dk = torch.empty_like(k)
     dw = torch.empty_like(k)
     dg = torch.empty(NK, B, T, H, device=k.device, dtype=torch.float32)
-    kernel = kn.gated_dqkwg_kernel if launch is None else kn.gated_dqkwg_kernel.fn
-    kernel[(NK, NT, B * H)](
-        q,
-        k,
-        v_new,
-        g,
-        h,
-        do,
-        dh,
-        dv,
-        dq,
-        dk,
-        dw,
-        dg,
-        cu_seqlens,
-        chunk_indices,
-        scale,
-        T,
-        B * T,
-        H=H,
-        K=K,
-        V=V,
-        BT=BT,
-        BK=BK,
-        IS_VARLEN=cu_seqlens is not None,
-        **(launch or {}),
-    )
+    args = dict(q=q, k=k, v=v_new, g=g, h=h, do=do, dh=dh, dv=dv, dq=dq, dk=dk, dw=dw, dg=dg)
+    args.update(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, scale=scale, T=T, TOT=B * T)
+    consts = dict(H=H, K=K, V=V, BT=BT, BK=BK, IS_VARLEN=cu_seqlens is not None)
+    if launch is None:
+        launch_kernel(kn.gated_dqkwg_kernel, (NK, NT, B * H), **args, **consts)
+    else:
+        kn.gated_dqkwg_kernel.fn[(NK, NT, B * H)](**args, **consts, **launch)
     return dq, dk, dw, (dg[0] if NK == 1 else dg.sum(0))
 
 
@@ -348,51 +308,15 @@ def delta_fwd(q, k, v, beta, h0, scale, output_final_state, cu_seqlens, exact, q
     return o, ht, A, alpha, q, q_rstd, k, k_rstd
 
 
-def state_pass(k, w, u, g, h0, cu_seqlens, ci, output_final_state=False):
-    """fla's chunk-to-chunk state pass: ``(h, v_new, final state)``, ``g`` the chunk-local gate
-    cumsum or ``None``."""
-    return FLA["chunk_gated_delta_rule_fwd_h"](
-        k=k,
-        w=w,
-        u=u,
-        g=g,
-        initial_state=h0,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        chunk_indices=ci,
-        chunk_size=CHUNK,
-    )
-
-
-def state_grads(q, k, w, g, h0, dht, do, dv, scale, cu_seqlens, ci):
-    """fla's reverse state pass: ``(dh, dh0, dv)``."""
-    return FLA["chunk_gated_delta_rule_bwd_dhu"](
-        q=q,
-        k=k,
-        w=w,
-        g=g,
-        h0=h0,
-        dht=dht,
-        do=do,
-        dv=dv,
-        scale=scale,
-        cu_seqlens=cu_seqlens,
-        chunk_indices=ci,
-        chunk_size=CHUNK,
-    )
-
-
 def delta_rule_fwd(q, k, v, beta, scale, h0, output_final_state, cu_seqlens):
     """fla's delta-rule chunk forward, ``(o, A, final state)`` as its ``chunk_delta_rule_fwd``
     returns them, but with the WY preparation of its gated path: ``k k^T`` and the triangular solve
     in one kernel (the same ``A = (I + diag(beta) strict_tril(k k^T))^{-1}``), so one launch and
     one pass of ``A`` through memory fewer."""
     ci = chunk_indices(cu_seqlens)
-    w, u, A = FLA["chunk_gated_delta_rule_fwd_intra"](
-        k=k, v=v, g=None, beta=beta, cu_seqlens=cu_seqlens, chunk_indices=ci, chunk_size=CHUNK
-    )
-    h, v_new, ht = state_pass(k, w, u, None, h0, cu_seqlens, ci, output_final_state)
-    o = FLA["chunk_fwd_o"](q=q, k=k, v=v_new, h=h, g=None, scale=scale, cu_seqlens=cu_seqlens, chunk_indices=ci, chunk_size=CHUNK)
+    w, u, A = st.wy_prepare(k, v, beta, None, cu_seqlens, ci)
+    h, v_new, ht = st.state_pass(k, w, u, None, h0, cu_seqlens, ci, output_final_state)
+    o = st.output(q, k, v_new, h, None, scale, cu_seqlens, ci)
     return o, A, ht
 
 
@@ -417,33 +341,15 @@ def delta_rule_bwd(q, k, v, beta, A, scale, h0, do, dht, cu_seqlens):
     """fla's ``chunk_delta_rule_bwd`` stage by stage, with the keys' gradient in its two parts
     (through the chunk's products and through the WY preparation) left apart: ``(dq, dk, dk_wy, dv,
     dbeta, dh0)``."""
-    ci = chunk_indices(cu_seqlens)
+    cu, ci = cu_seqlens, chunk_indices(cu_seqlens)
     do = do.contiguous()
     dht = dht.contiguous() if dht is not None else None
-    w, u = FLA["delta_recompute_w_u_fwd"](k=k, v=v, beta=beta, A=A, cu_seqlens=cu_seqlens, chunk_indices=ci)
-    h, v_new, _ = state_pass(k, w, u, None, h0, cu_seqlens, ci)
-    dv = FLA["chunk_bwd_dv_local"](
-        q=q, k=k, do=do, g=None, scale=scale, cu_seqlens=cu_seqlens, chunk_indices=ci, chunk_size=CHUNK
-    )
-    dh, dh0, dv = state_grads(q, k, w, None, h0, dht, do, dv, scale, cu_seqlens, ci)
-    dq, dk, dw, _ = FLA["chunk_bwd_dqkwg"](
-        q=q,
-        k=k,
-        v=v_new,
-        h=h,
-        w=w,
-        dv=dv,
-        do=do,
-        dh=dh,
-        g=None,
-        scale=scale,
-        cu_seqlens=cu_seqlens,
-        chunk_indices=ci,
-        chunk_size=CHUNK,
-    )
-    dk_wy, dv, dbeta = FLA["delta_prepare_wy_repr_bwd"](
-        k=k, v=v, beta=beta, A=A, dw=dw, du=dv, cu_seqlens=cu_seqlens, chunk_indices=ci
-    )
+    w, u = st.delta_w_u(k, v, beta, A, cu, ci)
+    h, v_new, _ = st.state_pass(k, w, u, None, h0, cu, ci)
+    dv = st.local_dv(q, k, do, None, scale, cu, ci)
+    dh, dh0, dv = st.state_grads(q, k, w, None, h0, dht, do, dv, scale, cu, ci)
+    dq, dk, dw = st.delta_dqkw(q, k, v_new, w, h, do, dh, dv, scale, cu, ci)
+    dk_wy, dv, dbeta = st.delta_wy_grads(k, v, beta, A, dw, dv, cu, ci)
     return dq, dk, dk_wy, dv, dbeta, dh0
 
 
@@ -463,19 +369,11 @@ def gated_fwd(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact
         refuse_overflowing_keys(overflow, k)
     else:
         c, gl, vp = beta, g.float(), v
-    gcum, o, A, ht, _, _ = FLA["chunk_gated_delta_rule_fwd"](
-        q=q,
-        k=k,
-        v=vp,
-        g=gl,
-        beta=c,
-        scale=scale,
-        initial_state=h0,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices(cu_seqlens),
-        chunk_size=CHUNK,
-    )
+    cu, ci = cu_seqlens, chunk_indices(cu_seqlens)
+    gcum = st.local_cumsum(gl, cu, ci, scale=st.RCP_LN2)
+    w, u, A = st.wy_prepare(k, vp, c, gcum, cu, ci)
+    h, v_new, ht = st.state_pass(k, w, u, gcum, h0, cu, ci, output_final_state)
+    o = st.output(q, k, v_new, h, gcum, scale, cu, ci)
     return o, ht, A, gcum, c, vp, q, q_rstd, k, k_rstd
 
 
@@ -485,24 +383,14 @@ def gated_bwd(q, q_rstd, k, k_rstd, v, vp, g, beta, c, gcum, A, h0, cu_seqlens, 
     cu, ci = cu_seqlens, chunk_indices(cu_seqlens)
     do = do.contiguous()
     dht = dht.contiguous() if dht is not None else None
-    w, u = FLA["recompute_w_u_fwd"](k=k, v=vp, beta=c, A=A, g=gcum, cu_seqlens=cu, chunk_indices=ci)
-    h, v_new, _ = state_pass(k, w, u, gcum, h0, cu, ci)
-    dv = FLA["chunk_bwd_dv_local"](q=q, k=k, do=do, g=gcum, scale=scale, cu_seqlens=cu, chunk_indices=ci, chunk_size=CHUNK)
-    dh, dh0, dv = state_grads(q, k, w, gcum, h0, dht, do, dv, scale, cu, ci)
+    w, u = st.gated_w_u(k, vp, c, A, gcum, cu, ci)
+    h, v_new, _ = st.state_pass(k, w, u, gcum, h0, cu, ci)
+    dv = st.local_dv(q, k, do, gcum, scale, cu, ci)
+    dh, dh0, dv = st.state_grads(q, k, w, gcum, h0, dht, do, dv, scale, cu, ci)
     dq, dk, dw, dgc = gated_dqkwg(q, k, v_new, gcum, h, do, dh, dv, scale, cu, ci)
-    dk2, dvp, dc, dg2 = FLA["prepare_wy_repr_bwd"](
-        k=k,
-        v=vp,
-        beta=c,
-        A=A,
-        dw=dw,
-        du=dv,
-        g=gcum,
-        cu_seqlens=cu,
-        chunk_indices=ci,
-    )
+    dk2, dvp, dc, dg2 = st.gated_wy_grads(k, vp, c, A, gcum, dw, dv, cu, ci)
     dgc.add_(dg2)
-    dgl = FLA["chunk_local_cumsum"](dgc, chunk_size=CHUNK, reverse=True, cu_seqlens=cu, chunk_indices=ci)
+    dgl = st.local_cumsum(dgc, cu, ci, reverse=True)
     d_gate_params = ()
     if exact:  # the coefficient pass reads and writes dk anyway: dk2 joins it there, and dq's normalisation
         fold_q = _fold_q_norm(exact, q_rstd is not None, k_rstd is not None)

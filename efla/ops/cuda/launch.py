@@ -1,0 +1,153 @@
+"""Triton launches without Triton's per-call Python after the first.
+
+A ``kernel[grid](**args)`` call runs Python on the host before the GPU sees the kernel: the
+heuristics and autotuner wrappers rebuild their dicts, the binder specialises every argument and
+hashes the result, and fla's wrappers add their own dispatch. Measured on the H200 (2026-12-03),
+the EFLA chunk forward at [8, 2048, 16] spent about 1 ms of host time on five launches against
+0.7 ms of GPU work, so the GPU waited on the host.
+
+``launch`` runs the first call of each specialisation through Triton as usual (compiling and
+autotuning there) and records what Triton chose: the compiled kernel and the values of every
+parameter, constants included. A later call whose arguments specialise the same way (same dtypes,
+16-byte alignment of every pointer, ``None``-ness, and equal ints, floats, bools and constants)
+goes straight to the compiled kernel's launcher with its own tensors. Anything the record cannot
+stand for runs through Triton every time: Triton's CPU interpreter (no compiled kernel), an
+autotuner setting with a pre-launch hook, an argument of a type not listed.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+from triton import knobs
+from triton.runtime import driver
+from triton.runtime.autotuner import Autotuner, Heuristics
+from triton.runtime.jit import JITFunction
+
+_NO_RECORD = object()  # a specialisation that always runs through Triton
+
+
+@dataclass(frozen=True)
+class _Record:
+    compiled: object
+    parameters: dict  # every parameter of the kernel in its order, with the recorded values
+    grid: tuple | None  # None: the caller's grid is a function of the parameters
+
+
+_records: dict = {}
+_recording = threading.Lock()
+
+
+def launch(kernel, grid, **args):
+    """``kernel[grid](**args)``: ``grid`` a tuple, or a function of the parameters (the autotuned
+    ones included) as Triton takes it."""
+    if knobs.runtime.interpret:  # CPU tensors, no compiled kernel
+        return kernel[grid](**args)
+    key = _specialisation(kernel, args)
+    record = _records.get(key) if key is not None else _NO_RECORD
+    if record is None:
+        with _recording:
+            return _record_first_launch(kernel, grid, key, args)
+    if record is _NO_RECORD:
+        return kernel[grid](**args)
+    parameters = {**record.parameters, **args}
+    grid = record.grid if record.grid is not None else grid(parameters)
+    return _run(record.compiled, grid, parameters.values())
+
+
+def _run(compiled, grid, values):
+    stream = driver.active.get_current_stream(torch.cuda.current_device())
+    values = tuple(values)
+    grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+    enter_hook = knobs.runtime.launch_enter_hook
+    compiled.run(
+        grid_x,
+        grid_y,
+        grid_z,
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        compiled.launch_metadata(grid, stream, *values) if enter_hook is not None else None,
+        enter_hook,
+        knobs.runtime.launch_exit_hook,
+        *values,
+    )
+    return compiled
+
+
+def _specialisation(kernel, args) -> tuple | None:
+    """What Triton's compiled kernel and the autotuner's choice depend on, or ``None`` where an
+    argument's type is not one this module knows how Triton specialises."""
+    key = [id(kernel), torch.cuda.current_device()]
+    for name, value in args.items():
+        if isinstance(value, torch.Tensor):
+            key.append((name, value.dtype, value.data_ptr() % 16 == 0))
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            key.append((name, type(value), value))
+        else:
+            return None
+    return tuple(key)
+
+
+def _record_first_launch(kernel, grid, key, args):
+    record = _records.get(key)  # another thread may have recorded it meanwhile
+    if record is not None:
+        return launch(kernel, grid, **args) if record is not _NO_RECORD else kernel[grid](**args)
+    jit, final_kwargs = _innermost(kernel), {}
+    if jit is None:
+        _records[key] = _NO_RECORD
+        return kernel[grid](**args)
+
+    def remember(*_, **kwargs):
+        final_kwargs.clear()
+        final_kwargs.update(kwargs)
+
+    jit.pre_run_hooks.append(remember)
+    try:
+        compiled = kernel[grid](**args)
+    finally:
+        jit.pre_run_hooks.remove(remember)
+    compiled = compiled.result() if hasattr(compiled, "result") else compiled
+    _records[key] = _record(kernel, jit, compiled, final_kwargs, grid)
+    return compiled
+
+
+def _innermost(kernel) -> JITFunction | None:
+    """The compiled function under the heuristics and autotuner wrappers, or ``None`` where a
+    wrapper is of another kind."""
+    while not isinstance(kernel, JITFunction):
+        if not isinstance(kernel, (Autotuner, Heuristics)):
+            return None
+        kernel = kernel.fn
+    return kernel
+
+
+def _record(kernel, jit, compiled, final_kwargs, grid):
+    """The record of a first launch, or ``_NO_RECORD`` where a later call must run through Triton."""
+    if not hasattr(compiled, "packed_metadata") or not final_kwargs or _has_launch_hook(kernel):
+        return _NO_RECORD
+    parameters = {}
+    for parameter in jit.params:
+        if parameter.name in final_kwargs:
+            parameters[parameter.name] = final_kwargs[parameter.name]
+        elif parameter.has_default:
+            parameters[parameter.name] = parameter.default
+    if len(parameters) != len(jit.params):
+        return _NO_RECORD
+    return _Record(compiled, parameters, None if callable(grid) else tuple(grid))
+
+
+def _has_launch_hook(kernel) -> bool:
+    """Whether a wrapper runs code of its own at each launch that a record would skip (an autotuned
+    setting's pre-launch hook)."""
+    while not isinstance(kernel, JITFunction):
+        if isinstance(kernel, Autotuner):
+            config = getattr(kernel, "best_config", None)
+            if config is None or config.pre_hook is not None:
+                return True
+        elif not isinstance(kernel, Heuristics):
+            return True
+        kernel = kernel.fn
+    return False

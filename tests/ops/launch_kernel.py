@@ -1,0 +1,23 @@
+"""A small autotuned Triton kernel with a heuristic, for the tests of ``efla.ops.cuda.launch``
+(imported only where Triton is installed)."""
+
+import os
+
+import triton
+import triton.language as tl
+
+# Triton's CPU interpreter cannot time settings: one setting there
+SETTINGS = [(32, 1)] if os.environ.get("TRITON_INTERPRET") == "1" else [(b, w) for b in (32, 128) for w in (1, 4)]
+
+
+@triton.heuristics({"HAS_SHIFT": lambda args: args["shift"] is not None})
+@triton.autotune(configs=[triton.Config({"BLOCK": b}, num_warps=w) for b, w in SETTINGS], key=["n"])
+@triton.jit
+def scale_shift_kernel(x, shift, y, n, scale, BLOCK: tl.constexpr, HAS_SHIFT: tl.constexpr):
+    """``y = x * scale (+ shift)`` over ``n`` elements."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    out = tl.load(x + offsets, mask=mask) * scale
+    if HAS_SHIFT:
+        out += tl.load(shift + offsets, mask=mask)
+    tl.store(y + offsets, out, mask=mask)

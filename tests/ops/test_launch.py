@@ -1,0 +1,75 @@
+"""``efla.ops.cuda.launch``: a launch after the first of its kind goes straight to the compiled
+kernel and computes what Triton's own launch computes, for every way the arguments specialise."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tests.interpreter import interpreter_ready
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_OK, _WHY = interpreter_ready(packages=("triton",))
+
+_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, triton
+    sys.path.insert(0, {repo!r})
+    from efla.ops.cuda import launch as L
+    from tests.ops.launch_kernel import scale_shift_kernel
+    dev = {device!r}
+    recorded = {recorded!r}
+
+    def run(x, shift, scale):
+        y = torch.empty_like(x)
+        n = x.numel()
+        L.launch(scale_shift_kernel, lambda meta: (triton.cdiv(n, meta["BLOCK"]),), x=x, shift=shift, y=y, n=n, scale=scale)
+        return y
+
+    def check(x, shift, scale):
+        want = x * scale + (shift if shift is not None else 0)
+        got = run(x, shift, scale)
+        assert torch.equal(got, want), (got - want).abs().max()
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+    base = torch.randn(4097, device=dev, generator=gen)
+    shift = torch.randn(4097, device=dev, generator=gen)
+    for _ in range(3):  # the first call records, the later ones replay with fresh tensors
+        check(torch.randn(4096, device=dev, generator=gen), torch.randn(4096, device=dev, generator=gen), 0.5)
+    check(base[1:], shift[1:], 0.5)  # pointers off 16-byte alignment: Triton compiles another kernel
+    check(base[:4096], None, 0.5)  # no shift: another heuristic value
+    check(base[:4096], shift[:4096], -3.0)  # another scale
+    check(base[:100], shift[:100], 0.5)  # another autotuning key and grid
+    check(base[:100], shift[:100], 0.5)
+    kinds = [type(r).__name__ for r in L._records.values()]
+    print(kinds)
+    if recorded:
+        assert kinds.count("_Record") == 5, kinds
+    assert len(L._records) == (5 if recorded else 0), kinds
+    print("OK")
+    """
+)
+
+
+def _run(device: str, interpret: bool):
+    env = dict(os.environ, TRITON_INTERPRET="1") if interpret else dict(os.environ)
+    script = _SCRIPT.format(repo=REPO, device=device, recorded=not interpret)
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.skipif(not _OK, reason=_WHY)
+def test_launch_runs_through_triton_under_the_interpreter():
+    _run("cpu", interpret=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU fast path)")
+@pytest.mark.gpu
+def test_recorded_launches_compute_what_triton_computes_on_gpu():
+    pytest.importorskip("triton")
+    _run("cuda", interpret=False)
