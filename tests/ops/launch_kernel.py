@@ -21,3 +21,11 @@ def scale_shift_kernel(x, shift, y, n, scale, BLOCK: tl.constexpr, HAS_SHIFT: tl
     if HAS_SHIFT:
         out += tl.load(shift + offsets, mask=mask)
     tl.store(y + offsets, out, mask=mask)
+
+
+@triton.jit
+def copy_kernel(x, y, n, BLOCK: tl.constexpr):
+    """``y = x`` over ``n`` elements (a plain kernel, launched with options such as ``num_warps``)."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(y + offsets, tl.load(x + offsets, mask=mask), mask=mask)

@@ -21,7 +21,7 @@ _SCRIPT = textwrap.dedent(
     import sys, torch, triton
     sys.path.insert(0, {repo!r})
     from efla.ops.cuda import launch as L
-    from tests.ops.launch_kernel import scale_shift_kernel
+    from tests.ops.launch_kernel import copy_kernel, scale_shift_kernel
     dev = {device!r}
     recorded = {recorded!r}
 
@@ -46,11 +46,16 @@ _SCRIPT = textwrap.dedent(
     check(base[:4096], shift[:4096], -3.0)  # another scale
     check(base[:100], shift[:100], 0.5)  # another autotuning key and grid
     check(base[:100], shift[:100], 0.5)
+    for warps in (2, 2, 4):  # a launch option: part of the compiled kernel, not a parameter
+        x = torch.randn(1000, device=dev, generator=gen)
+        y = torch.empty_like(x)
+        L.launch(copy_kernel, (8,), x=x, y=y, n=1000, BLOCK=128, num_warps=warps)
+        assert torch.equal(x, y)
     kinds = [type(r).__name__ for r in L._records.values()]
     print(kinds)
     if recorded:
-        assert kinds.count("_Record") == 5, kinds
-    assert len(L._records) == (5 if recorded else 0), kinds
+        assert kinds.count("_Record") == 7, kinds
+    assert len(L._records) == (7 if recorded else 0), kinds
     print("OK")
     """
 )
@@ -73,3 +78,44 @@ def test_launch_runs_through_triton_under_the_interpreter():
 def test_recorded_launches_compute_what_triton_computes_on_gpu():
     pytest.importorskip("triton")
     _run("cuda", interpret=False)
+
+
+_OP_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {repo!r})
+    import efla.ops as ops
+    from efla.ops.cuda import launch as L
+
+    def run(rule, seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        B, T, H, K = 2, 200, 4, 64
+        q, k, v = (torch.randn(B, T, H, K, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(3))
+        beta = torch.rand(B, T, H, device="cuda", generator=gen).bfloat16().requires_grad_()
+        g = (-torch.rand(B, T, H, device="cuda", generator=gen)).requires_grad_()
+        if rule == "efla":
+            o, _ = ops.chunk_efla(q, k, v, beta, use_q_l2norm_in_kernel=True)
+        else:
+            o, _ = ops.chunk_gated_efla(q, k, v, g, beta, use_q_l2norm_in_kernel=True)
+        o.float().square().sum().backward()
+        leaves = (q, k, v, beta) + ((g,) if rule != "efla" else ())
+        return [o.detach()] + [x.grad for x in leaves]
+
+    for rule in ("efla", "gated_efla"):
+        run(rule, 0)  # records every launch
+        replayed = run(rule, 1)
+        L._records.clear()
+        through_triton = run(rule, 1)
+        for a, b in zip(replayed, through_triton):
+            assert torch.equal(a, b), (rule, (a.float() - b.float()).abs().max())
+    print("OK")
+    """
+)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU fast path)")
+@pytest.mark.gpu
+def test_chunk_ops_replayed_equal_the_ops_through_triton_on_gpu():
+    pytest.importorskip("fla")
+    r = subprocess.run([sys.executable, "-c", _OP_SCRIPT.format(repo=REPO)], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

@@ -33,6 +33,7 @@ _NO_RECORD = object()  # a specialisation that always runs through Triton
 class _Record:
     compiled: object
     parameters: dict  # every parameter of the kernel in its order, with the recorded values
+    options: tuple  # the names of the call's launch options (num_warps, ...), compiled in
     grid: tuple | None  # None: the caller's grid is a function of the parameters
 
 
@@ -53,6 +54,8 @@ def launch(kernel, grid, **args):
     if record is _NO_RECORD:
         return kernel[grid](**args)
     parameters = {**record.parameters, **args}
+    for name in record.options:
+        del parameters[name]
     grid = record.grid if record.grid is not None else grid(parameters)
     return _run(record.compiled, grid, parameters.values())
 
@@ -110,7 +113,7 @@ def _record_first_launch(kernel, grid, key, args):
     finally:
         jit.pre_run_hooks.remove(remember)
     compiled = compiled.result() if hasattr(compiled, "result") else compiled
-    _records[key] = _record(kernel, jit, compiled, final_kwargs, grid)
+    _records[key] = _record(kernel, jit, compiled, final_kwargs, grid, args)
     return compiled
 
 
@@ -124,7 +127,7 @@ def _innermost(kernel) -> JITFunction | None:
     return kernel
 
 
-def _record(kernel, jit, compiled, final_kwargs, grid):
+def _record(kernel, jit, compiled, final_kwargs, grid, args):
     """The record of a first launch, or ``_NO_RECORD`` where a later call must run through Triton."""
     if not hasattr(compiled, "packed_metadata") or not final_kwargs or _has_launch_hook(kernel):
         return _NO_RECORD
@@ -136,7 +139,8 @@ def _record(kernel, jit, compiled, final_kwargs, grid):
             parameters[parameter.name] = parameter.default
     if len(parameters) != len(jit.params):
         return _NO_RECORD
-    return _Record(compiled, parameters, None if callable(grid) else tuple(grid))
+    options = tuple(name for name in args if name not in parameters)
+    return _Record(compiled, parameters, options, None if callable(grid) else tuple(grid))
 
 
 def _has_launch_hook(kernel) -> bool:
