@@ -117,5 +117,6 @@ _OP_SCRIPT = textwrap.dedent(
 @pytest.mark.gpu
 def test_chunk_ops_replayed_equal_the_ops_through_triton_on_gpu():
     pytest.importorskip("fla")
-    r = subprocess.run([sys.executable, "-c", _OP_SCRIPT.format(repo=REPO)], capture_output=True, text=True, timeout=600, cwd=REPO)
+    script = _OP_SCRIPT.format(repo=REPO)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
