@@ -13,10 +13,15 @@ parameter, constants included. A later call whose arguments specialise the same 
 goes straight to the compiled kernel's launcher with its own tensors. Anything the record cannot
 stand for runs through Triton every time: Triton's CPU interpreter (no compiled kernel), an
 autotuner setting with a pre-launch hook, an argument of a type not listed.
+
+Off unless ``EFLA_DIRECT_LAUNCH=1``: its GPU test (``tests/ops/test_launch.py``: replayed chunk ops
+bit for bit equal to the same ops through Triton) has not yet run to the end on a GPU; the speed it
+buys is in ``benchmarks/RESULTS.md``. Off, every launch runs through Triton as fla's would.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -44,7 +49,7 @@ _recording = threading.Lock()
 def launch(kernel, grid, **args):
     """``kernel[grid](**args)``: ``grid`` a tuple, or a function of the parameters (the autotuned
     ones included) as Triton takes it."""
-    if knobs.runtime.interpret:  # CPU tensors, no compiled kernel
+    if knobs.runtime.interpret or os.environ.get("EFLA_DIRECT_LAUNCH") != "1":
         return kernel[grid](**args)
     key = _specialisation(kernel, args)
     record = _records.get(key) if key is not None else _NO_RECORD
