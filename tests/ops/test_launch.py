@@ -57,6 +57,8 @@ _SCRIPT = textwrap.dedent(
     print(kinds)
     if recorded:
         assert kinds.count("_Record") == 7, kinds
+        held = [name for r in L._records.values() for name, v in r.parameters.items() if isinstance(v, torch.Tensor)]
+        assert not held, held  # a record keeps no caller's tensor alive
     assert len(L._records) == (7 if recorded else 0), kinds
     print("OK")
     """

@@ -37,13 +37,13 @@ _NO_RECORD = object()  # a specialisation that always runs through Triton
 @dataclass(frozen=True)
 class _Record:
     compiled: object
-    parameters: dict  # every parameter of the kernel in its order, with the recorded values
+    parameters: dict  # every parameter in the kernel's order: what Triton chose, None for the caller's
     options: tuple  # the names of the call's launch options (num_warps, ...), compiled in
-    grid: tuple | None  # None: the caller's grid is a function of the parameters
 
 
 _records: dict = {}
 _recording = threading.Lock()
+MAX_RECORDS = 4096  # ints are keyed by value (a varlen batch's T, say): the table is emptied past this
 
 
 def launch(kernel, grid, **args):
@@ -61,7 +61,7 @@ def launch(kernel, grid, **args):
     parameters = {**record.parameters, **args}
     for name in record.options:
         del parameters[name]
-    grid = record.grid if record.grid is not None else grid(parameters)
+    grid = grid(parameters) if callable(grid) else grid
     return _run(record.compiled, grid, parameters.values())
 
 
@@ -118,7 +118,9 @@ def _record_first_launch(kernel, grid, key, args):
     finally:
         jit.pre_run_hooks.remove(remember)
     compiled = compiled.result() if hasattr(compiled, "result") else compiled
-    _records[key] = _record(kernel, jit, compiled, final_kwargs, grid, args)
+    if len(_records) >= MAX_RECORDS:
+        _records.clear()
+    _records[key] = _record(kernel, jit, compiled, final_kwargs, args)
     return compiled
 
 
@@ -132,20 +134,22 @@ def _innermost(kernel) -> JITFunction | None:
     return kernel
 
 
-def _record(kernel, jit, compiled, final_kwargs, grid, args):
+def _record(kernel, jit, compiled, final_kwargs, args):
     """The record of a first launch, or ``_NO_RECORD`` where a later call must run through Triton."""
     if not hasattr(compiled, "packed_metadata") or not final_kwargs or _has_launch_hook(kernel):
         return _NO_RECORD
     parameters = {}
     for parameter in jit.params:
-        if parameter.name in final_kwargs:
+        if parameter.name in args:  # the caller passes it at every call (a record holds no tensor alive)
+            parameters[parameter.name] = None
+        elif parameter.name in final_kwargs:
             parameters[parameter.name] = final_kwargs[parameter.name]
         elif parameter.has_default:
             parameters[parameter.name] = parameter.default
     if len(parameters) != len(jit.params):
         return _NO_RECORD
     options = tuple(name for name in args if name not in parameters)
-    return _Record(compiled, parameters, options, None if callable(grid) else tuple(grid))
+    return _Record(compiled, parameters, options)
 
 
 def _has_launch_hook(kernel) -> bool:
