@@ -406,7 +406,8 @@ def main():
     emit(f"- torch {torch.__version__}, triton {triton.__version__}, flash-linear-attention {fla_v}, CUDA {torch.version.cuda}")
     emit(f"- timings: `triton.testing.do_bench` medians; methods measured alternately, median over {args.rounds} rounds")
     direct = os.environ.get("EFLA_DIRECT_LAUNCH") == "1"
-    emit(f"- our launches after the first: {'straight to the compiled kernel' if direct else 'through Triton'} (EFLA_DIRECT_LAUNCH={int(direct)})")
+    how = "straight to the compiled kernel" if direct else "through Triton"
+    emit(f"- our launches after the first: {how} (EFLA_DIRECT_LAUNCH={int(direct)})")
     emit("")
     ok = True
     try:
