@@ -15,6 +15,7 @@ from tests.interpreter import interpreter_ready
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _OK, _WHY = interpreter_ready(packages=("triton",))
+_FLA_OK, _FLA_WHY = interpreter_ready()
 
 _SCRIPT = textwrap.dedent(
     """
@@ -88,32 +89,36 @@ def test_recorded_launches_compute_what_triton_computes_on_gpu():
 
 _OP_SCRIPT = textwrap.dedent(
     """
-    import sys, torch
+    import os, sys, torch
     sys.path.insert(0, {repo!r})
     import efla.ops as ops
-    from efla.ops.cuda import launch as L
 
-    def run(rule, seed):
+    def run(rule, seed, B, varlen):
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        B, T, H, K = 2, 2048, 16, 128  # the shapes the benchmarks compile for
+        T, H, K = 2048, 16, 128  # the shapes the benchmarks compile for
         q, k, v = (torch.randn(B, T, H, K, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(3))
         beta = torch.rand(B, T, H, device="cuda", generator=gen).bfloat16().requires_grad_()
         g = (-torch.rand(B, T, H, device="cuda", generator=gen)).requires_grad_()
+        cu = torch.tensor([0, 100, 1000, T], device="cuda") if varlen else None
+        h0 = torch.randn(3 if varlen else B, H, K, K, device="cuda", generator=gen).requires_grad_()
+        state = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, use_q_l2norm_in_kernel=True)
         if rule == "efla":
-            o, _ = ops.chunk_efla(q, k, v, beta, use_q_l2norm_in_kernel=True)
+            o, ht = ops.chunk_efla(q, k, v, beta, **state)
         else:
-            o, _ = ops.chunk_gated_efla(q, k, v, g, beta, use_q_l2norm_in_kernel=True)
-        o.float().square().sum().backward()
-        leaves = (q, k, v, beta) + ((g,) if rule != "efla" else ())
-        return [o.detach()] + [x.grad for x in leaves]
+            o, ht = ops.chunk_gated_efla(q, k, v, g, beta, **state)
+        (o.float().square().sum() + ht.square().sum()).backward()
+        leaves = (q, k, v, beta, h0) + ((g,) if rule != "efla" else ())
+        return [o.detach(), ht.detach()] + [x.grad for x in leaves]
 
     for rule in ("efla", "gated_efla"):
-        run(rule, 0)  # records every launch
-        replayed = run(rule, 1)
-        L._records.clear()
-        through_triton = run(rule, 1)
-        for a, b in zip(replayed, through_triton):
-            assert torch.equal(a, b), (rule, (a.float() - b.float()).abs().max())
+        for B, varlen in ((2, False), (1, True), (3, False)):
+            os.environ["EFLA_DIRECT_LAUNCH"] = "1"
+            run(rule, 0, B, varlen)  # records every launch (or replays one recorded at another shape)
+            replayed = run(rule, 1, B, varlen)
+            os.environ["EFLA_DIRECT_LAUNCH"] = "0"
+            through_triton = run(rule, 1, B, varlen)
+            for a, b in zip(replayed, through_triton):
+                assert torch.equal(a, b), (rule, B, varlen, (a.float() - b.float()).abs().max())
     print("OK")
     """
 )
@@ -125,4 +130,127 @@ def test_chunk_ops_replayed_equal_the_ops_through_triton_on_gpu():
     pytest.importorskip("fla")
     script, env = _OP_SCRIPT.format(repo=REPO), dict(os.environ, EFLA_DIRECT_LAUNCH="1")
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+# Triton's own launch path with a stand-in driver (no GPU): the binder, specialisation, autotuner
+# and heuristics are Triton's and fla's, only the compiled kernel is a stand-in that notes the grid,
+# stream and argument vector it is launched with. Each stage is launched through Triton, then
+# recorded, then replayed, over inputs whose batch, length, packing and optional tensors change.
+_VECTOR_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch
+    os.environ.pop("TRITON_INTERPRET", None)
+    sys.path.insert(0, {repo!r})
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+    from efla.ops.cuda import chunk as C, launch as L, stages as st
+    st.kernels()  # fla reads the machine as it imports: no GPU here
+
+    launches = []
+
+    class StandInKernel:
+        function = packed_metadata = None
+
+        def launch_metadata(self, grid, stream, *args):
+            return None
+
+        def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit, *values):
+            launches.append(((gx, gy, gz), stream, values))
+
+    class StandInDriver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 77
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    def compile_stand_in(self, key, signature, device, constexprs, options, attrs, warmup):
+        kernel = self.device_caches[device][0][key] = StandInKernel()
+        return kernel
+
+    driver.set_active(StandInDriver())
+    JITFunction._do_compile = compile_stand_in
+    Autotuner._bench = lambda self, *a, config, **k: [-float(self.configs.index(config))] * 3  # the last setting wins
+    torch.cuda.current_device = lambda: 0
+
+    def case(B, T, varlen, with_state, gated):
+        gen = torch.Generator().manual_seed(B * T)
+        t = lambda *shape, dtype=torch.bfloat16: torch.randn(*shape, generator=gen).to(dtype)
+        H, K, V = 4, 64, 128
+        q, k, w, dq, dk = (t(B, T, H, K) for _ in range(5))
+        v, u, do = (t(B, T, H, V) for _ in range(3))
+        beta, A = t(B, T, H), t(B, T, H, 64)
+        g = t(B, T, H, dtype=torch.float32) if gated else None
+        cu = torch.tensor([0, 1, 65, T // 2, T]) if varlen else None
+        ci = C.FLA["prepare_chunk_indices"](cu, 64) if varlen else None
+        N = len(cu) - 1 if varlen else B
+        NT = len(ci) if varlen else -(-T // 64)
+        h, dh = t(B, NT, H, K, V), t(B, NT, H, K, V)
+        h0 = t(N, H, K, V, dtype=torch.float32) if with_state else None
+        stages = dict(
+            wy_prepare=lambda: st.wy_prepare(k, v, beta, g, cu, ci),
+            delta_w_u=lambda: st.delta_w_u(k, v, beta, A, cu, ci),
+            state_pass=lambda: st.state_pass(k, w, u, g, h0, cu, ci, with_state),
+            state_grads=lambda: st.state_grads(q, k, w, g, h0, h0, do, u, 0.125, cu, ci),
+            output=lambda: st.output(q, k, u, h, g, 0.125, cu, ci),
+            local_dv=lambda: st.local_dv(q, k, do, g, 0.125, cu, ci),
+            delta_dqkw=lambda: st.delta_dqkw(q, k, u, w, h, do, dh, u, 0.125, cu, ci),
+            delta_wy_grads=lambda: st.delta_wy_grads(k, v, beta, A, w, u, cu, ci),
+            coef_fwd=lambda: C.coef_fwd(k, beta, q=q),
+            coef_bwd=lambda: C.coef_bwd(k, beta, beta, dk, dk_more=w, q=q, q_rstd=beta.float(), dq=dq),
+        )
+        if gated:
+            stages.update(
+                gated_w_u=lambda: st.gated_w_u(k, v, beta, A, g, cu, ci),
+                gated_wy_grads=lambda: st.gated_wy_grads(k, v, beta, A, g, w, u, cu, ci),
+                local_cumsum=lambda: st.local_cumsum(g, cu, ci, reverse=True),
+                gated_dqkwg=lambda: C.gated_dqkwg(q, k, u, g, h, do, dh, u, 0.125, cu, ci),
+                gated_coef_fwd=lambda: C.coef_fwd(k, beta, g=g, v=v, q=q),
+            )
+        inputs = dict(q=q, k=k, w=w, dq=dq, dk=dk, v=v, u=u, do=do, beta=beta, A=A, g=g, cu=cu, ci=ci, h=h, dh=dh, h0=h0)
+        return stages, inputs
+
+    def described(fn, inputs):
+        launches.clear()
+        fn()
+        names = {{id(x): n for n, x in inputs.items() if x is not None}}
+
+        def label(x):
+            if isinstance(x, torch.Tensor):
+                return names.get(id(x), ("new", tuple(x.shape), x.dtype, x.stride()))
+            return x
+
+        return [(grid, stream, tuple(label(x) for x in values)) for grid, stream, values in launches]
+
+    C.load()
+    checked = 0
+    for B, T, varlen, with_state, gated in [(2, 256, False, False, False), (3, 256, False, True, True),
+                                            (1, 200, True, True, True), (1, 200, True, False, False),
+                                            (1, 300, True, True, True), (2, 256, False, False, True)]:
+        stages, inputs = case(B, T, varlen, with_state, gated)
+        for name, fn in stages.items():
+            os.environ["EFLA_DIRECT_LAUNCH"] = "0"
+            through_triton = described(fn, inputs)
+            os.environ["EFLA_DIRECT_LAUNCH"] = "1"
+            first, replayed = described(fn, inputs), described(fn, inputs)
+            assert through_triton == first == replayed, (name, B, T, varlen, through_triton, replayed)
+            checked += len(replayed)
+    records = [r for r in L._records.values() if r is not L._NO_RECORD]
+    assert records and len(records) == len(L._records), L._records
+    print("checked", checked, "launches;", len(records), "records")
+    print("OK")
+    """
+)
+
+
+@pytest.mark.skipif(not _FLA_OK, reason=_FLA_WHY)
+def test_replayed_launches_pass_what_triton_passes():
+    script = _VECTOR_SCRIPT.format(repo=REPO)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

@@ -38,11 +38,11 @@ _NO_RECORD = object()  # a specialisation that always runs through Triton
 class _Record:
     compiled: object
     parameters: dict  # every parameter in the kernel's order: what Triton chose, None for the caller's
-    options: tuple  # the names of the call's launch options (num_warps, ...), compiled in
+    passed: tuple  # the parameters the caller passes at every call, as they reach the kernel
 
 
 _records: dict = {}
-_recording = threading.Lock()
+_recording = threading.RLock()
 MAX_RECORDS = 4096  # ints are keyed by value (a varlen batch's T, say): the table is emptied past this
 
 
@@ -58,9 +58,9 @@ def launch(kernel, grid, **args):
             return _record_first_launch(kernel, grid, key, args)
     if record is _NO_RECORD:
         return kernel[grid](**args)
-    parameters = {**record.parameters, **args}
-    for name in record.options:
-        del parameters[name]
+    parameters = dict(record.parameters)
+    for name in record.passed:
+        parameters[name] = args[name]
     grid = grid(parameters) if callable(grid) else grid
     return _run(record.compiled, grid, parameters.values())
 
@@ -88,13 +88,13 @@ def _run(compiled, grid, values):
 def _specialisation(kernel, args) -> tuple | None:
     """What Triton's compiled kernel and the autotuner's choice depend on, or ``None`` where an
     argument's type is not one this module knows how Triton specialises."""
-    key = [id(kernel), torch.cuda.current_device()]
+    key = [id(kernel), torch.cuda.current_device(), knobs.runtime.debug, knobs.compilation.instrumentation_mode]
     for name, value in args.items():
         if isinstance(value, torch.Tensor):
             key.append((name, value.dtype, value.data_ptr() % 16 == 0))
-        elif value is None or isinstance(value, (bool, int, float, str)):
+        elif value is None or isinstance(value, (bool, int, str)) or (isinstance(value, float) and value == value):
             key.append((name, type(value), value))
-        else:
+        else:  # NaN would never find its own record
             return None
     return tuple(key)
 
@@ -108,9 +108,12 @@ def _record_first_launch(kernel, grid, key, args):
         _records[key] = _NO_RECORD
         return kernel[grid](**args)
 
-    def remember(*_, **kwargs):
-        final_kwargs.clear()
-        final_kwargs.update(kwargs)
+    recorder = threading.get_ident()
+
+    def remember(*_, **kwargs):  # the hook sees every thread's calls of this kernel: ours only
+        if threading.get_ident() == recorder:
+            final_kwargs.clear()
+            final_kwargs.update(kwargs)
 
     jit.pre_run_hooks.append(remember)
     try:
@@ -138,18 +141,21 @@ def _record(kernel, jit, compiled, final_kwargs, args):
     """The record of a first launch, or ``_NO_RECORD`` where a later call must run through Triton."""
     if not hasattr(compiled, "packed_metadata") or not final_kwargs or _has_launch_hook(kernel):
         return _NO_RECORD
-    parameters = {}
+    parameters, passed = {}, []
     for parameter in jit.params:
-        if parameter.name in args:  # the caller passes it at every call (a record holds no tensor alive)
-            parameters[parameter.name] = None
-        elif parameter.name in final_kwargs:
-            parameters[parameter.name] = final_kwargs[parameter.name]
+        name = parameter.name
+        if name in args and name in final_kwargs and final_kwargs[name] is args[name]:
+            parameters[name] = None  # the caller's at every call: a record holds no tensor alive
+            passed.append(name)
+        elif name in final_kwargs:  # a heuristic's or the autotuner's choice (or a caller's, overridden)
+            parameters[name] = final_kwargs[name]
         elif parameter.has_default:
-            parameters[parameter.name] = parameter.default
-    if len(parameters) != len(jit.params):
-        return _NO_RECORD
-    options = tuple(name for name in args if name not in parameters)
-    return _Record(compiled, parameters, options)
+            parameters[name] = parameter.default
+        else:
+            return _NO_RECORD
+    if any(isinstance(value, torch.Tensor) for value in parameters.values()):
+        return _NO_RECORD  # a tensor that is not the caller's: nothing to replay it with
+    return _Record(compiled, parameters, tuple(passed))
 
 
 def _has_launch_hook(kernel) -> bool:
