@@ -14,9 +14,10 @@ goes straight to the compiled kernel's launcher with its own tensors. Anything t
 stand for runs through Triton every time: Triton's CPU interpreter (no compiled kernel), an
 autotuner setting with a pre-launch hook, an argument of a type not listed.
 
-Off unless ``EFLA_DIRECT_LAUNCH=1``: its GPU test (``tests/ops/test_launch.py``: replayed chunk ops
-bit for bit equal to the same ops through Triton) has not yet run to the end on a GPU; the speed it
-buys is in ``benchmarks/RESULTS.md``. Off, every launch runs through Triton as fla's would.
+Off unless ``EFLA_DIRECT_LAUNCH=1``. On the CPU, with a stand-in driver, the replayed launches pass
+Triton's own grid, stream and argument vector for every stage (``tests/ops/test_launch.py``); the
+same file's GPU test (replayed chunk ops bit for bit equal to the ops through Triton) has not yet
+run to its end on a GPU. The speed it buys is in ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
