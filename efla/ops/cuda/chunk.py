@@ -15,8 +15,10 @@ the GPU has it (fla's separate solve in full float32), well inside bf16's roundi
 float64 comparisons); the Euler DeltaNet runs fla's own function in eager mode, these stages under
 ``torch.compile``.
 
-The stages (``delta_fwd`` / ``delta_bwd``, ``gated_fwd`` / ``gated_bwd``) run eagerly through the
-autograd Functions below and under ``torch.compile`` through the custom ops of ``custom_ops.py``.
+fla's kernels are launched by the stage functions of ``stages.py`` (fla's own wrappers would add
+their dispatch Python to every launch), ours and theirs through ``launch.py``. The stages
+(``delta_fwd`` / ``delta_bwd``, ``gated_fwd`` / ``gated_bwd``) run eagerly through the autograd
+Functions below and under ``torch.compile`` through the custom ops of ``custom_ops.py``.
 
 Gated backward: fla's ``chunk_gated_delta_rule`` refuses to run its backward on Hopper with
 Triton in [3.4.0, 3.7.1) because one kernel (``chunk_bwd_dqkwg`` with a gate) is miscompiled

@@ -78,9 +78,8 @@ def wy_prepare(k, v, beta, g, cu_seqlens, chunk_indices):
     B, T, H, K = k.shape
     NT = _chunks(T, cu_seqlens, chunk_indices)
     A = torch.zeros(B, T, H, CHUNK, device=k.device, dtype=k.dtype)
-    kn = kernels()
     launch(
-        kn["kkt_solve"],
+        kernels()["kkt_solve"],
         (NT, B * H),
         k=k,
         g=g,
@@ -95,29 +94,7 @@ def wy_prepare(k, v, beta, g, cu_seqlens, chunk_indices):
         BT=CHUNK,
         BC=16,
     )
-    w = k.new_empty(B, T, H, K)
-    u = torch.empty_like(v)
-    launch(
-        kn["gated_w_u"],
-        (NT, B * H),
-        k=k,
-        v=v,
-        beta=beta,
-        w=w,
-        u=u,
-        A=A,
-        g=g,
-        cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices,
-        T=T,
-        H=H,
-        HV=H,
-        K=K,
-        V=v.shape[-1],
-        BT=CHUNK,
-        BK=64,
-        BV=64,
-    )
+    w, u = gated_w_u(k, v, beta, A, g, cu_seqlens, chunk_indices)
     return w, u, A
 
 
@@ -149,7 +126,7 @@ def delta_w_u(k, v, beta, A, cu_seqlens, chunk_indices):
 
 
 def gated_w_u(k, v, beta, A, g, cu_seqlens, chunk_indices):
-    """Gated DeltaNet's ``(w, u)`` from its saved ``A`` (fla's gated ``recompute_w_u_fwd``)."""
+    """``(w, u)`` from ``A`` (fla's gated ``recompute_w_u_fwd``; ``g`` may be ``None``)."""
     B, T, H, K = k.shape
     w, u = k.new_empty(B, T, H, K), torch.empty_like(v)
     launch(
