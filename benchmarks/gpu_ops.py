@@ -179,6 +179,24 @@ def try_call(f):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
+def with_direct_launches(f):
+    """``f`` with our launches after the first straight to the compiled kernel (``EFLA_DIRECT_LAUNCH``
+    is read at every launch), whatever the process's setting."""
+
+    def run():
+        before = os.environ.get("EFLA_DIRECT_LAUNCH")
+        os.environ["EFLA_DIRECT_LAUNCH"] = "1"
+        try:
+            return f()
+        finally:
+            if before is None:
+                del os.environ["EFLA_DIRECT_LAUNCH"]
+            else:
+                os.environ["EFLA_DIRECT_LAUNCH"] = before
+
+    return run
+
+
 def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
     dims_text = "K = V = 128" if dims == ((128, 128),) else "head dims K, V as given"
     emit(
@@ -196,7 +214,7 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
     )
     emit(hdr)
     emit("|" + " --- |" * (hdr.count("|") - 1))
-    notes = []
+    notes, direct_rows = [], []
     for (B, T, H), (K, V) in ((sh, d) for d in dims for sh in shapes):
         label = f"{B}, {T}, {H}" + ("" if (K, V) == (128, 128) else f"; K={K}, V={V}")
         if time.time() - T0 > BUDGET[0]:
@@ -228,6 +246,8 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
             "gdn": (lambda: fla_gdn(qn, kn, v, g32, beta, use_qk_l2norm_in_kernel=True)) if fla_ok else None,
             "gefla": lambda: ops.chunk_gated_efla(q, k, v, g32, beta, use_q_l2norm_in_kernel=True),
         }
+        fwd["efla_direct"] = with_direct_launches(fwd["efla"])
+        fwd["gefla_direct"] = with_direct_launches(fwd["gefla"])
         fwdbwd = {
             "dn": fb(fwd["dn"]) if fla_ok else None,
             "efla": fb(fwd["efla"]),
@@ -235,6 +255,8 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
             "gdn": fb(fwd["gdn"]) if fla_ok else None,
             "gdn_ours": fb(lambda: ops.chunk_gated_delta_rule(q, k, v, g32, beta, use_qk_l2norm_in_kernel=True)),
             "gefla": fb(fwd["gefla"]),
+            "efla_direct": fb(fwd["efla_direct"]),
+            "gefla_direct": fb(fwd["gefla_direct"]),
         }
         with torch.no_grad():
             fwd_ok = {}
@@ -264,8 +286,20 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
             f"| {m(tf['gefla'])} | {r(tf['gefla'], tf['gdn'])} | {m(tb['gdn'])} | {m(tb['gdn_ours'])} "
             f"| {m(tb['gefla'])} | {r(tb['gefla'], tb['efla'])} | {r(tb['gefla'], tb['gdn_ours'])} |"
         )
+        direct_rows.append(
+            f"| {label} | {m(tf['efla_direct'])} | {r(tf['efla_direct'], tf['dn'])} | {m(tb['efla_direct'])} "
+            f"| {r(tb['efla_direct'], tb['dn'])} | {m(tf['gefla_direct'])} | {r(tf['gefla_direct'], tf['gdn'])} "
+            f"| {m(tb['gefla_direct'])} |"
+        )
         fwd = fwdbwd = fwd_ok = fb_ok = None  # free this shape's tensors before the next
         torch.cuda.empty_cache()
+    emit("")
+    emit("Our ops with `EFLA_DIRECT_LAUNCH=1` (timed in the same rounds as the table above; ratios to its fla columns):")
+    emit("")
+    emit("| [B, T, H] | EFLA fwd | vs DeltaNet | EFLA fwd+bwd | vs DeltaNet | Gated EFLA fwd | vs GDN | Gated EFLA fwd+bwd |")
+    emit("|" + " --- |" * 8)
+    for row in direct_rows:
+        emit(row)
     emit("")
     for n in dict.fromkeys(notes):
         emit(f"- note: {n}")

@@ -15,8 +15,8 @@
 #             variant and dtype first (the Gated EFLA bf16 test alone took over 110 s), so the whole
 #             set may need two calls on one warm machine
 #   ops       benchmarks/gpu_ops.py: correctness, then the decode and chunk ops against fla
-#             (OPS_ARGS: more of its options, e.g. "--skip-decode --skip-model"; EFLA_DIRECT_LAUNCH=1
-#             times our ops with their launches after the first straight to the compiled kernel)
+#             (OPS_ARGS: more of its options, e.g. "--skip-decode --skip-model"); our ops are timed
+#             both ways, with EFLA_DIRECT_LAUNCH as set and with it on, alternated
 #   stages    benchmarks/gpu_stages.py: where an op's time goes (STAGES_ARGS: more of its options)
 #   model     benchmarks/gpu_model.py: 340M and 1.3B training steps against fla's models
 #   generate  benchmarks/gpu_generate.py: generation speed (340M), then the kernel and profile stages
