@@ -220,11 +220,12 @@ _VECTOR_SCRIPT = textwrap.dedent(
         launches.clear()
         fn()
         names = {{id(x): n for n, x in inputs.items() if x is not None}}
+        fresh = {{}}  # tensors the stage allocated, by order of first appearance
 
         def label(x):
             if isinstance(x, torch.Tensor):
-                return names.get(id(x), ("new", tuple(x.shape), x.dtype, x.stride()))
-            return x
+                return names.get(id(x)) or ("new", fresh.setdefault(id(x), len(fresh)), tuple(x.shape), x.dtype, x.stride())
+            return (type(x), x)
 
         return [(grid, stream, tuple(label(x) for x in values)) for grid, stream, values in launches]
 

@@ -10,7 +10,9 @@ the EFLA chunk forward at [8, 2048, 16] spent about 1 ms of host time on five la
 autotuning there) and records what Triton chose: the compiled kernel and the values of every
 parameter, constants included. A later call whose arguments specialise the same way (same dtypes,
 16-byte alignment of every pointer, ``None``-ness, and equal ints, floats, bools and constants)
-goes straight to the compiled kernel's launcher with its own tensors. Anything the record cannot
+goes straight to the compiled kernel's launcher with its own tensors. A heuristic's value is kept
+from the first call, so heuristics may depend only on what the key holds (fla's used here test
+whether an argument is ``None``). Anything the record cannot
 stand for runs through Triton every time: Triton's CPU interpreter (no compiled kernel), an
 autotuner setting with a pre-launch hook, an argument of a type not listed.
 
@@ -38,6 +40,7 @@ _NO_RECORD = object()  # a specialisation that always runs through Triton
 @dataclass(frozen=True)
 class _Record:
     compiled: object
+    jit: JITFunction
     parameters: dict  # every parameter in the kernel's order: what Triton chose, None for the caller's
     passed: tuple  # the parameters the caller passes at every call, as they reach the kernel
 
@@ -47,7 +50,7 @@ _recording = threading.RLock()
 MAX_RECORDS = 4096  # ints are keyed by value (a varlen batch's T, say): the table is emptied past this
 
 
-def launch(kernel, grid, **args):
+def launch(kernel, grid, /, **args):
     """``kernel[grid](**args)``: ``grid`` a tuple, or a function of the parameters (the autotuned
     ones included) as Triton takes it."""
     if knobs.runtime.interpret or os.environ.get("EFLA_DIRECT_LAUNCH") != "1":
@@ -57,7 +60,7 @@ def launch(kernel, grid, **args):
     if record is None:
         with _recording:
             return _record_first_launch(kernel, grid, key, args)
-    if record is _NO_RECORD:
+    if record is _NO_RECORD or record.jit.pre_run_hooks:  # a hook of someone else's must see the call
         return kernel[grid](**args)
     parameters = dict(record.parameters)
     for name in record.passed:
@@ -154,9 +157,9 @@ def _record(kernel, jit, compiled, final_kwargs, args):
             parameters[name] = parameter.default
         else:
             return _NO_RECORD
-    if any(isinstance(value, torch.Tensor) for value in parameters.values()):
-        return _NO_RECORD  # a tensor that is not the caller's: nothing to replay it with
-    return _Record(compiled, parameters, tuple(passed))
+    if not all(value is None or isinstance(value, (bool, int, float, str)) for value in parameters.values()):
+        return _NO_RECORD  # a tensor (or the like) that is not the caller's: nothing to replay it with
+    return _Record(compiled, jit, parameters, tuple(passed))
 
 
 def _has_launch_hook(kernel) -> bool:
