@@ -19,7 +19,9 @@ its ratio to ``efla`` is what the gate's arithmetic costs), ``<preset>+fusedproj
 input projections as one matrix product, ``fuse_input_projections=True``, now the presets' default)
 and ``<preset>+separateproj`` (one product per projection, the default before), ``<preset>+nokeycheck``
 (the preset with ``EFLA_CHECK_KEYS=0`` during its steps: no device sync per layer call for the
-overflowing-key check, so its ratio to the preset is what the check costs).
+overflowing-key check, so its ratio to the preset is what the check costs) and ``<preset>+direct``
+(``EFLA_DIRECT_LAUNCH=1`` during its steps: the ops' launches after the first straight to the
+compiled kernels; ``efla+direct`` runs by default).
 
 ``--profile`` adds, per shape, one profiled step of every model (``torch.profiler``): its GPU kernel
 time, kernel launches, the share of the median step the GPU is busy (well below 100%: the step is
@@ -55,12 +57,14 @@ from efla.layers import fused
 from efla.models import EFLAForCausalLM, get_preset_config
 
 GIB = 2**30
-OURS = ("efla", "efla+flce", "deltanet", "gated-efla", "gated-deltanet")
+OURS = ("efla", "efla+direct", "efla+flce", "deltanet", "gated-efla", "gated-deltanet")
 NO_OUTPUT_GATE = "-no-output-gate"  # e.g. gated-efla-no-output-gate: the gated preset without its SiLU output gate
 FUSED_PROJECTIONS = "+fusedproj"  # e.g. gated-efla+fusedproj: the layers' input projections as one product
 SEPARATE_PROJECTIONS = "+separateproj"  # e.g. efla+separateproj: one product per projection
 NO_KEY_CHECK = "+nokeycheck"  # e.g. efla+nokeycheck: EFLA_CHECK_KEYS=0 during its steps (no sync per layer call)
 GATES_IN_LAYER = "+gates-in-layer"  # gated-efla+gates-in-layer: the layer activates gate and beta, not the op
+DIRECT = "+direct"  # e.g. efla+direct: EFLA_DIRECT_LAUNCH=1 during its steps (launches straight to the compiled kernels)
+STEP_ENVIRONMENT = {NO_KEY_CHECK: ("EFLA_CHECK_KEYS", "0"), DIRECT: ("EFLA_DIRECT_LAUNCH", "1")}
 LINES: list[str] = []
 
 
@@ -93,8 +97,9 @@ def build_fla(size: str):
 
 
 def build(kind: str, size: str):
-    if kind.endswith(NO_KEY_CHECK):
-        return build(kind.removesuffix(NO_KEY_CHECK), size)
+    for suffix in STEP_ENVIRONMENT:
+        if kind.endswith(suffix):
+            return build(kind.removesuffix(suffix), size)
     if kind.endswith(GATES_IN_LAYER):
         model, opt = build(kind.removesuffix(GATES_IN_LAYER), size)
         for layer in model.modules():
@@ -145,20 +150,20 @@ def error_line(e: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def key_checks(kind: str):
-    """``EFLA_CHECK_KEYS=0`` while a ``+nokeycheck`` model steps (the ops read it at every call)."""
-    if not kind.endswith(NO_KEY_CHECK):
-        yield
-        return
-    before = os.environ.get("EFLA_CHECK_KEYS")
-    os.environ["EFLA_CHECK_KEYS"] = "0"
+def step_environment(kind: str):
+    """The variables a model's suffixes set while it steps (the ops read them at every call):
+    ``+nokeycheck`` ``EFLA_CHECK_KEYS=0``, ``+direct`` ``EFLA_DIRECT_LAUNCH=1``."""
+    settings = dict(env for suffix, env in STEP_ENVIRONMENT.items() if suffix in kind)
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["EFLA_CHECK_KEYS"]
-        else:
-            os.environ["EFLA_CHECK_KEYS"] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def train_step(model, opt, ids) -> tuple[float, int, float]:
@@ -208,7 +213,7 @@ def bench_size(
                 if kind in failed:
                     continue
                 try:
-                    with key_checks(kind):
+                    with step_environment(kind):
                         sec, peak, loss = train_step(model, opt, ids)
                 except Exception as e:
                     failed[kind] = error_line(e)
@@ -255,14 +260,14 @@ def bench_size(
             }
             for kind, (model, opt) in models.items():
                 if kind not in failed:
-                    with key_checks(kind):
+                    with step_environment(kind):
                         step_profile = profile_step(model, opt, ids)
                     rows.append(dict(size=size, model=kind, T=T, B=B, profile=step_profile, step_s_median=medians.get(kind)))
             emit_profiles(out_dir, size, T, B, [r for r in rows if r["T"] == T and r["B"] == B and "profile" in r], profile)
         if host_profile:
             for kind, (model, opt) in models.items():
                 if kind not in failed:
-                    with key_checks(kind):
+                    with step_environment(kind):
                         functions = python_profile_step(model, opt, ids)
                     rows.append(dict(size=size, model=kind, T=T, B=B, python_profile=functions))
                     emit_python_profile(out_dir, size, T, B, kind, functions, host_profile)
