@@ -262,6 +262,59 @@ def host_functions(fn, calls: int = 20, top: int = 25) -> list[tuple[str, float]
     return sorted(rows, key=lambda row: -row[1])[:top]
 
 
+H200_BYTES_PER_S = 4.8e12  # HBM3e, NVIDIA's figure
+
+
+def efla_stage_bytes(B: int, T: int, H: int, K: int, V: int) -> dict:
+    """The least HBM traffic of each EFLA stage the op runs (each input read once, each output
+    written once; bf16 tensors, float32 inverse norms), by the stage names of ``efla_stages``."""
+    n, chunk = B * T * H, 64
+    qk, vv, row, row32, a = n * K * 2, n * V * 2, n * 2, n * 4, n * chunk * 2
+    states = B * -(-T // chunk) * H * K * V * 2  # one bf16 state per chunk (h, dh)
+    w_u = (qk + vv + row + a) + (qk + vv)  # k, v, beta, A -> w, u
+    state_pass = (qk + qk + vv) + (states + vv)  # k, w, u -> h, v_new
+    forward = (
+        (qk + row)
+        + a  # k, beta -> A (k k^T and the solve)
+        + w_u
+        + state_pass
+        + (qk + qk + vv + states)
+        + vv  # q, k, v_new, h -> o
+    )
+    backward = (
+        w_u
+        + state_pass
+        + (qk + qk + vv)
+        + vv  # q, k, do -> dv within chunks
+        + (qk + qk + qk + vv + vv)
+        + (states + vv)  # q, k, w, do, dv -> dh, dv
+        + (qk + qk + vv + states + vv + states + vv)
+        + 3 * qk  # q, k, v_new, h, do, dh, dv -> dq, dk, dw
+        + (qk + vv + row + a + qk + vv)
+        + (qk + vv + row)  # k, v, beta, A, dw, du -> dk, dv, dbeta
+    )
+    return {
+        # k, q, beta -> alpha, q / |q|, 1 / |q|
+        "coefficient fwd with q l2norm (what the op runs)": (qk + qk + row) + (row + qk + row32),
+        "delta_rule_fwd": forward,
+        "delta_rule_bwd": backward,
+        # k, dk, its WY part, q, dq, beta, d alpha, 1/|q| -> dk, dq, dbeta
+        "coefficient bwd with q l2norm bwd and the WY part of dk (what the op runs)": (5 * qk + 2 * row + row32) + (2 * qk + row),
+    }
+
+
+def bandwidth_rows(times: dict, stage_bytes: dict) -> list[str]:
+    """Table rows: each stage's least traffic against its time and the H200's bandwidth."""
+    rows = []
+    for prefix, nbytes in stage_bytes.items():
+        name = next((n for n in times if n.startswith(prefix)), None)
+        if name is None:
+            continue
+        rate = nbytes / (times[name] * 1e-3)
+        rows.append(f"| {prefix} | {times[name]:.3f} | {nbytes / 1e6:.0f} | {rate / 1e9:.0f} | {rate / H200_BYTES_PER_S:.0%} |")
+    return rows
+
+
 def whole_op(fn, leaves, do):
     def run():
         fn()[0].backward(do)
@@ -306,17 +359,28 @@ def one_shape(out, ch, F, B, T, H, rounds, rep, sweep):
     emit(out, "")
     emit(out, "| op | stage | ms |")
     emit(out, "| --- | --- | --- |")
+    efla_times = {}
     for label, stages in rows:
         with torch.no_grad():
             for f in stages.values():
                 f()
             times = bench(stages, rounds, rep)
+        if label == "EFLA":
+            efla_times = times
         for name, t in times.items():
             emit(out, f"| {label} | {name} | {t:.3f} |")
         counted = sum(t for n, t in times.items() if not n.startswith("(") and "fixed" not in n)
         emit(out, f"| {label} | sum of its stages | {counted:.3f} |")
     for name, t in bench(whole, rounds, rep).items():
         emit(out, f"| whole op | {name} | {t:.3f} |")
+    emit(out, "")
+    emit(out, "EFLA's stages against the H200's memory bandwidth (least HBM traffic: inputs read once, outputs written once):")
+    emit(out, "")
+    emit(out, "| stage | ms | MB moved (least) | GB/s | share of 4.8 TB/s |")
+    emit(out, "| --- | --- | --- | --- | --- |")
+    for row in bandwidth_rows(efla_times, efla_stage_bytes(B, T, H, 128, 128)):
+        emit(out, row)
+    emit(out, "")
     forwards = {
         "EFLA fwd": lambda: ops.chunk_efla(q, k, v, beta, use_q_l2norm_in_kernel=True),
         "EFLA fwd, direct launches": with_direct_launches(lambda: ops.chunk_efla(q, k, v, beta, use_q_l2norm_in_kernel=True)),
