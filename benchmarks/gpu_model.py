@@ -52,9 +52,11 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from efla.layers import fused
 from efla.models import EFLAForCausalLM, get_preset_config
+from gpu_ops import environment
 
 GIB = 2**30
 OURS = ("efla", "efla+direct", "efla+flce", "deltanet", "gated-efla", "gated-deltanet")
@@ -149,21 +151,10 @@ def error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0][:160]}".replace("|", "/")
 
 
-@contextlib.contextmanager
 def step_environment(kind: str):
     """The variables a model's suffixes set while it steps (the ops read them at every call):
     ``+nokeycheck`` ``EFLA_CHECK_KEYS=0``, ``+direct`` ``EFLA_DIRECT_LAUNCH=1``."""
-    settings = dict(env for suffix, env in STEP_ENVIRONMENT.items() if suffix in kind)
-    before = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
+    return environment(dict(env for suffix, env in STEP_ENVIRONMENT.items() if suffix in kind))
 
 
 def train_step(model, opt, ids) -> tuple[float, int, float]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import contextlib
 import os
 import statistics
 import sys
@@ -179,20 +180,28 @@ def try_call(f):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
+@contextlib.contextmanager
+def environment(settings: dict):
+    """``os.environ`` with ``settings`` for the block (the ops read their switches at every call)."""
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
 def with_direct_launches(f):
-    """``f`` with our launches after the first straight to the compiled kernel (``EFLA_DIRECT_LAUNCH``
-    is read at every launch), whatever the process's setting."""
+    """``f`` with our launches after the first straight to the compiled kernel, whatever the
+    process's setting."""
 
     def run():
-        before = os.environ.get("EFLA_DIRECT_LAUNCH")
-        os.environ["EFLA_DIRECT_LAUNCH"] = "1"
-        try:
+        with environment({"EFLA_DIRECT_LAUNCH": "1"}):
             return f()
-        finally:
-            if before is None:
-                del os.environ["EFLA_DIRECT_LAUNCH"]
-            else:
-                os.environ["EFLA_DIRECT_LAUNCH"] = before
 
     return run
 

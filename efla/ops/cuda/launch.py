@@ -106,7 +106,7 @@ def _specialisation(kernel, args) -> tuple | None:
 def _record_first_launch(kernel, grid, key, args):
     record = _records.get(key)  # another thread may have recorded it meanwhile
     if record is not None:
-        return launch(kernel, grid, **args) if record is not _NO_RECORD else kernel[grid](**args)
+        return launch(kernel, grid, **args)
     jit, final_kwargs = _innermost(kernel), {}
     if jit is None:
         _records[key] = _NO_RECORD
