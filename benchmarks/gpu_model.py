@@ -19,9 +19,9 @@ its ratio to ``efla`` is what the gate's arithmetic costs), ``<preset>+fusedproj
 input projections as one matrix product, ``fuse_input_projections=True``, now the presets' default)
 and ``<preset>+separateproj`` (one product per projection, the default before), ``<preset>+nokeycheck``
 (the preset with ``EFLA_CHECK_KEYS=0`` during its steps: no device sync per layer call for the
-overflowing-key check, so its ratio to the preset is what the check costs) and ``<preset>+direct``
-(``EFLA_DIRECT_LAUNCH=1`` during its steps: the ops' launches after the first straight to the
-compiled kernels; ``efla+direct`` runs by default).
+overflowing-key check, so its ratio to the preset is what the check costs) and ``<preset>+triton``
+(``EFLA_DIRECT_LAUNCH=0`` during its steps: every launch of the ops through Triton's own launch path
+instead of straight to the compiled kernel after the first; ``efla+triton`` runs by default).
 
 ``--profile`` adds, per shape, one profiled step of every model (``torch.profiler``): its GPU kernel
 time, kernel launches, the share of the median step the GPU is busy (well below 100%: the step is
@@ -59,14 +59,14 @@ from efla.models import EFLAForCausalLM, get_preset_config
 from gpu_ops import environment
 
 GIB = 2**30
-OURS = ("efla", "efla+direct", "efla+flce", "deltanet", "gated-efla", "gated-deltanet")
+OURS = ("efla", "efla+triton", "efla+flce", "deltanet", "gated-efla", "gated-deltanet")
 NO_OUTPUT_GATE = "-no-output-gate"  # e.g. gated-efla-no-output-gate: the gated preset without its SiLU output gate
 FUSED_PROJECTIONS = "+fusedproj"  # e.g. gated-efla+fusedproj: the layers' input projections as one product
 SEPARATE_PROJECTIONS = "+separateproj"  # e.g. efla+separateproj: one product per projection
 NO_KEY_CHECK = "+nokeycheck"  # e.g. efla+nokeycheck: EFLA_CHECK_KEYS=0 during its steps (no sync per layer call)
 GATES_IN_LAYER = "+gates-in-layer"  # gated-efla+gates-in-layer: the layer activates gate and beta, not the op
-DIRECT = "+direct"  # e.g. efla+direct: EFLA_DIRECT_LAUNCH=1 during its steps (launches straight to the compiled kernels)
-STEP_ENVIRONMENT = {NO_KEY_CHECK: ("EFLA_CHECK_KEYS", "0"), DIRECT: ("EFLA_DIRECT_LAUNCH", "1")}
+TRITON_LAUNCHES = "+triton"  # e.g. efla+triton: EFLA_DIRECT_LAUNCH=0 during its steps (every launch through Triton)
+STEP_ENVIRONMENT = {NO_KEY_CHECK: ("EFLA_CHECK_KEYS", "0"), TRITON_LAUNCHES: ("EFLA_DIRECT_LAUNCH", "0")}
 LINES: list[str] = []
 
 
@@ -153,7 +153,7 @@ def error_line(e: BaseException) -> str:
 
 def step_environment(kind: str):
     """The variables a model's suffixes set while it steps (the ops read them at every call):
-    ``+nokeycheck`` ``EFLA_CHECK_KEYS=0``, ``+direct`` ``EFLA_DIRECT_LAUNCH=1``."""
+    ``+nokeycheck`` ``EFLA_CHECK_KEYS=0``, ``+triton`` ``EFLA_DIRECT_LAUNCH=0``."""
     return environment(dict(env for suffix, env in STEP_ENVIRONMENT.items() if suffix in kind))
 
 

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import efla.ops as ops
 from efla.variants import Variant
+from efla.ops.cuda.launch import direct_launches
 
 T0 = time.time()
 LINES: list[str] = []
@@ -195,12 +196,12 @@ def environment(settings: dict):
                 os.environ[name] = value
 
 
-def with_direct_launches(f):
-    """``f`` with our launches after the first straight to the compiled kernel, whatever the
-    process's setting."""
+def with_triton_launches(f):
+    """``f`` with every launch of ours through Triton's own launch path (the control for the
+    default, which sends launches after the first straight to the compiled kernel)."""
 
     def run():
-        with environment({"EFLA_DIRECT_LAUNCH": "1"}):
+        with environment({"EFLA_DIRECT_LAUNCH": "0"}):
             return f()
 
     return run
@@ -223,7 +224,7 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
     )
     emit(hdr)
     emit("|" + " --- |" * (hdr.count("|") - 1))
-    notes, direct_rows = [], []
+    notes, triton_rows = [], []
     for (B, T, H), (K, V) in ((sh, d) for d in dims for sh in shapes):
         label = f"{B}, {T}, {H}" + ("" if (K, V) == (128, 128) else f"; K={K}, V={V}")
         if time.time() - T0 > BUDGET[0]:
@@ -255,8 +256,8 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
             "gdn": (lambda: fla_gdn(qn, kn, v, g32, beta, use_qk_l2norm_in_kernel=True)) if fla_ok else None,
             "gefla": lambda: ops.chunk_gated_efla(q, k, v, g32, beta, use_q_l2norm_in_kernel=True),
         }
-        fwd["efla_direct"] = with_direct_launches(fwd["efla"])
-        fwd["gefla_direct"] = with_direct_launches(fwd["gefla"])
+        fwd["efla_triton"] = with_triton_launches(fwd["efla"])
+        fwd["gefla_triton"] = with_triton_launches(fwd["gefla"])
         fwdbwd = {
             "dn": fb(fwd["dn"]) if fla_ok else None,
             "efla": fb(fwd["efla"]),
@@ -264,8 +265,8 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
             "gdn": fb(fwd["gdn"]) if fla_ok else None,
             "gdn_ours": fb(lambda: ops.chunk_gated_delta_rule(q, k, v, g32, beta, use_qk_l2norm_in_kernel=True)),
             "gefla": fb(fwd["gefla"]),
-            "efla_direct": fb(fwd["efla_direct"]),
-            "gefla_direct": fb(fwd["gefla_direct"]),
+            "efla_triton": fb(fwd["efla_triton"]),
+            "gefla_triton": fb(fwd["gefla_triton"]),
         }
         with torch.no_grad():
             fwd_ok = {}
@@ -295,19 +296,22 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
             f"| {m(tf['gefla'])} | {r(tf['gefla'], tf['gdn'])} | {m(tb['gdn'])} | {m(tb['gdn_ours'])} "
             f"| {m(tb['gefla'])} | {r(tb['gefla'], tb['efla'])} | {r(tb['gefla'], tb['gdn_ours'])} |"
         )
-        direct_rows.append(
-            f"| {label} | {m(tf['efla_direct'])} | {r(tf['efla_direct'], tf['dn'])} | {m(tb['efla_direct'])} "
-            f"| {r(tb['efla_direct'], tb['dn'])} | {m(tf['gefla_direct'])} | {r(tf['gefla_direct'], tf['gdn'])} "
-            f"| {m(tb['gefla_direct'])} |"
+        triton_rows.append(
+            f"| {label} | {m(tf['efla_triton'])} | {r(tf['efla_triton'], tf['dn'])} | {m(tb['efla_triton'])} "
+            f"| {r(tb['efla_triton'], tb['dn'])} | {m(tf['gefla_triton'])} | {r(tf['gefla_triton'], tf['gdn'])} "
+            f"| {m(tb['gefla_triton'])} |"
         )
         fwd = fwdbwd = fwd_ok = fb_ok = None  # free this shape's tensors before the next
         torch.cuda.empty_cache()
     emit("")
-    emit("Our ops with `EFLA_DIRECT_LAUNCH=1` (timed in the same rounds as the table above; ratios to its fla columns):")
+    emit(
+        "Control: our ops with every launch through Triton, `EFLA_DIRECT_LAUNCH=0` "
+        "(timed in the same rounds as the table above; ratios to its fla columns):"
+    )
     emit("")
     emit("| [B, T, H] | EFLA fwd | vs DeltaNet | EFLA fwd+bwd | vs DeltaNet | Gated EFLA fwd | vs GDN | Gated EFLA fwd+bwd |")
     emit("|" + " --- |" * 8)
-    for row in direct_rows:
+    for row in triton_rows:
         emit(row)
     emit("")
     for n in dict.fromkeys(notes):
@@ -448,7 +452,7 @@ def main():
     emit(f"- GPU: {torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))})")
     emit(f"- torch {torch.__version__}, triton {triton.__version__}, flash-linear-attention {fla_v}, CUDA {torch.version.cuda}")
     emit(f"- timings: `triton.testing.do_bench` medians; methods measured alternately, median over {args.rounds} rounds")
-    direct = os.environ.get("EFLA_DIRECT_LAUNCH") == "1"
+    direct = direct_launches()
     how = "straight to the compiled kernel" if direct else "through Triton"
     emit(f"- our launches after the first: {how} (EFLA_DIRECT_LAUNCH={int(direct)})")
     emit("")

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import efla.ops as ops
-from gpu_ops import make_inputs, with_direct_launches
+from gpu_ops import make_inputs, with_triton_launches
 
 LINES: list[str] = []
 OLD_DQKWG_LAUNCH = dict(BV=64, num_warps=4, num_stages=2)
@@ -352,7 +352,7 @@ def one_shape(out, ch, F, B, T, H, rounds, rep, sweep):
             lambda: ops.chunk_gated_efla(q, k, v, g, beta, use_q_l2norm_in_kernel=True), leaves, do
         ),
     }
-    whole["EFLA fwd+bwd (autograd), direct launches"] = with_direct_launches(whole["EFLA fwd+bwd (autograd)"])
+    whole["EFLA fwd+bwd (autograd), launches through Triton"] = with_triton_launches(whole["EFLA fwd+bwd (autograd)"])
     for f in whole.values():
         f()
     emit(out, f"### [B, T, H] = [{B}, {T}, {H}], K = V = 128")
@@ -383,7 +383,9 @@ def one_shape(out, ch, F, B, T, H, rounds, rep, sweep):
     emit(out, "")
     forwards = {
         "EFLA fwd": lambda: ops.chunk_efla(q, k, v, beta, use_q_l2norm_in_kernel=True),
-        "EFLA fwd, direct launches": with_direct_launches(lambda: ops.chunk_efla(q, k, v, beta, use_q_l2norm_in_kernel=True)),
+        "EFLA fwd, launches through Triton": with_triton_launches(
+            lambda: ops.chunk_efla(q, k, v, beta, use_q_l2norm_in_kernel=True)
+        ),
         "DeltaNet fwd (fla, qk l2norm in kernel)": lambda: chunk_delta_rule(q, k, v, beta, use_qk_l2norm_in_kernel=True),
     }
     with torch.no_grad():
@@ -391,9 +393,9 @@ def one_shape(out, ch, F, B, T, H, rounds, rep, sweep):
     for name, t in {**host_forward, **{name: host_ms(f) for name, f in whole.items()}}.items():
         emit(out, f"| host | {name}: the call's return after a synchronised start | {t:.3f} |")
     with torch.no_grad():
-        host_profile = host_functions(forwards["EFLA fwd, direct launches"])
+        host_profile = host_functions(forwards["EFLA fwd"])
     emit(out, "")
-    emit(out, "Where the EFLA forward call's host time goes, direct launches (cProfile over 20 calls, cumulative ms per call):")
+    emit(out, "Where the EFLA forward call's host time goes (cProfile over 20 calls, cumulative ms per call):")
     emit(out, "")
     emit(out, "| function | ms per call |")
     emit(out, "| --- | --- |")

@@ -16,7 +16,7 @@
 #             set may need two calls on one warm machine
 #   ops       benchmarks/gpu_ops.py: correctness, then the decode and chunk ops against fla
 #             (OPS_ARGS: more of its options, e.g. "--skip-decode --skip-model"); our ops are timed
-#             both ways, with EFLA_DIRECT_LAUNCH as set and with it on, alternated
+#             both ways, with EFLA_DIRECT_LAUNCH as set and with it 0 (every launch through Triton), alternated
 #   stages    benchmarks/gpu_stages.py: where an op's time goes (STAGES_ARGS: more of its options)
 #   model     benchmarks/gpu_model.py: 340M and 1.3B training steps against fla's models
 #   generate  benchmarks/gpu_generate.py: generation speed (340M), then the kernel and profile stages

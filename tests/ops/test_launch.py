@@ -76,6 +76,18 @@ def _run(device: str, interpret: bool):
 
 
 @pytest.mark.skipif(not _OK, reason=_WHY)
+def test_direct_launches_are_on_unless_turned_off(monkeypatch):
+    from efla.ops.cuda.launch import direct_launches
+
+    monkeypatch.delenv("EFLA_DIRECT_LAUNCH", raising=False)
+    assert direct_launches()
+    monkeypatch.setenv("EFLA_DIRECT_LAUNCH", "0")
+    assert not direct_launches()
+    monkeypatch.setenv("EFLA_DIRECT_LAUNCH", "1")
+    assert direct_launches()
+
+
+@pytest.mark.skipif(not _OK, reason=_WHY)
 def test_launch_runs_through_triton_under_the_interpreter():
     _run("cpu", interpret=True)
 

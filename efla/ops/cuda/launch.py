@@ -16,10 +16,10 @@ whether an argument is ``None``). Anything the record cannot
 stand for runs through Triton every time: Triton's CPU interpreter (no compiled kernel), an
 autotuner setting with a pre-launch hook, an argument of a type not listed.
 
-Off unless ``EFLA_DIRECT_LAUNCH=1``. On the CPU, with a stand-in driver, the replayed launches pass
-Triton's own grid, stream and argument vector for every stage (``tests/ops/test_launch.py``); the
-same file's GPU test (replayed chunk ops bit for bit equal to the ops through Triton) has not yet
-run to its end on a GPU. The speed it buys is in ``benchmarks/RESULTS.md``.
+On by default; ``EFLA_DIRECT_LAUNCH=0`` sends every launch through Triton. On the CPU, with a
+stand-in driver, the replayed launches pass Triton's own grid, stream and argument vector for every
+stage (``tests/ops/test_launch.py``); on the GPU the same file checks replayed chunk ops bit for bit
+against the ops through Triton. The speed it buys is in ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -50,10 +50,16 @@ _recording = threading.RLock()
 MAX_RECORDS = 4096  # ints are keyed by value (a varlen batch's T, say): the table is emptied past this
 
 
+def direct_launches() -> bool:
+    """Whether launches after the first of their specialisation skip Triton's Python
+    (``EFLA_DIRECT_LAUNCH``, on unless ``0``)."""
+    return os.environ.get("EFLA_DIRECT_LAUNCH", "1") != "0"
+
+
 def launch(kernel, grid, /, **args):
     """``kernel[grid](**args)``: ``grid`` a tuple, or a function of the parameters (the autotuned
     ones included) as Triton takes it."""
-    if knobs.runtime.interpret or os.environ.get("EFLA_DIRECT_LAUNCH") != "1":
+    if knobs.runtime.interpret or not direct_launches():
         return kernel[grid](**args)
     key = _specialisation(kernel, args)
     record = _records.get(key) if key is not None else _NO_RECORD
