@@ -36,7 +36,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import efla.ops as ops
 from efla.variants import Variant
-from efla.ops.cuda.launch import direct_launches
 
 T0 = time.time()
 LINES: list[str] = []
@@ -436,6 +435,7 @@ def main():
         return 0
     dev = torch.device("cuda")
     import triton
+    from efla.ops.cuda.launch import direct_launches
 
     from efla.ops import cuda as backend
 

@@ -18,7 +18,8 @@
 #             (OPS_ARGS: more of its options, e.g. "--skip-decode --skip-model"); our ops are timed
 #             both ways, with EFLA_DIRECT_LAUNCH as set and with it 0 (every launch through Triton), alternated
 #   stages    benchmarks/gpu_stages.py: where an op's time goes (STAGES_ARGS: more of its options)
-#   model     benchmarks/gpu_model.py: 340M and 1.3B training steps against fla's models
+#   model     benchmarks/gpu_model.py: 340M and 1.3B training steps against fla's models (MODEL_ARGS
+#             replaces its options, e.g. "--sizes 1.3b --models fla,efla,efla+triton")
 #   generate  benchmarks/gpu_generate.py: generation speed (340M), then the kernel and profile stages
 #   serve     benchmarks/serve_load.py: the server's scheduler under load beside static batching
 #
@@ -52,7 +53,7 @@ run_phase() {
     optests) python3 -m pytest -q -rfE -m gpu -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests/ops ;;
     ops) python3 benchmarks/gpu_ops.py --out "$OUT/ops" ${OPS_ARGS:-} ;;
     stages) python3 benchmarks/gpu_stages.py --out "$OUT/stages" ${STAGES_ARGS:-} ;;
-    model) python3 benchmarks/gpu_model.py --sizes 340m,1.3b --out "$OUT/model" ;;
+    model) python3 benchmarks/gpu_model.py ${MODEL_ARGS:---sizes 340m,1.3b} --out "$OUT/model" ;;
     generate) python3 benchmarks/gpu_generate.py --sizes 340m --stages speed,kernel,profile --out "$OUT/generate" ;;
     serve) python3 benchmarks/serve_load.py --rates 64,inf --requests 512 --out "$OUT/serve" ;;
     *) echo "device.sh: unknown phase $1 (tests, gentests, optests, ops, stages, model, generate, serve)"; return 2 ;;
