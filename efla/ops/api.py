@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..variants import Variant
@@ -129,22 +131,23 @@ def _compute(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_st
     if q.is_cuda:
         backend = _cuda()
         if backend is not None:
-            out = backend.dispatch(
-                rule,
-                mode,
-                q,
-                k,
-                v,
-                g,
-                beta,
-                scale,
-                initial_state,
-                output_final_state,
-                cu_seqlens,
-                q_l2norm=q_l2norm,
-                k_l2norm=k_l2norm,
-                gates=gates,
-            )
+            with _on_device_of(q):
+                out = backend.dispatch(
+                    rule,
+                    mode,
+                    q,
+                    k,
+                    v,
+                    g,
+                    beta,
+                    scale,
+                    initial_state,
+                    output_final_state,
+                    cu_seqlens,
+                    q_l2norm=q_l2norm,
+                    k_l2norm=k_l2norm,
+                    gates=gates,
+                )
             if out is not None:
                 return out
     g, beta = activate(g, beta, gates)
@@ -155,6 +158,14 @@ def _compute(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_st
         # (one device sync per call)
         check_key_energy(k)
     return _compute_torch(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms)
+
+
+def _on_device_of(x):
+    """``x``'s GPU as the current device for the call: Triton launches on the current device, and the
+    tensors of a call may live on another (autograd's backward runs on theirs already)."""
+    if torch.compiler.is_compiling() or x.device.index is None or x.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(x.device)
 
 
 def _compute_torch(rule, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dims, norms):

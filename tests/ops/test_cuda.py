@@ -111,7 +111,15 @@ def test_gpu_head_dims(rule, K, V):
     _check_gpu_against_reference(rule, False, K=K, V=V)
 
 
-def _check_gpu_against_reference(rule, varlen, K, V):
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", ["efla", "gated_efla"])
+def test_gpu_ops_run_on_their_inputs_device_not_the_current_one(rule):
+    assert torch.cuda.current_device() == 0
+    _check_gpu_against_reference(rule, True, K=64, V=64, device="cuda:1")
+
+
+def _check_gpu_against_reference(rule, varlen, K, V, device="cuda"):
     if varlen:
         B, T, H, cu = 1, 150, 2, [0, 37, 38, 150]
     else:
@@ -120,7 +128,7 @@ def _check_gpu_against_reference(rule, varlen, K, V):
     gated = rule.startswith("gated")
     xs = _inputs(B, T, H, K, V, N, rule, seed=3)
     names = ["q", "k", "v", "beta", "g", "h0"]
-    dev = [x.cuda().to(torch.bfloat16) for x in xs[:5]] + [xs[5].cuda()]
+    dev = [x.to(device, torch.bfloat16) for x in xs[:5]] + [xs[5].to(device)]
     ref_in = [x.cpu().double().requires_grad_() for x in dev]
     gen = torch.Generator().manual_seed(7)
     do, dS = torch.randn(B, T, H, V, generator=gen), torch.randn(N, H, K, V, generator=gen)
@@ -129,10 +137,10 @@ def _check_gpu_against_reference(rule, varlen, K, V):
     rgrads = torch.autograd.grad((ro * do.double()).sum() + (rS * dS.double()).sum(), ref_in, allow_unused=True)
 
     gin = [x.detach().clone().requires_grad_() for x in dev]
-    cu_gpu = cu_cpu.cuda().int() if cu else None
+    cu_gpu = cu_cpu.to(device, torch.int32) if cu else None
     o, S = _call(getattr(ops, "chunk_" + rule), rule, *gin, cu_gpu)
     assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
-    loss = (o.float() * do.cuda()).sum() + (S * dS.cuda()).sum()
+    loss = (o.float() * do.to(device)).sum() + (S * dS.to(device)).sum()
     grads = torch.autograd.grad(loss, gin, allow_unused=True)
     assert _rel(o, ro) < 2e-2 and _rel(S, rS) < 2e-2
     for n, a, b in zip(names, grads, rgrads):
