@@ -19,9 +19,10 @@ its ratio to ``efla`` is what the gate's arithmetic costs), ``<preset>+fusedproj
 input projections as one matrix product, ``fuse_input_projections=True``, now the presets' default)
 and ``<preset>+separateproj`` (one product per projection, the default before), ``<preset>+nokeycheck``
 (the preset with ``EFLA_CHECK_KEYS=0`` during its steps: no device sync per layer call for the
-overflowing-key check, so its ratio to the preset is what the check costs) and ``<preset>+triton``
+overflowing-key check, so its ratio to the preset is what the check costs), ``<preset>+triton``
 (``EFLA_DIRECT_LAUNCH=0`` during its steps: every launch of the ops through Triton's own launch path
-instead of straight to the compiled kernel after the first; ``efla+triton`` runs by default).
+instead of straight to the compiled kernel after the first; ``efla+triton`` runs by default) and
+``<preset>+tuned`` (``EFLA_STATE_TUNING=1``: the ops' state passes tuned per batch x heads).
 
 ``--profile`` adds, per shape, one profiled step of every model (``torch.profiler``): its GPU kernel
 time, kernel launches, the share of the median step the GPU is busy (well below 100%: the step is
@@ -66,7 +67,12 @@ SEPARATE_PROJECTIONS = "+separateproj"  # e.g. efla+separateproj: one product pe
 NO_KEY_CHECK = "+nokeycheck"  # e.g. efla+nokeycheck: EFLA_CHECK_KEYS=0 during its steps (no sync per layer call)
 GATES_IN_LAYER = "+gates-in-layer"  # gated-efla+gates-in-layer: the layer activates gate and beta, not the op
 TRITON_LAUNCHES = "+triton"  # e.g. efla+triton: EFLA_DIRECT_LAUNCH=0 during its steps (every launch through Triton)
-STEP_ENVIRONMENT = {NO_KEY_CHECK: ("EFLA_CHECK_KEYS", "0"), TRITON_LAUNCHES: ("EFLA_DIRECT_LAUNCH", "0")}
+STATE_TUNING = "+tuned"  # e.g. efla+tuned: EFLA_STATE_TUNING=1 during its steps (state passes tuned per batch x heads)
+STEP_ENVIRONMENT = {
+    NO_KEY_CHECK: ("EFLA_CHECK_KEYS", "0"),
+    TRITON_LAUNCHES: ("EFLA_DIRECT_LAUNCH", "0"),
+    STATE_TUNING: ("EFLA_STATE_TUNING", "1"),
+}
 LINES: list[str] = []
 
 
@@ -153,7 +159,8 @@ def error_line(e: BaseException) -> str:
 
 def step_environment(kind: str):
     """The variables a model's suffixes set while it steps (the ops read them at every call):
-    ``+nokeycheck`` ``EFLA_CHECK_KEYS=0``, ``+triton`` ``EFLA_DIRECT_LAUNCH=0``."""
+    ``+nokeycheck`` ``EFLA_CHECK_KEYS=0``, ``+triton`` ``EFLA_DIRECT_LAUNCH=0``, ``+tuned``
+    ``EFLA_STATE_TUNING=1``."""
     return environment(dict(env for suffix, env in STEP_ENVIRONMENT.items() if suffix in kind))
 
 

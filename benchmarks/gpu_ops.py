@@ -195,15 +195,30 @@ def environment(settings: dict):
                 os.environ[name] = value
 
 
-def with_triton_launches(f):
-    """``f`` with every launch of ours through Triton's own launch path (the control for the
-    default, which sends launches after the first straight to the compiled kernel)."""
+def with_settings(f, settings: dict):
+    """``f`` run with ``settings`` in ``os.environ``."""
 
     def run():
-        with environment({"EFLA_DIRECT_LAUNCH": "0"}):
+        with environment(settings):
             return f()
 
     return run
+
+
+def with_triton_launches(f):
+    """``f`` with every launch of ours through Triton's own launch path (the control for the
+    default, which sends launches after the first straight to the compiled kernel)."""
+    return with_settings(f, {"EFLA_DIRECT_LAUNCH": "0"})
+
+
+# our ops once more under other settings, timed in the same rounds: (what the table says, settings)
+VARIANTS = {
+    "triton": ("Control: our ops with every launch through Triton, `EFLA_DIRECT_LAUNCH=0`", {"EFLA_DIRECT_LAUNCH": "0"}),
+    "tuned": (
+        "Our ops with the state passes tuned per batch x heads, `EFLA_STATE_TUNING=1`",
+        {"EFLA_STATE_TUNING": "1"},
+    ),
+}
 
 
 def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
@@ -223,7 +238,7 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
     )
     emit(hdr)
     emit("|" + " --- |" * (hdr.count("|") - 1))
-    notes, triton_rows = [], []
+    notes, variant_rows = [], {name: [] for name in VARIANTS}
     for (B, T, H), (K, V) in ((sh, d) for d in dims for sh in shapes):
         label = f"{B}, {T}, {H}" + ("" if (K, V) == (128, 128) else f"; K={K}, V={V}")
         if time.time() - T0 > BUDGET[0]:
@@ -255,8 +270,9 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
             "gdn": (lambda: fla_gdn(qn, kn, v, g32, beta, use_qk_l2norm_in_kernel=True)) if fla_ok else None,
             "gefla": lambda: ops.chunk_gated_efla(q, k, v, g32, beta, use_q_l2norm_in_kernel=True),
         }
-        fwd["efla_triton"] = with_triton_launches(fwd["efla"])
-        fwd["gefla_triton"] = with_triton_launches(fwd["gefla"])
+        for name, (_, settings) in VARIANTS.items():
+            fwd[f"efla_{name}"] = with_settings(fwd["efla"], settings)
+            fwd[f"gefla_{name}"] = with_settings(fwd["gefla"], settings)
         fwdbwd = {
             "dn": fb(fwd["dn"]) if fla_ok else None,
             "efla": fb(fwd["efla"]),
@@ -264,8 +280,7 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
             "gdn": fb(fwd["gdn"]) if fla_ok else None,
             "gdn_ours": fb(lambda: ops.chunk_gated_delta_rule(q, k, v, g32, beta, use_qk_l2norm_in_kernel=True)),
             "gefla": fb(fwd["gefla"]),
-            "efla_triton": fb(fwd["efla_triton"]),
-            "gefla_triton": fb(fwd["gefla_triton"]),
+            **{f"{op}_{name}": fb(fwd[f"{op}_{name}"]) for name in VARIANTS for op in ("efla", "gefla")},
         }
         with torch.no_grad():
             fwd_ok = {}
@@ -295,23 +310,22 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
             f"| {m(tf['gefla'])} | {r(tf['gefla'], tf['gdn'])} | {m(tb['gdn'])} | {m(tb['gdn_ours'])} "
             f"| {m(tb['gefla'])} | {r(tb['gefla'], tb['efla'])} | {r(tb['gefla'], tb['gdn_ours'])} |"
         )
-        triton_rows.append(
-            f"| {label} | {m(tf['efla_triton'])} | {r(tf['efla_triton'], tf['dn'])} | {m(tb['efla_triton'])} "
-            f"| {r(tb['efla_triton'], tb['dn'])} | {m(tf['gefla_triton'])} | {r(tf['gefla_triton'], tf['gdn'])} "
-            f"| {m(tb['gefla_triton'])} |"
-        )
+        for name, rows in variant_rows.items():
+            e, ge = f"efla_{name}", f"gefla_{name}"
+            rows.append(
+                f"| {label} | {m(tf[e])} | {r(tf[e], tf['dn'])} | {m(tb[e])} | {r(tb[e], tb['dn'])} "
+                f"| {m(tf[ge])} | {r(tf[ge], tf['gdn'])} | {m(tb[ge])} |"
+            )
         fwd = fwdbwd = fwd_ok = fb_ok = None  # free this shape's tensors before the next
         torch.cuda.empty_cache()
-    emit("")
-    emit(
-        "Control: our ops with every launch through Triton, `EFLA_DIRECT_LAUNCH=0` "
-        "(timed in the same rounds as the table above; ratios to its fla columns):"
-    )
-    emit("")
-    emit("| [B, T, H] | EFLA fwd | vs DeltaNet | EFLA fwd+bwd | vs DeltaNet | Gated EFLA fwd | vs GDN | Gated EFLA fwd+bwd |")
-    emit("|" + " --- |" * 8)
-    for row in triton_rows:
-        emit(row)
+    for name, rows in variant_rows.items():
+        emit("")
+        emit(f"{VARIANTS[name][0]} (timed in the same rounds as the first table; ratios to its fla columns):")
+        emit("")
+        emit("| [B, T, H] | EFLA fwd | vs DeltaNet | EFLA fwd+bwd | vs DeltaNet | Gated EFLA fwd | vs GDN | Gated EFLA fwd+bwd |")
+        emit("|" + " --- |" * 8)
+        for row in rows:
+            emit(row)
     emit("")
     for n in dict.fromkeys(notes):
         emit(f"- note: {n}")

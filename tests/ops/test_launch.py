@@ -145,51 +145,19 @@ def test_chunk_ops_replayed_equal_the_ops_through_triton_on_gpu():
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
-# Triton's own launch path with a stand-in driver (no GPU): the binder, specialisation, autotuner
-# and heuristics are Triton's and fla's, only the compiled kernel is a stand-in that notes the grid,
-# stream and argument vector it is launched with. Each stage is launched through Triton, then
-# recorded, then replayed, over inputs whose batch, length, packing and optional tensors change.
+# Triton's own launch path with a stand-in driver and compiled kernel (no GPU; stand_in_driver.py).
+# Each stage is launched through Triton, then recorded, then replayed, over inputs whose batch,
+# length, packing and optional tensors change.
 _VECTOR_SCRIPT = textwrap.dedent(
     """
     import os, sys, torch
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path.insert(0, {repo!r})
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-    from triton.runtime.autotuner import Autotuner
-    from triton.runtime.jit import JITFunction
     from efla.ops.cuda import chunk as C, launch as L, stages as st
-    st.kernels()  # fla reads the machine as it imports: no GPU here
+    from tests.ops import stand_in_driver
+    from tests.ops.stand_in_driver import launches
 
-    launches = []
-
-    class StandInKernel:
-        function = packed_metadata = None
-
-        def launch_metadata(self, grid, stream, *args):
-            return None
-
-        def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, exit, *values):
-            launches.append(((gx, gy, gz), stream, values))
-
-    class StandInDriver:
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device):
-            return 77
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-    def compile_stand_in(self, key, signature, device, constexprs, options, attrs, warmup):
-        kernel = self.device_caches[device][0][key] = StandInKernel()
-        return kernel
-
-    driver.set_active(StandInDriver())
-    JITFunction._do_compile = compile_stand_in
-    Autotuner._bench = lambda self, *a, config, **k: [-float(self.configs.index(config))] * 3  # the last setting wins
-    torch.cuda.current_device = lambda: 0
+    stand_in_driver.install()
 
     def case(B, T, varlen, with_state, gated):
         gen = torch.Generator().manual_seed(B * T)
@@ -239,7 +207,7 @@ _VECTOR_SCRIPT = textwrap.dedent(
                 return names.get(id(x)) or ("new", fresh.setdefault(id(x), len(fresh)), tuple(x.shape), x.dtype, x.stride())
             return (type(x), x)
 
-        return [(grid, stream, tuple(label(x) for x in values)) for grid, stream, values in launches]
+        return [(grid, stream, tuple(label(x) for x in values), warps) for grid, stream, values, warps in launches]
 
     C.load()
     checked = 0

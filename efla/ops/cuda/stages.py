@@ -15,6 +15,7 @@ import torch
 import triton
 
 from .launch import launch
+from .tuning import by_sequence_heads, state_tuning
 
 CHUNK = 64
 RCP_LN2 = 1.4426950408889634  # the gated kernels take the gate's cumsum in base 2
@@ -153,6 +154,13 @@ def gated_w_u(k, v, beta, A, g, cu_seqlens, chunk_indices):
     return w, u
 
 
+def _state_kernel(name: str, sequence_heads: int):
+    """fla's state-pass kernel ``name``, with its launch setting tuned per bucket of
+    ``sequence_heads`` where ``EFLA_STATE_TUNING=1`` (``tuning.py``)."""
+    kernel = kernels()[name]
+    return by_sequence_heads(kernel, sequence_heads) if state_tuning() else kernel
+
+
 def _chunk_offsets(cu_seqlens):
     return kernels()["prepare_chunk_offsets"](cu_seqlens, CHUNK) if cu_seqlens is not None else None
 
@@ -168,7 +176,7 @@ def state_pass(k, w, u, g, h0, cu_seqlens, chunk_indices, output_final_state=Fal
     final = k.new_zeros(N, H, K, V, dtype=torch.float32) if output_final_state else None
     v_new = torch.empty_like(u)
     launch(
-        kernels()["fwd_h"],
+        _state_kernel("fwd_h", N * H),
         lambda meta: (triton.cdiv(V, meta["BV"]) * N * H,),
         k=k,
         v=u,
@@ -202,7 +210,7 @@ def state_grads(q, k, w, g, h0, dht, do, dv, scale, cu_seqlens, chunk_indices):
     dh0 = torch.empty_like(h0, dtype=torch.float32) if h0 is not None else None
     dv2 = torch.empty_like(dv)
     launch(
-        kernels()["bwd_dhu"],
+        _state_kernel("bwd_dhu", N * H),
         lambda meta: (triton.cdiv(V, meta["BV"]) * N * H,),
         q=q,
         k=k,
