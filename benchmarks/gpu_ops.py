@@ -218,6 +218,10 @@ VARIANTS = {
         "Our ops with the state passes tuned per batch x heads, `EFLA_STATE_TUNING=1`",
         {"EFLA_STATE_TUNING": "1"},
     ),
+    "fusedfwd": (
+        "Our ops with the forward's state and output passes in one kernel, `EFLA_FUSED_FORWARD=1`",
+        {"EFLA_FUSED_FORWARD": "1"},
+    ),
 }
 
 

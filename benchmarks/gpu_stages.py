@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import efla.ops as ops
-from gpu_ops import make_inputs, with_triton_launches
+from gpu_ops import make_inputs, with_settings, with_triton_launches
 
 LINES: list[str] = []
 OLD_DQKWG_LAUNCH = dict(BV=64, num_warps=4, num_stages=2)
@@ -111,6 +111,9 @@ def efla_stages(ch, F, q, k, v, beta, do, scale):
         ),
         "(DeltaNet: fla chunk_delta_rule_fwd)": lambda: F["chunk_delta_rule_fwd"](
             q=qn, k=k, v=v, beta=alpha, scale=scale, initial_state=None, output_final_state=False
+        ),
+        "(delta_rule_fwd with its state and output passes in one kernel, EFLA_FUSED_FORWARD=1)": with_settings(
+            lambda: ch.delta_rule_fwd(qn, k, v, alpha, scale, None, False, None), {"EFLA_FUSED_FORWARD": "1"}
         ),
         "(its WY preparation: fla's fused kkt + solve, w/u)": lambda: F["chunk_gated_delta_rule_fwd_intra"](
             k=k, v=v, g=None, beta=alpha, chunk_size=ch.CHUNK

@@ -7,7 +7,9 @@ divisions per thread and how many threads share one row (each of them computes t
 scalar chain). A proxy to choose settings between GPU visits; speed itself is measured on the GPU.
 
 Then the shared memory each setting of the gated ``dqkwg`` kernel needs at several head sizes,
-against the H200's limit per block: a setting above it cannot launch there (the autotuner skips it).
+against the H200's limit per block: a setting above it cannot launch there (the autotuner skips it);
+and registers, spills and shared memory of every setting of the fused forward's state-and-output
+kernel (``efla.ops.cuda.fused_forward``), plain and gated, at K = V = 64, 128 and 256.
 
 Usage: ``python benchmarks/kernel_resources.py`` (needs triton with its NVIDIA backend; no GPU).
 """
@@ -26,6 +28,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from efla.ops.cuda import fused_forward as ff
 from efla.ops.cuda import kernels as kn
 
 H200_SHARED_BYTES = 232448  # shared memory per block on sm_90 (opt-in maximum)
@@ -118,6 +121,51 @@ def dqkwg_shared_memory_table() -> None:
             print(f"| {K} | {V} | {cfg.kwargs['BV']} | {cfg.num_warps} | {cfg.num_stages} | {shared:,} | {fits} |")
 
 
+FUSED_SIGNATURE = {
+    "q": "*bf16",
+    "k": "*bf16",
+    "w": "*bf16",
+    "u": "*bf16",
+    "g": "*fp32",
+    "o": "*bf16",
+    "h0": "*fp32",
+    "ht": "*fp32",
+    "cu_seqlens": "*i32",
+    "scale": "fp32",
+    "T": "i32",
+}
+
+
+def compile_fused_forward(gated: bool, K: int, V: int, config):
+    fn = ff.state_output_fwd_kernel.fn.fn  # under the heuristics and the autotuner
+    signature = {name: FUSED_SIGNATURE.get(name, "constexpr") for name in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if signature[name][0] == "*"}
+    flags = dict(USE_G=gated, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=False)
+    constants = dict(H=16, K=K, V=V, BT=64, BK=max(triton.next_power_of_2(K), 16), BV=config.kwargs["BV"], **flags)
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def fused_forward_table() -> None:
+    print()
+    print(f"fused forward (state and output in one kernel): per setting, bf16 (H200 shared limit {H200_SHARED_BYTES:,})")
+    print("| rule | K = V | value block | warps | stages | registers | stack bytes | shared bytes | fits |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for gated in (False, True):
+        for dim in (64, 128, 256):
+            for cfg in ff.state_output_fwd_kernel.fn.configs:
+                compiled = compile_fused_forward(gated, dim, dim, cfg)
+                regs, stack = resources(compiled)
+                shared = compiled.metadata.shared
+                fits = "yes" if shared <= H200_SHARED_BYTES else "**no**"
+                rule = "gated" if gated else "plain"
+                print(
+                    f"| {rule} | {dim} | {cfg.kwargs['BV']} | {cfg.num_warps} | {cfg.num_stages} | {regs} | {stack} "
+                    f"| {shared:,} | {fits} |"
+                )
+
+
 def resources(compiled) -> tuple[int, int]:
     """(registers, stack bytes) per thread, from cuobjdump of the cubin."""
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -151,6 +199,7 @@ def main() -> int:
             rule = "gated" if gated else "plain"
             print(f"| {rule} | {BR} | {BC} | {w} | {regs} | {stack} | {divisions} | {threads_per_row(compiled)} |")
     dqkwg_shared_memory_table()
+    fused_forward_table()
     return 0
 
 

@@ -37,6 +37,7 @@ from ..gates import RawGates
 from ..validate import key_energy_error
 from . import kernels as kn
 from . import stages as st
+from .fused_forward import fused_forward, state_output
 from .launch import launch as launch_kernel
 from .key_checks import check_flag_later, defer_key_check, key_checks_enabled, raise_earlier_overflows, read_each_call, reset_flag
 
@@ -317,9 +318,17 @@ def delta_rule_fwd(q, k, v, beta, scale, h0, output_final_state, cu_seqlens):
     one pass of ``A`` through memory fewer."""
     ci = chunk_indices(cu_seqlens)
     w, u, A = st.wy_prepare(k, v, beta, None, cu_seqlens, ci)
-    h, v_new, ht = st.state_pass(k, w, u, None, h0, cu_seqlens, ci, output_final_state)
-    o = st.output(q, k, v_new, h, None, scale, cu_seqlens, ci)
+    o, ht = _state_and_output(q, k, w, u, None, h0, scale, cu_seqlens, ci, output_final_state)
     return o, A, ht
+
+
+def _state_and_output(q, k, w, u, gcum, h0, scale, cu_seqlens, ci, output_final_state):
+    """``(o, final state)`` from the WY form: fla's state pass then its output pass, or both in one
+    kernel with ``EFLA_FUSED_FORWARD=1`` (``fused_forward.py``)."""
+    if fused_forward():
+        return state_output(q, k, w, u, gcum, h0, scale, cu_seqlens, output_final_state)
+    h, v_new, ht = st.state_pass(k, w, u, gcum, h0, cu_seqlens, ci, output_final_state)
+    return st.output(q, k, v_new, h, gcum, scale, cu_seqlens, ci), ht
 
 
 def delta_bwd(q, q_rstd, k, k_rstd, v, beta, alpha, A, h0, cu_seqlens, do, dht, scale, exact):
@@ -374,8 +383,7 @@ def gated_fwd(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact
     cu, ci = cu_seqlens, chunk_indices(cu_seqlens)
     gcum = st.local_cumsum(gl, cu, ci, scale=st.RCP_LN2)
     w, u, A = st.wy_prepare(k, vp, c, gcum, cu, ci)
-    h, v_new, ht = st.state_pass(k, w, u, gcum, h0, cu, ci, output_final_state)
-    o = st.output(q, k, v_new, h, gcum, scale, cu, ci)
+    o, ht = _state_and_output(q, k, w, u, gcum, h0, scale, cu, ci, output_final_state)
     return o, ht, A, gcum, c, vp, q, q_rstd, k, k_rstd
 
 

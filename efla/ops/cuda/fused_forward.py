@@ -1,0 +1,177 @@
+"""The chunk forward's state pass and output pass as one kernel (opt-in: ``EFLA_FUSED_FORWARD=1``).
+
+fla's forward writes every chunk's starting state ``h`` ([B, NT, H, K, V] in the inputs' dtype) and
+the new values ``v_new``, and its output kernel reads both back. The backward recomputes them, so
+the forward needs neither once the output is formed. Here one program walks one (sequence, head,
+value block) through its chunks, holding the state, and forms each chunk's output from it:
+
+    v_new_t = u_t - w_t h_t
+    o_t     = scale (Gamma_t q_t h_t + tril(q_t k_t^T Gamma_t / Gamma_t^T) v_new_t)
+    h_t+1   = gamma_t h_t + k_t^T (gamma_t / Gamma_t) v_new_t
+
+(``Gamma`` the gate's cumulative decay inside the chunk, ``gamma`` at its last row; no gate: ones.)
+The state and the new values enter the products rounded to the inputs' dtype, as fla's two
+kernels round them when they store them, so the result is fla's up to the order of float32 sums.
+
+What it costs: the output's products move onto the chunk-by-chunk walk, which has one program per
+(sequence, head, value block), where fla's output kernel has one per chunk besides. It saves the
+traffic of ``h`` and ``v_new`` (written once, read once): about a fifth of the forward's bytes at
+K = V = 128. Which wins depends on the shape; ``benchmarks/gpu_ops.py`` times both.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .kernels import _autotune_kwargs, _tunable
+from .launch import launch
+
+
+def fused_forward() -> bool:
+    """Whether the chunk forward runs its state and output passes as one kernel (``EFLA_FUSED_FORWARD=1``)."""
+    return os.environ.get("EFLA_FUSED_FORWARD", "0") == "1"
+
+
+STATE_ELEMENTS_PER_PROGRAM = 64 * 64  # state held by one program: wider blocks spill on sm_90 (kernel_resources.py)
+
+
+def _settings_that_hold_their_state(configs, named_args, **kwargs):
+    """The settings whose value block keeps the program's state within ``STATE_ELEMENTS_PER_PROGRAM``
+    (the narrowest where none does)."""
+    K = {**named_args, **kwargs}["K"]
+    fitting = [c for c in configs if c.kwargs["BV"] * max(triton.next_power_of_2(K), 16) <= STATE_ELEMENTS_PER_PROGRAM]
+    return fitting or [min(configs, key=lambda c: c.kwargs["BV"])]
+
+
+@triton.heuristics(
+    {
+        "USE_G": lambda args: args["g"] is not None,
+        "USE_INITIAL_STATE": lambda args: args["h0"] is not None,
+        "STORE_FINAL_STATE": lambda args: args["ht"] is not None,
+        "IS_VARLEN": lambda args: args["cu_seqlens"] is not None,
+    }
+)
+@triton.autotune(
+    configs=_tunable(
+        [
+            triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
+            for bv in (32, 64, 16)
+            for warps in (4, 8)
+            for stages in (2, 3)
+        ]
+    ),
+    key=["H", "K", "V", "BT", "USE_G"],
+    prune_configs_by={"early_config_prune": _settings_that_hold_their_state},
+    **_autotune_kwargs(),
+)
+@triton.jit(do_not_specialize=["T"])
+def state_output_fwd_kernel(
+    q,
+    k,
+    w,
+    u,
+    g,
+    o,
+    h0,
+    ht,
+    cu_seqlens,
+    scale,
+    T,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_G: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        bos = i_n * T
+    NT = tl.cdiv(T, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_state = m_k[:, None] & m_v[None, :]
+    p_state = i_nh * K * V + o_k[:, None] * V + o_v[None, :]
+
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        b_h += tl.load(h0 + p_state, mask=m_state, other=0.0).to(tl.float32)
+
+    for i_t in range(NT):
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        rows = bos + o_t
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_k_rows = (rows[:, None] * H + i_h) * K + o_k[None, :]
+        p_v_rows = (rows[:, None] * H + i_h) * V + o_v[None, :]
+        b_w = tl.load(w + p_k_rows, mask=m_tk, other=0.0)
+        b_q = tl.load(q + p_k_rows, mask=m_tk, other=0.0)
+        b_kt = tl.trans(tl.load(k + p_k_rows, mask=m_tk, other=0.0))  # [BK, BT]
+        b_h_in = b_h.to(b_w.dtype)
+
+        b_v_new = tl.load(u + p_v_rows, mask=m_tv, other=0.0).to(tl.float32) - tl.dot(b_w, b_h_in)
+        b_o = tl.dot(b_q, b_h_in)
+        b_A = tl.dot(b_q, b_kt)
+        if USE_G:
+            b_g = tl.load(g + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+            b_g_last = tl.load(g + (bos + tl.minimum((i_t + 1) * BT, T) - 1) * H + i_h).to(tl.float32)
+            b_o = b_o * tl.exp2(b_g)[:, None]
+            b_A = b_A * tl.exp2(b_g[:, None] - b_g[None, :])
+        b_A = tl.where((o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :], b_A, 0.0)
+        b_v_stored = b_v_new.to(b_w.dtype)
+        b_o = (b_o + tl.dot(b_A.to(b_w.dtype), b_v_stored)) * scale
+        tl.store(o + p_v_rows, b_o.to(o.dtype.element_ty), mask=m_tv)
+
+        if USE_G:
+            b_v_stored = (b_v_new * tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)[:, None]).to(b_w.dtype)
+            b_h *= tl.exp2(b_g_last)
+        b_h = tl.dot(b_kt, b_v_stored, b_h)
+
+    if STORE_FINAL_STATE:
+        tl.store(ht + p_state, b_h.to(ht.dtype.element_ty), mask=m_state)
+
+
+def state_output(q, k, w, u, g, h0, scale, cu_seqlens, output_final_state):
+    """``(o, final state or None)`` of the chunk forward from its WY form ``(w, u)``; ``g`` the gate's
+    chunk-local cumsum in base 2, or ``None``. Shapes: ``[B, T, H, K]`` and ``[B, T, H, V]``."""
+    B, T, H, K = k.shape
+    V = u.shape[-1]
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    o = torch.empty_like(u)
+    final = k.new_zeros(N, H, K, V, dtype=torch.float32) if output_final_state else None
+    launch(
+        state_output_fwd_kernel,
+        lambda meta: (triton.cdiv(V, meta["BV"]), N * H),
+        q=q,
+        k=k,
+        w=w,
+        u=u,
+        g=g,
+        o=o,
+        h0=h0,
+        ht=final,
+        cu_seqlens=cu_seqlens,
+        scale=scale,
+        T=T,
+        H=H,
+        K=K,
+        V=V,
+        BT=64,
+        BK=max(triton.next_power_of_2(K), 16),
+    )
+    return o, final
