@@ -8,8 +8,9 @@ scalar chain). A proxy to choose settings between GPU visits; speed itself is me
 
 Then the shared memory each setting of the gated ``dqkwg`` kernel needs at several head sizes,
 against the H200's limit per block: a setting above it cannot launch there (the autotuner skips it);
-and registers, spills and shared memory of every setting of the fused forward's state-and-output
-kernel (``efla.ops.cuda.fused_forward``), plain and gated, at K = V = 64, 128 and 256.
+and registers, spills and shared memory of every setting the fused forward's kernel tunes over
+(``efla.ops.cuda.fused_forward``; ``w``/``u`` read, or formed from ``A``), plain and gated, at
+K = V = 64, 128 and 256.
 
 Usage: ``python benchmarks/kernel_resources.py`` (needs triton with its NVIDIA backend; no GPU).
 """
@@ -126,6 +127,9 @@ FUSED_SIGNATURE = {
     "k": "*bf16",
     "w": "*bf16",
     "u": "*bf16",
+    "v": "*bf16",
+    "beta": "*bf16",
+    "A": "*bf16",
     "g": "*fp32",
     "o": "*bf16",
     "h0": "*fp32",
@@ -136,11 +140,11 @@ FUSED_SIGNATURE = {
 }
 
 
-def compile_fused_forward(gated: bool, K: int, V: int, config):
+def compile_fused_forward(gated: bool, from_a: bool, K: int, V: int, config):
     fn = ff.state_output_fwd_kernel.fn.fn  # under the heuristics and the autotuner
     signature = {name: FUSED_SIGNATURE.get(name, "constexpr") for name in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if signature[name][0] == "*"}
-    flags = dict(USE_G=gated, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=False)
+    flags = dict(USE_G=gated, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=False, FROM_A=from_a)
     constants = dict(H=16, K=K, V=V, BT=64, BK=max(triton.next_power_of_2(K), 16), BV=config.kwargs["BV"], **flags)
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
@@ -150,20 +154,21 @@ def compile_fused_forward(gated: bool, K: int, V: int, config):
 def fused_forward_table() -> None:
     print()
     print(f"fused forward (state and output in one kernel): per setting, bf16 (H200 shared limit {H200_SHARED_BYTES:,})")
-    print("| rule | K = V | value block | warps | stages | registers | stack bytes | shared bytes | fits |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for gated in (False, True):
-        for dim in (64, 128, 256):
-            for cfg in ff.state_output_fwd_kernel.fn.configs:
-                compiled = compile_fused_forward(gated, dim, dim, cfg)
-                regs, stack = resources(compiled)
-                shared = compiled.metadata.shared
-                fits = "yes" if shared <= H200_SHARED_BYTES else "**no**"
-                rule = "gated" if gated else "plain"
-                print(
-                    f"| {rule} | {dim} | {cfg.kwargs['BV']} | {cfg.num_warps} | {cfg.num_stages} | {regs} | {stack} "
-                    f"| {shared:,} | {fits} |"
-                )
+    print("| mode | rule | K = V | value block | warps | stages | registers | stack bytes | shared bytes | fits |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for from_a in (False, True):
+        for gated in (False, True):
+            for dim in (64, 128, 256):
+                tunable = ff.state_output_fwd_kernel.fn.configs
+                for cfg in ff._settings_that_hold_their_state(tunable, {}, K=dim):
+                    compiled = compile_fused_forward(gated, from_a, dim, dim, cfg)
+                    regs, stack = resources(compiled)
+                    shared = compiled.metadata.shared
+                    fits = "yes" if shared <= H200_SHARED_BYTES else "**no**"
+                    print(
+                        f"| {'wy' if from_a else '1'} | {'gated' if gated else 'plain'} | {dim} | {cfg.kwargs['BV']} "
+                        f"| {cfg.num_warps} | {cfg.num_stages} | {regs} | {stack} | {shared:,} | {fits} |"
+                    )
 
 
 def resources(compiled) -> tuple[int, int]:

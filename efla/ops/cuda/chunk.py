@@ -317,16 +317,21 @@ def delta_rule_fwd(q, k, v, beta, scale, h0, output_final_state, cu_seqlens):
     in one kernel (the same ``A = (I + diag(beta) strict_tril(k k^T))^{-1}``), so one launch and
     one pass of ``A`` through memory fewer."""
     ci = chunk_indices(cu_seqlens)
-    w, u, A = st.wy_prepare(k, v, beta, None, cu_seqlens, ci)
-    o, ht = _state_and_output(q, k, w, u, None, h0, scale, cu_seqlens, ci, output_final_state)
+    A = st.wy_solve(k, beta, None, cu_seqlens, ci)
+    o, ht = _state_and_output(q, k, v, beta, A, None, h0, scale, cu_seqlens, ci, output_final_state)
     return o, A, ht
 
 
-def _state_and_output(q, k, w, u, gcum, h0, scale, cu_seqlens, ci, output_final_state):
-    """``(o, final state)`` from the WY form: fla's state pass then its output pass, or both in one
-    kernel with ``EFLA_FUSED_FORWARD=1`` (``fused_forward.py``)."""
-    if fused_forward():
-        return state_output(q, k, w, u, gcum, h0, scale, cu_seqlens, output_final_state)
+def _state_and_output(q, k, v, beta, A, gcum, h0, scale, cu_seqlens, ci, output_final_state):
+    """``(o, final state)`` from the solved ``A``: fla's ``w``/``u``, state and output kernels, or
+    with ``EFLA_FUSED_FORWARD`` the last two (``1``) or all three (``wy``) as one kernel
+    (``fused_forward.py``)."""
+    mode = fused_forward()
+    if mode == "wy":
+        return state_output(q, k, gcum, h0, scale, cu_seqlens, output_final_state, v=v, beta=beta, A=A)
+    w, u = st.gated_w_u(k, v, beta, A, gcum, cu_seqlens, ci)
+    if mode == "1":
+        return state_output(q, k, gcum, h0, scale, cu_seqlens, output_final_state, w=w, u=u)
     h, v_new, ht = st.state_pass(k, w, u, gcum, h0, cu_seqlens, ci, output_final_state)
     return st.output(q, k, v_new, h, gcum, scale, cu_seqlens, ci), ht
 
@@ -382,8 +387,8 @@ def gated_fwd(q, k, v, g, beta, h0, scale, output_final_state, cu_seqlens, exact
         c, gl, vp = beta, g.float(), v
     cu, ci = cu_seqlens, chunk_indices(cu_seqlens)
     gcum = st.local_cumsum(gl, cu, ci, scale=st.RCP_LN2)
-    w, u, A = st.wy_prepare(k, vp, c, gcum, cu, ci)
-    o, ht = _state_and_output(q, k, w, u, gcum, h0, scale, cu, ci, output_final_state)
+    A = st.wy_solve(k, c, gcum, cu, ci)
+    o, ht = _state_and_output(q, k, vp, c, A, gcum, h0, scale, cu, ci, output_final_state)
     return o, ht, A, gcum, c, vp, q, q_rstd, k, k_rstd
 
 

@@ -1,4 +1,4 @@
-"""The chunk forward's state pass and output pass as one kernel (opt-in: ``EFLA_FUSED_FORWARD=1``).
+"""The chunk forward's state pass and output pass as one kernel (opt-in: ``EFLA_FUSED_FORWARD``).
 
 fla's forward writes every chunk's starting state ``h`` ([B, NT, H, K, V] in the inputs' dtype) and
 the new values ``v_new``, and its output kernel reads both back. The backward recomputes them, so
@@ -10,13 +10,18 @@ value block) through its chunks, holding the state, and forms each chunk's outpu
     h_t+1   = gamma_t h_t + k_t^T (gamma_t / Gamma_t) v_new_t
 
 (``Gamma`` the gate's cumulative decay inside the chunk, ``gamma`` at its last row; no gate: ones.)
-The state and the new values enter the products rounded to the inputs' dtype, as fla's two
-kernels round them when they store them, so the result is fla's up to the order of float32 sums.
+With ``EFLA_FUSED_FORWARD=wy`` the kernel also forms the WY form from the solved ``A``
+(``w_t = A_t diag(beta Gamma) k_t``, ``u_t = A_t diag(beta) v_t``), so ``w`` and ``u`` do not go
+through memory either (the backward recomputes them from ``A`` too); ``=1`` reads them from fla's
+kernel. The state, ``w``, ``u`` and the new values enter the products rounded to the inputs' dtype,
+as fla's kernels round them when they store them, so the result is fla's up to the order of
+float32 sums.
 
-What it costs: the output's products move onto the chunk-by-chunk walk, which has one program per
-(sequence, head, value block), where fla's output kernel has one per chunk besides. It saves the
-traffic of ``h`` and ``v_new`` (written once, read once): about a fifth of the forward's bytes at
-K = V = 128. Which wins depends on the shape; ``benchmarks/gpu_ops.py`` times both.
+What it costs: the output's products (and in ``wy`` mode the WY products, once per value block)
+move onto the chunk-by-chunk walk, which has one program per (sequence, head, value block), where
+fla's output and WY kernels have one per chunk besides. It saves the traffic of ``h`` and
+``v_new`` (and ``w``, ``u``), each written once and read once. Which wins depends on the shape;
+``benchmarks/gpu_ops.py`` times both.
 """
 
 from __future__ import annotations
@@ -31,9 +36,16 @@ from .kernels import _autotune_kwargs, _tunable
 from .launch import launch
 
 
-def fused_forward() -> bool:
-    """Whether the chunk forward runs its state and output passes as one kernel (``EFLA_FUSED_FORWARD=1``)."""
-    return os.environ.get("EFLA_FUSED_FORWARD", "0") == "1"
+FUSED_FORWARD_MODES = ("0", "1", "wy")
+
+
+def fused_forward() -> str:
+    """``EFLA_FUSED_FORWARD``: ``"0"`` fla's state and output kernels (the default), ``"1"`` the two
+    as one kernel, ``"wy"`` the WY form's ``w`` and ``u`` in that kernel too."""
+    mode = os.environ.get("EFLA_FUSED_FORWARD", "0")
+    if mode not in FUSED_FORWARD_MODES:
+        raise ValueError(f"EFLA_FUSED_FORWARD: expected one of {', '.join(FUSED_FORWARD_MODES)}, got {mode!r}")
+    return mode
 
 
 STATE_ELEMENTS_PER_PROGRAM = 64 * 64  # state held by one program: wider blocks spill on sm_90 (kernel_resources.py)
@@ -53,6 +65,7 @@ def _settings_that_hold_their_state(configs, named_args, **kwargs):
         "USE_INITIAL_STATE": lambda args: args["h0"] is not None,
         "STORE_FINAL_STATE": lambda args: args["ht"] is not None,
         "IS_VARLEN": lambda args: args["cu_seqlens"] is not None,
+        "FROM_A": lambda args: args["A"] is not None,
     }
 )
 @triton.autotune(
@@ -74,6 +87,9 @@ def state_output_fwd_kernel(
     k,
     w,
     u,
+    v,
+    beta,
+    A,
     g,
     o,
     h0,
@@ -91,6 +107,7 @@ def state_output_fwd_kernel(
     USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    FROM_A: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
     i_n, i_h = i_nh // H, i_nh % H
@@ -119,22 +136,36 @@ def state_output_fwd_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         p_k_rows = (rows[:, None] * H + i_h) * K + o_k[None, :]
         p_v_rows = (rows[:, None] * H + i_h) * V + o_v[None, :]
-        b_w = tl.load(w + p_k_rows, mask=m_tk, other=0.0)
         b_q = tl.load(q + p_k_rows, mask=m_tk, other=0.0)
-        b_kt = tl.trans(tl.load(k + p_k_rows, mask=m_tk, other=0.0))  # [BK, BT]
-        b_h_in = b_h.to(b_w.dtype)
-
-        b_v_new = tl.load(u + p_v_rows, mask=m_tv, other=0.0).to(tl.float32) - tl.dot(b_w, b_h_in)
-        b_o = tl.dot(b_q, b_h_in)
-        b_A = tl.dot(b_q, b_kt)
+        b_k = tl.load(k + p_k_rows, mask=m_tk, other=0.0)
+        b_kt = tl.trans(b_k)  # [BK, BT]
         if USE_G:
             b_g = tl.load(g + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
             b_g_last = tl.load(g + (bos + tl.minimum((i_t + 1) * BT, T) - 1) * H + i_h).to(tl.float32)
+        if FROM_A:  # the WY form from the solved A, rounded as fla's kernel stores it
+            o_c = tl.arange(0, BT)
+            b_A = tl.load(A + (rows[:, None] * H + i_h) * BT + o_c[None, :], mask=m_t[:, None], other=0.0)
+            b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0)
+            b_kb = b_k * b_beta[:, None]
+            if USE_G:
+                b_kb *= tl.exp2(b_g)[:, None]
+            b_w = tl.dot(b_A, b_kb.to(b_k.dtype)).to(b_k.dtype)
+            b_vb = (tl.load(v + p_v_rows, mask=m_tv, other=0.0) * b_beta[:, None]).to(b_k.dtype)
+            b_u = tl.dot(b_A, b_vb).to(b_k.dtype)
+        else:
+            b_w = tl.load(w + p_k_rows, mask=m_tk, other=0.0)
+            b_u = tl.load(u + p_v_rows, mask=m_tv, other=0.0)
+        b_h_in = b_h.to(b_w.dtype)
+
+        b_v_new = b_u.to(tl.float32) - tl.dot(b_w, b_h_in)
+        b_o = tl.dot(b_q, b_h_in)
+        b_qk = tl.dot(b_q, b_kt)
+        if USE_G:
             b_o = b_o * tl.exp2(b_g)[:, None]
-            b_A = b_A * tl.exp2(b_g[:, None] - b_g[None, :])
-        b_A = tl.where((o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :], b_A, 0.0)
+            b_qk = b_qk * tl.exp2(b_g[:, None] - b_g[None, :])
+        b_qk = tl.where((o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :], b_qk, 0.0)
         b_v_stored = b_v_new.to(b_w.dtype)
-        b_o = (b_o + tl.dot(b_A.to(b_w.dtype), b_v_stored)) * scale
+        b_o = (b_o + tl.dot(b_qk.to(b_w.dtype), b_v_stored)) * scale
         tl.store(o + p_v_rows, b_o.to(o.dtype.element_ty), mask=m_tv)
 
         if USE_G:
@@ -146,13 +177,14 @@ def state_output_fwd_kernel(
         tl.store(ht + p_state, b_h.to(ht.dtype.element_ty), mask=m_state)
 
 
-def state_output(q, k, w, u, g, h0, scale, cu_seqlens, output_final_state):
-    """``(o, final state or None)`` of the chunk forward from its WY form ``(w, u)``; ``g`` the gate's
-    chunk-local cumsum in base 2, or ``None``. Shapes: ``[B, T, H, K]`` and ``[B, T, H, V]``."""
+def state_output(q, k, g, h0, scale, cu_seqlens, output_final_state, w=None, u=None, v=None, beta=None, A=None):
+    """``(o, final state or None)`` of the chunk forward from its WY form: ``(w, u)``, or ``(v, beta,
+    A)`` to form it here; ``g`` the gate's chunk-local cumsum in base 2, or ``None``. Shapes:
+    ``[B, T, H, K]``, ``[B, T, H, V]``, ``beta`` ``[B, T, H]``, ``A`` ``[B, T, H, 64]``."""
     B, T, H, K = k.shape
-    V = u.shape[-1]
+    V = (u if A is None else v).shape[-1]
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
-    o = torch.empty_like(u)
+    o = q.new_empty(B, T, H, V)
     final = k.new_zeros(N, H, K, V, dtype=torch.float32) if output_final_state else None
     launch(
         state_output_fwd_kernel,
@@ -161,6 +193,9 @@ def state_output(q, k, w, u, g, h0, scale, cu_seqlens, output_final_state):
         k=k,
         w=w,
         u=u,
+        v=v,
+        beta=beta,
+        A=A,
         g=g,
         o=o,
         h0=h0,

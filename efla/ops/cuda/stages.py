@@ -73,9 +73,16 @@ def _sequences(k, cu_seqlens) -> int:
 
 
 def wy_prepare(k, v, beta, g, cu_seqlens, chunk_indices):
-    """``(w, u, A)``: ``A = (I + diag(beta) strict_tril(Gamma * k k^T))^{-1}`` per chunk in one
-    kernel (``k k^T`` and the solve), then ``w = A diag(beta) Gamma k`` and ``u = A diag(beta) v``;
-    ``g`` the gate's chunk-local cumsum in base 2, or ``None``."""
+    """``(w, u, A)``: ``A`` from ``wy_solve``, then ``w = A diag(beta) Gamma k`` and
+    ``u = A diag(beta) v``; ``g`` the gate's chunk-local cumsum in base 2, or ``None``."""
+    A = wy_solve(k, beta, g, cu_seqlens, chunk_indices)
+    w, u = gated_w_u(k, v, beta, A, g, cu_seqlens, chunk_indices)
+    return w, u, A
+
+
+def wy_solve(k, beta, g, cu_seqlens, chunk_indices):
+    """``A = (I + diag(beta) strict_tril(Gamma * k k^T))^{-1}`` per chunk, ``[B, T, H, 64]``, in one
+    kernel (``k k^T`` and the solve)."""
     B, T, H, K = k.shape
     NT = _chunks(T, cu_seqlens, chunk_indices)
     A = torch.zeros(B, T, H, CHUNK, device=k.device, dtype=k.dtype)
@@ -95,8 +102,7 @@ def wy_prepare(k, v, beta, g, cu_seqlens, chunk_indices):
         BT=CHUNK,
         BC=16,
     )
-    w, u = gated_w_u(k, v, beta, A, g, cu_seqlens, chunk_indices)
-    return w, u, A
+    return A
 
 
 def delta_w_u(k, v, beta, A, cu_seqlens, chunk_indices):
