@@ -229,7 +229,7 @@ VARIANTS = {
 }
 
 
-def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
+def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),), variants=tuple(VARIANTS)):
     dims_text = "K = V = 128" if dims == ((128, 128),) else "head dims K, V as given"
     emit(
         f"## Chunk timings (ms, medians; {dims_text}, bf16; the layers' calls: fla DeltaNet/GDN with "
@@ -246,7 +246,7 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
     )
     emit(hdr)
     emit("|" + " --- |" * (hdr.count("|") - 1))
-    notes, variant_rows = [], {name: [] for name in VARIANTS}
+    notes, variant_rows = [], {name: [] for name in variants}
     for (B, T, H), (K, V) in ((sh, d) for d in dims for sh in shapes):
         label = f"{B}, {T}, {H}" + ("" if (K, V) == (128, 128) else f"; K={K}, V={V}")
         if time.time() - T0 > BUDGET[0]:
@@ -278,7 +278,8 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
             "gdn": (lambda: fla_gdn(qn, kn, v, g32, beta, use_qk_l2norm_in_kernel=True)) if fla_ok else None,
             "gefla": lambda: ops.chunk_gated_efla(q, k, v, g32, beta, use_q_l2norm_in_kernel=True),
         }
-        for name, (_, settings) in VARIANTS.items():
+        for name in variants:
+            settings = VARIANTS[name][1]
             fwd[f"efla_{name}"] = with_settings(fwd["efla"], settings)
             fwd[f"gefla_{name}"] = with_settings(fwd["gefla"], settings)
         fwdbwd = {
@@ -288,7 +289,7 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),)):
             "gdn": fb(fwd["gdn"]) if fla_ok else None,
             "gdn_ours": fb(lambda: ops.chunk_gated_delta_rule(q, k, v, g32, beta, use_qk_l2norm_in_kernel=True)),
             "gefla": fb(fwd["gefla"]),
-            **{f"{op}_{name}": fb(fwd[f"{op}_{name}"]) for name in VARIANTS for op in ("efla", "gefla")},
+            **{f"{op}_{name}": fb(fwd[f"{op}_{name}"]) for name in variants for op in ("efla", "gefla")},
         }
         with torch.no_grad():
             fwd_ok = {}
@@ -442,12 +443,20 @@ def main():
     ap.add_argument("--shapes", default=None, help="chunk-timing shapes 'B,T,H;B,T,H' (default: the six [B, T, H] shapes)")
     ap.add_argument("--head-dims", default="128x128", help="chunk-timing head dims 'KxV,KxV'")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"our ops under other settings, timed in the same rounds (comma-separated of {', '.join(VARIANTS)}; '' for none)",
+    )
     ap.add_argument("--quick-correctness", action="store_true", help="one non-varlen case at H=16")
     ap.add_argument("--rules", default="efla,gated_efla,delta_rule,gated_delta_rule")
     ap.add_argument("--rep", type=float, default=40.0, help="do_bench rep (ms)")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds after which optional stages are skipped")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    unknown = [name for name in args.variants.split(",") if name and name not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
     os.makedirs(args.out, exist_ok=True)
     RESULT_FILE.append(os.path.join(args.out, "results_gpu.md"))
     BUDGET[0] = args.budget
@@ -493,11 +502,12 @@ def main():
     if args.quick:
         shapes = shapes[:1]
     dims = tuple(tuple(int(x) for x in d.split("x")) for d in args.head_dims.split(","))
+    variants = tuple(name for name in args.variants.split(",") if name)
     # the model stage runs before the chunk timings: the H = 96 shape's autotuning is the slowest part
     for stage in (
         (None if args.skip_decode else lambda: decode_timing(dev, 1 if args.quick else args.rounds, fla_ok)),
         (None if args.skip_model else lambda: model_timing(dev, args.budget)),
-        lambda: timing(dev, shapes, 1 if args.quick else args.rounds, fla_ok, dims),
+        lambda: timing(dev, shapes, 1 if args.quick else args.rounds, fla_ok, dims, variants),
     ):
         if stage is None:
             continue
