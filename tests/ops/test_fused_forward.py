@@ -1,10 +1,11 @@
 """The chunk forward's state and output passes as one kernel (``EFLA_FUSED_FORWARD=1``; ``=wy``
 forms the WY form's ``w`` and ``u`` in it too).
 
-Under Triton's CPU interpreter (float32): the kernel, fed the chunkwise WY form (or its ``A``)
-built here in float64, gives the float64 per-token scan's outputs and final states, EFLA with stiff keys and
-Gated EFLA, dense and varlen, head sizes that are not powers of two. On a GPU (bf16): the whole
-chunk ops with the fused forward against the float64 reference and against the ops without it.
+Under Triton's CPU interpreter, in float32 (its products of bf16 tiles are wrong, so bf16 runs on
+a GPU only): the kernel, fed the chunkwise WY form (or its ``A``) built here in float64, gives the
+float64 per-token scan's outputs and final states, EFLA with stiff keys and Gated EFLA, dense and
+varlen, head sizes that are not powers of two. On a GPU (bf16): the whole chunk ops with the fused
+forward against the float64 reference and against the ops without it.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def _settings_that_hold_their_state(configs, named_args, **kwargs):
             for stages in (2, 3)
         ]
     ),
-    key=["H", "K", "V", "BT", "USE_G"],
+    key=["H", "K", "V", "BT", "USE_G", "FROM_A"],
     prune_configs_by={"early_config_prune": _settings_that_hold_their_state},
     **_autotune_kwargs(),
 )
