@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import _autotune_kwargs, _tunable
+from .kernels import autotune_kwargs, tunable
 from .launch import launch
 
 
@@ -69,7 +69,7 @@ def _settings_that_hold_their_state(configs, named_args, **kwargs):
     }
 )
 @triton.autotune(
-    configs=_tunable(
+    configs=tunable(
         [
             triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
             for bv in (32, 64, 16)
@@ -79,7 +79,7 @@ def _settings_that_hold_their_state(configs, named_args, **kwargs):
     ),
     key=["H", "K", "V", "BT", "USE_G", "FROM_A"],
     prune_configs_by={"early_config_prune": _settings_that_hold_their_state},
-    **_autotune_kwargs(),
+    **autotune_kwargs(),
 )
 @triton.jit(do_not_specialize=["T"])
 def state_output_fwd_kernel(

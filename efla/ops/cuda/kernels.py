@@ -32,13 +32,13 @@ import triton.language as tl
 G_FLOOR = -60.0
 
 
-def _autotune_kwargs() -> dict:
+def autotune_kwargs() -> dict:
     """Keep autotuning results on disk where this Triton can (as flash-linear-attention does)."""
 
     return {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
 
-def _tunable(configs: list) -> list:
+def tunable(configs: list) -> list:
     """``configs``, or only the first under Triton's CPU interpreter (there is no GPU to time them on;
     every setting computes the same result)."""
     return configs[:1] if os.environ.get("TRITON_INTERPRET") == "1" else configs
@@ -240,10 +240,10 @@ COEF_BWD_CONFIGS = [
 
 
 @triton.autotune(
-    configs=_tunable(COEF_BWD_CONFIGS),
+    configs=tunable(COEF_BWD_CONFIGS),
     key=["K", "V", "GATED", "GATE_ACT", "BETA_SCALE", "QNORM"],
     restore_value=["dk", "dq"],
-    **_autotune_kwargs(),
+    **autotune_kwargs(),
 )
 @triton.jit(do_not_specialize=["R"])
 def coef_bwd_kernel(
@@ -393,10 +393,10 @@ def _fit_dqkwg_configs(configs, named_args, **kwargs) -> list:  # noqa: ARG001 (
 
 
 @triton.autotune(
-    configs=_tunable(DQKWG_CONFIGS),
+    configs=tunable(DQKWG_CONFIGS),
     key=["H", "K", "V", "BT", "BK", "IS_VARLEN"],
     prune_configs_by={"early_config_prune": _fit_dqkwg_configs},
-    **_autotune_kwargs(),
+    **autotune_kwargs(),
 )
 @triton.jit(do_not_specialize=["T", "TOT"])
 def gated_dqkwg_kernel(
