@@ -53,10 +53,17 @@ STATE_ELEMENTS_PER_PROGRAM = 64 * 64  # state held by one program: wider blocks 
 
 def _settings_that_hold_their_state(configs, named_args, **kwargs):
     """The settings whose value block keeps the program's state within ``STATE_ELEMENTS_PER_PROGRAM``
-    (the narrowest where none does)."""
+    (the narrowest where none does), of 4 or 8 warps (2 spill on sm_90); on Blackwell of 2 warps, as
+    fla runs its state pass there (a race in loop-carried products before Triton 3.8)."""
     K = {**named_args, **kwargs}["K"]
+    two_warps = _on_blackwell()
+    configs = [c for c in configs if (c.num_warps == 2) == two_warps] or configs
     fitting = [c for c in configs if c.kwargs["BV"] * max(triton.next_power_of_2(K), 16) <= STATE_ELEMENTS_PER_PROGRAM]
     return fitting or [min(configs, key=lambda c: c.kwargs["BV"])]
+
+
+def _on_blackwell() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10
 
 
 @triton.heuristics(
@@ -73,7 +80,7 @@ def _settings_that_hold_their_state(configs, named_args, **kwargs):
         [
             triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
             for bv in (32, 64, 16)
-            for warps in (4, 8)
+            for warps in (4, 8, 2)
             for stages in (2, 3)
         ]
     ),
@@ -109,7 +116,9 @@ def state_output_fwd_kernel(
     IS_VARLEN: tl.constexpr,
     FROM_A: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)  # one axis: a grid's second is capped at 65,535 (sequences x heads)
+    NV = tl.cdiv(V, BV)
+    i_v, i_nh = pid % NV, pid // NV
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -151,7 +160,7 @@ def state_output_fwd_kernel(
                 b_kb *= tl.exp2(b_g)[:, None]
             b_w = tl.dot(b_A, b_kb.to(b_k.dtype)).to(b_k.dtype)
             b_vb = (tl.load(v + p_v_rows, mask=m_tv, other=0.0) * b_beta[:, None]).to(b_k.dtype)
-            b_u = tl.dot(b_A, b_vb).to(b_k.dtype)
+            b_u = tl.dot(b_A, b_vb, input_precision="ieee").to(b_k.dtype)  # as fla forms u
         else:
             b_w = tl.load(w + p_k_rows, mask=m_tk, other=0.0)
             b_u = tl.load(u + p_v_rows, mask=m_tv, other=0.0)
@@ -188,7 +197,7 @@ def state_output(q, k, g, h0, scale, cu_seqlens, output_final_state, w=None, u=N
     final = k.new_zeros(N, H, K, V, dtype=torch.float32) if output_final_state else None
     launch(
         state_output_fwd_kernel,
-        lambda meta: (triton.cdiv(V, meta["BV"]), N * H),
+        lambda meta: (triton.cdiv(V, meta["BV"]) * N * H,),
         q=q,
         k=k,
         w=w,
