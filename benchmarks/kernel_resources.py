@@ -122,27 +122,9 @@ def dqkwg_shared_memory_table() -> None:
             print(f"| {K} | {V} | {cfg.kwargs['BV']} | {cfg.num_warps} | {cfg.num_stages} | {shared:,} | {fits} |")
 
 
-FUSED_SIGNATURE = {
-    "q": "*bf16",
-    "k": "*bf16",
-    "w": "*bf16",
-    "u": "*bf16",
-    "v": "*bf16",
-    "beta": "*bf16",
-    "A": "*bf16",
-    "g": "*fp32",
-    "o": "*bf16",
-    "h0": "*fp32",
-    "ht": "*fp32",
-    "cu_seqlens": "*i32",
-    "scale": "fp32",
-    "T": "i32",
-}
-
-
 def compile_fused_forward(gated: bool, from_a: bool, K: int, V: int, config):
     fn = ff.state_output_fwd_kernel.fn.fn  # under the heuristics and the autotuner
-    signature = {name: FUSED_SIGNATURE.get(name, "constexpr") for name in fn.arg_names}
+    signature = {name: ff.ARGUMENT_TYPES.get(name, "constexpr") for name in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if signature[name][0] == "*"}
     flags = dict(USE_G=gated, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=False, FROM_A=from_a)
     constants = dict(H=16, K=K, V=V, BT=64, BK=max(triton.next_power_of_2(K), 16), BV=config.kwargs["BV"], **flags)

@@ -182,24 +182,6 @@ def test_recurrent_scan_compiles_for_sm90(exact, gated):
     assert len(compiled.asm["cubin"]) > 0
 
 
-FUSED_FORWARD_TYPES = {
-    "q": "*bf16",
-    "k": "*bf16",
-    "w": "*bf16",
-    "u": "*bf16",
-    "v": "*bf16",
-    "beta": "*bf16",
-    "A": "*bf16",
-    "g": "*fp32",
-    "o": "*bf16",
-    "h0": "*fp32",
-    "ht": "*fp32",
-    "cu_seqlens": "*i32",
-    "scale": "fp32",
-    "T": "i32",
-}
-
-
 @pytest.mark.parametrize("from_a", [False, True])
 @pytest.mark.parametrize("gated", [False, True])
 def test_fused_forward_compiles_for_sm90(from_a, gated):
@@ -207,6 +189,6 @@ def test_fused_forward_compiles_for_sm90(from_a, gated):
 
     flags = dict(USE_G=gated, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=True, FROM_A=from_a)
     compiled = _compile_sm90(
-        ff.state_output_fwd_kernel.fn.fn, FUSED_FORWARD_TYPES, dict(H=16, K=128, V=128, BT=64, BK=128, BV=32, **flags)
+        ff.state_output_fwd_kernel.fn.fn, ff.ARGUMENT_TYPES, dict(H=16, K=128, V=128, BT=64, BK=128, BV=32, **flags)
     )
     assert len(compiled.asm["cubin"]) > 0

@@ -48,6 +48,25 @@ def fused_forward() -> str:
     return mode
 
 
+# Triton's type of each argument as the chunk ops pass it (bf16 inputs), to compile the kernel ahead
+# of time without a GPU (the sm_90 compile test, benchmarks/kernel_resources.py)
+ARGUMENT_TYPES = {
+    "q": "*bf16",
+    "k": "*bf16",
+    "w": "*bf16",
+    "u": "*bf16",
+    "v": "*bf16",
+    "beta": "*bf16",
+    "A": "*bf16",
+    "g": "*fp32",
+    "o": "*bf16",
+    "h0": "*fp32",
+    "ht": "*fp32",
+    "cu_seqlens": "*i32",
+    "scale": "fp32",
+    "T": "i32",
+}
+
 STATE_ELEMENTS_PER_PROGRAM = 64 * 64  # state held by one program: wider blocks spill on sm_90 (kernel_resources.py)
 
 
