@@ -222,10 +222,6 @@ VARIANTS = {
         "Our ops with the forward's state and output passes in one kernel, `EFLA_FUSED_FORWARD=1`",
         {"EFLA_FUSED_FORWARD": "1"},
     ),
-    "fusedwy": (
-        "Our ops with the forward's w/u, state and output passes in one kernel, `EFLA_FUSED_FORWARD=wy`",
-        {"EFLA_FUSED_FORWARD": "wy"},
-    ),
 }
 
 

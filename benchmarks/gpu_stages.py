@@ -115,9 +115,6 @@ def efla_stages(ch, F, q, k, v, beta, do, scale):
         "(delta_rule_fwd with its state and output passes in one kernel, EFLA_FUSED_FORWARD=1)": with_settings(
             lambda: ch.delta_rule_fwd(qn, k, v, alpha, scale, None, False, None), {"EFLA_FUSED_FORWARD": "1"}
         ),
-        "(delta_rule_fwd with its w/u, state and output passes in one kernel, EFLA_FUSED_FORWARD=wy)": with_settings(
-            lambda: ch.delta_rule_fwd(qn, k, v, alpha, scale, None, False, None), {"EFLA_FUSED_FORWARD": "wy"}
-        ),
         "(its WY preparation: fla's fused kkt + solve, w/u)": lambda: F["chunk_gated_delta_rule_fwd_intra"](
             k=k, v=v, g=None, beta=alpha, chunk_size=ch.CHUNK
         ),

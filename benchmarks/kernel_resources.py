@@ -122,11 +122,11 @@ def dqkwg_shared_memory_table() -> None:
             print(f"| {K} | {V} | {cfg.kwargs['BV']} | {cfg.num_warps} | {cfg.num_stages} | {shared:,} | {fits} |")
 
 
-def compile_fused_forward(gated: bool, from_a: bool, K: int, V: int, config):
+def compile_fused_forward(gated: bool, K: int, V: int, config):
     fn = ff.state_output_fwd_kernel.fn.fn  # under the heuristics and the autotuner
     signature = {name: ff.ARGUMENT_TYPES.get(name, "constexpr") for name in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if signature[name][0] == "*"}
-    flags = dict(USE_G=gated, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=False, FROM_A=from_a)
+    flags = dict(USE_G=gated, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=False)
     constants = dict(H=16, K=K, V=V, BT=64, BK=max(triton.next_power_of_2(K), 16), BV=config.kwargs["BV"], **flags)
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
@@ -136,21 +136,20 @@ def compile_fused_forward(gated: bool, from_a: bool, K: int, V: int, config):
 def fused_forward_table() -> None:
     print()
     print(f"fused forward (state and output in one kernel): per setting, bf16 (H200 shared limit {H200_SHARED_BYTES:,})")
-    print("| mode | rule | K = V | value block | warps | stages | registers | stack bytes | shared bytes | fits |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for from_a in (False, True):
-        for gated in (False, True):
-            for dim in (64, 128, 256):
-                tunable = ff.state_output_fwd_kernel.fn.configs
-                for cfg in ff._settings_that_hold_their_state(tunable, {}, K=dim):
-                    compiled = compile_fused_forward(gated, from_a, dim, dim, cfg)
-                    regs, stack = resources(compiled)
-                    shared = compiled.metadata.shared
-                    fits = "yes" if shared <= H200_SHARED_BYTES else "**no**"
-                    print(
-                        f"| {'wy' if from_a else '1'} | {'gated' if gated else 'plain'} | {dim} | {cfg.kwargs['BV']} "
-                        f"| {cfg.num_warps} | {cfg.num_stages} | {regs} | {stack} | {shared:,} | {fits} |"
-                    )
+    print("| rule | K = V | value block | warps | stages | registers | stack bytes | shared bytes | fits |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for gated in (False, True):
+        for dim in (64, 128, 256):
+            tunable = ff.state_output_fwd_kernel.fn.configs
+            for cfg in ff._settings_that_hold_their_state(tunable, {}, K=dim):
+                compiled = compile_fused_forward(gated, dim, dim, cfg)
+                regs, stack = resources(compiled)
+                shared = compiled.metadata.shared
+                fits = "yes" if shared <= H200_SHARED_BYTES else "**no**"
+                print(
+                    f"| {'gated' if gated else 'plain'} | {dim} | {cfg.kwargs['BV']} "
+                    f"| {cfg.num_warps} | {cfg.num_stages} | {regs} | {stack} | {shared:,} | {fits} |"
+                )
 
 
 def resources(compiled) -> tuple[int, int]:

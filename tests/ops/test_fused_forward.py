@@ -1,5 +1,4 @@
-"""The chunk forward's state and output passes as one kernel (``EFLA_FUSED_FORWARD=1``; ``=wy``
-forms the WY form's ``w`` and ``u`` in it too).
+"""The chunk forward's state and output passes as one kernel (``EFLA_FUSED_FORWARD=1``).
 
 Under Triton's CPU interpreter, in float32 (its products of bf16 tiles are wrong, so bf16 runs on
 a GPU only): the kernel, fed the chunkwise WY form (or its ``A``) built here in float64, gives the
@@ -38,7 +37,6 @@ _SCRIPT = textwrap.dedent(
         # per chunk: A = (I + strict_tril(diag(b) k k^T * e^(G_i - G_j)))^-1, w = A diag(b e^G) k, u = A diag(b) v
         B, T, H, K = k.shape
         w, u, gcum = torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(b)
-        A_rows = torch.zeros(B, T, H, CHUNK, dtype=k.dtype)  # each row's part of its chunk's A
         for s in range(0, T, CHUNK):
             kc, bc, vc = k[:, s:s + CHUNK], b[:, s:s + CHUNK], v[:, s:s + CHUNK]
             G = gam[:, s:s + CHUNK].cumsum(1)
@@ -50,13 +48,12 @@ _SCRIPT = textwrap.dedent(
             w[:, s:s + CHUNK] = torch.einsum("bhij,bjhk->bihk", A, kc * (bc * G.exp())[..., None])
             u[:, s:s + CHUNK] = torch.einsum("bhij,bjhv->bihv", A, vc * bc[..., None])
             gcum[:, s:s + CHUNK] = G
-            A_rows[:, s:s + CHUNK, :, :L] = A.permute(0, 2, 1, 3)
-        return w, u, gcum, A_rows
+        return w, u, gcum
 
     def rel(a, b):
         return ((a.double() - b).norm() / b.norm()).item()
 
-    def check(rule, mode, B, T, H, K, V, cu=None, seed=0):
+    def check(rule, B, T, H, K, V, cu=None, seed=0):
         torch.manual_seed(seed)
         gated = rule == "gated_efla"
         q = torch.randn(B, T, H, K, dtype=torch.float64)
@@ -71,27 +68,25 @@ _SCRIPT = textwrap.dedent(
         gam = gam if gated else torch.zeros_like(beta)
         vp = v * (write / erase)[..., None]
         if cu is None:
-            w, u, gcum, A = wy_form(k, erase, vp, gam)
+            w, u, gcum = wy_form(k, erase, vp, gam)
         else:  # chunks restart at each sequence
             parts = [wy_form(k[:, a:b], erase[:, a:b], vp[:, a:b], gam[:, a:b]) for a, b in zip(cu[:-1], cu[1:])]
-            w, u, gcum, A = (torch.cat(p, 1) for p in zip(*parts))
+            w, u, gcum = (torch.cat(p, 1) for p in zip(*parts))
         f = lambda x: x.float().contiguous()
-        wy = dict(w=f(w), u=f(u)) if mode == "1" else dict(v=f(vp), beta=f(erase), A=f(A))
-        o, ht = state_output(f(q), f(k), f(gcum / math.log(2)) if gated else None, f(h0), 0.3,
-                             None if cu is None else torch.tensor(cu), True, **wy)
+        o, ht = state_output(f(q), f(k), f(w), f(u), f(gcum / math.log(2)) if gated else None, f(h0), 0.3,
+                             None if cu is None else torch.tensor(cu), True)
         scan = getattr(ops, "recurrent_" + rule)
         args = (q, k, v, g, beta) if gated else (q, k, v, beta)
         ro, rS = scan(*args, scale=0.3, initial_state=h0, output_final_state=True,
                       cu_seqlens=None if cu is None else torch.tensor(cu))
         eo, eS = rel(o, ro), rel(ht, rS)
-        assert eo < 1e-4 and eS < 1e-4, (rule, mode, B, T, H, K, V, cu, eo, eS)
+        assert eo < 1e-4 and eS < 1e-4, (rule, B, T, H, K, V, cu, eo, eS)
         return eo, eS
 
     for rule in ("efla", "gated_efla"):
-        for mode in ("1", "wy"):  # w and u read, or formed in the kernel from A
-            print(rule, mode, check(rule, mode, 2, 150, 2, 32, 16))  # three chunks, the last partial; V below the value block
-            print(rule, mode, check(rule, mode, 1, 150, 2, 24, 40, cu=[0, 37, 101, 150]))  # varlen; K, V not powers of 2
-            print(rule, mode, check(rule, mode, 1, 64, 1, 16, 64))  # one full chunk, two value blocks
+        print(rule, check(rule, 2, 150, 2, 32, 16))  # three chunks, the last partial; V below the value block
+        print(rule, check(rule, 1, 150, 2, 24, 40, cu=[0, 37, 101, 150]))  # varlen; K, V not powers of 2
+        print(rule, check(rule, 1, 64, 1, 16, 64))  # one full chunk, two value blocks
     print("OK")
     """
 )
@@ -116,8 +111,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 @pytest.mark.parametrize("rule", ["efla", "gated_efla"])
 @pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("mode", ["1", "wy"])
-def test_gpu_fused_forward_matches_reference_and_the_unfused_op(rule, varlen, mode, monkeypatch):
+def test_gpu_fused_forward_matches_reference_and_the_unfused_op(rule, varlen, monkeypatch):
     import efla.ops as ops
 
     torch.manual_seed(1)
@@ -134,7 +128,7 @@ def test_gpu_fused_forward_matches_reference_and_the_unfused_op(rule, varlen, mo
     kw = dict(scale=K**-0.5, output_final_state=True)
 
     def run(fused):
-        monkeypatch.setenv("EFLA_FUSED_FORWARD", mode if fused else "0")
+        monkeypatch.setenv("EFLA_FUSED_FORWARD", "1" if fused else "0")
         cu_gpu = None if cu is None else torch.tensor(cu, device="cuda", dtype=torch.int32)
         return getattr(ops, "chunk_" + rule)(*inputs, initial_state=h0, cu_seqlens=cu_gpu, **kw)
 
@@ -153,7 +147,7 @@ def test_gpu_fused_forward_matches_reference_and_the_unfused_op(rule, varlen, mo
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("K, V", [(128, 128), (64, 96), (256, 256)])
 def test_gpu_every_fused_forward_setting_matches_fla_passes(gated, K, V, monkeypatch):
-    """Each launch setting the kernel tunes over, both modes, against fla's w/u, state and output
+    """Each launch setting the kernel tunes over against fla's state and output
     kernels on the same inputs (the autotuner runs one setting per shape; a wrong one would
     reach a user only at the head size where it wins)."""
     from triton.runtime.errors import OutOfResources
@@ -173,7 +167,7 @@ def test_gpu_every_fused_forward_setting_matches_fla_passes(gated, K, V, monkeyp
     if gated:  # the chunk-local cumsum of a log decay, in log2 units, as the forward makes it
         decay = torch.nn.functional.logsigmoid(2 + 3 * torch.randn(B, T, H, device="cuda", generator=gen))
         gcum = st.local_cumsum(decay, None, None, scale=st.RCP_LN2)
-    w, u, A = st.wy_prepare(k, v, beta, gcum, None, None)
+    w, u, _ = st.wy_prepare(k, v, beta, gcum, None, None)
     h, v_new, ref_ht = st.state_pass(k, w, u, gcum, h0, None, None, True)
     ref_o = st.output(q, k, v_new, h, gcum, scale, None, None)
     rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()  # noqa: E731
@@ -184,12 +178,11 @@ def test_gpu_every_fused_forward_setting_matches_fla_passes(gated, K, V, monkeyp
     for config in ff._settings_that_hold_their_state(list(tuner.configs), {}, K=K):
         monkeypatch.setattr(tuner, "configs", [config])
         tuner.cache.clear()
-        for wy in (dict(w=w, u=u), dict(v=v, beta=beta, A=A)):
-            try:
-                o, ht = ff.state_output(q, k, gcum, h0, scale, None, True, **wy)
-                torch.cuda.synchronize()
-            except OutOfResources:  # the autotuner skips a setting that does not fit the GPU
-                continue
-            assert rel(o, ref_o) < 5e-3 and rel(ht, ref_ht) < 1e-3, (config, sorted(wy))
-            ran += 1
+        try:
+            o, ht = ff.state_output(q, k, w, u, gcum, h0, scale, None, True)
+            torch.cuda.synchronize()
+        except OutOfResources:  # the autotuner skips a setting that does not fit the GPU
+            continue
+        assert rel(o, ref_o) < 5e-3 and rel(ht, ref_ht) < 1e-3, config
+        ran += 1
     assert ran > 0

@@ -182,12 +182,11 @@ def test_recurrent_scan_compiles_for_sm90(exact, gated):
     assert len(compiled.asm["cubin"]) > 0
 
 
-@pytest.mark.parametrize("from_a", [False, True])
 @pytest.mark.parametrize("gated", [False, True])
-def test_fused_forward_compiles_for_sm90(from_a, gated):
+def test_fused_forward_compiles_for_sm90(gated):
     from efla.ops.cuda import fused_forward as ff
 
-    flags = dict(USE_G=gated, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=True, FROM_A=from_a)
+    flags = dict(USE_G=gated, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=True)
     compiled = _compile_sm90(
         ff.state_output_fwd_kernel.fn.fn, ff.ARGUMENT_TYPES, dict(H=16, K=128, V=128, BT=64, BK=128, BV=32, **flags)
     )

@@ -183,8 +183,7 @@ _VECTOR_SCRIPT = textwrap.dedent(
             local_dv=lambda: st.local_dv(q, k, do, g, 0.125, cu, ci),
             delta_dqkw=lambda: st.delta_dqkw(q, k, u, w, h, do, dh, u, 0.125, cu, ci),
             delta_wy_grads=lambda: st.delta_wy_grads(k, v, beta, A, w, u, cu, ci),
-            fused_forward=lambda: state_output(q, k, g, h0, 0.125, cu, with_state, w=w, u=u),
-            fused_wy_forward=lambda: state_output(q, k, g, h0, 0.125, cu, with_state, v=v, beta=beta, A=A),
+            fused_forward=lambda: state_output(q, k, w, u, g, h0, 0.125, cu, with_state),
             coef_fwd=lambda: C.coef_fwd(k, beta, q=q),
             coef_bwd=lambda: C.coef_bwd(k, beta, beta, dk, dk_more=w, q=q, q_rstd=beta.float(), dq=dq),
         )

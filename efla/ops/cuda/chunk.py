@@ -324,14 +324,10 @@ def delta_rule_fwd(q, k, v, beta, scale, h0, output_final_state, cu_seqlens):
 
 def _state_and_output(q, k, v, beta, A, gcum, h0, scale, cu_seqlens, ci, output_final_state):
     """``(o, final state)`` from the solved ``A``: fla's ``w``/``u``, state and output kernels, or
-    with ``EFLA_FUSED_FORWARD`` the last two (``1``) or all three (``wy``) as one kernel
-    (``fused_forward.py``)."""
-    mode = fused_forward()
-    if mode == "wy":
-        return state_output(q, k, gcum, h0, scale, cu_seqlens, output_final_state, v=v, beta=beta, A=A)
+    with ``EFLA_FUSED_FORWARD=1`` the last two as one kernel (``fused_forward.py``)."""
     w, u = st.gated_w_u(k, v, beta, A, gcum, cu_seqlens, ci)
-    if mode == "1":
-        return state_output(q, k, gcum, h0, scale, cu_seqlens, output_final_state, w=w, u=u)
+    if fused_forward():
+        return state_output(q, k, w, u, gcum, h0, scale, cu_seqlens, output_final_state)
     h, v_new, ht = st.state_pass(k, w, u, gcum, h0, cu_seqlens, ci, output_final_state)
     return st.output(q, k, v_new, h, gcum, scale, cu_seqlens, ci), ht
 

@@ -10,18 +10,15 @@ value block) through its chunks, holding the state, and forms each chunk's outpu
     h_t+1   = gamma_t h_t + k_t^T (gamma_t / Gamma_t) v_new_t
 
 (``Gamma`` the gate's cumulative decay inside the chunk, ``gamma`` at its last row; no gate: ones.)
-With ``EFLA_FUSED_FORWARD=wy`` the kernel also forms the WY form from the solved ``A``
-(``w_t = A_t diag(beta Gamma) k_t``, ``u_t = A_t diag(beta) v_t``), so ``w`` and ``u`` do not go
-through memory either (the backward recomputes them from ``A`` too); ``=1`` reads them from fla's
-kernel. The state, ``w``, ``u`` and the new values enter the products rounded to the inputs' dtype,
-as fla's kernels round them when they store them, so the result is fla's up to the order of
-float32 sums.
+``w`` and ``u`` come from fla's kernel. The state and the new values enter the products rounded to
+the inputs' dtype, as fla's kernels round them when they store them, so the result is fla's up to
+the order of float32 sums.
 
-What it costs: the output's products (and in ``wy`` mode the WY products, once per value block)
-move onto the chunk-by-chunk walk, which has one program per (sequence, head, value block), where
-fla's output and WY kernels have one per chunk besides. It saves the traffic of ``h`` and
-``v_new`` (and ``w``, ``u``), each written once and read once. Which wins depends on the shape;
-``benchmarks/gpu_ops.py`` times both.
+What it costs: the output's products move onto the chunk-by-chunk walk, which has one program per
+(sequence, head, value block), where fla's output kernel has one per chunk besides. It saves the
+traffic of ``h`` and ``v_new``, each written once and read once. On the H200 that paid only where
+the host or the head count sets the pace (``benchmarks/RESULTS.md``), so it is opt-in;
+``benchmarks/gpu_ops.py`` times it beside the default.
 """
 
 from __future__ import annotations
@@ -36,16 +33,13 @@ from .kernels import autotune_kwargs, tunable
 from .launch import launch
 
 
-FUSED_FORWARD_MODES = ("0", "1", "wy")
-
-
-def fused_forward() -> str:
-    """``EFLA_FUSED_FORWARD``: ``"0"`` fla's state and output kernels (the default), ``"1"`` the two
-    as one kernel, ``"wy"`` the WY form's ``w`` and ``u`` in that kernel too."""
+def fused_forward() -> bool:
+    """``EFLA_FUSED_FORWARD``: ``0`` fla's state and output kernels (the default), ``1`` the two as
+    one kernel."""
     mode = os.environ.get("EFLA_FUSED_FORWARD", "0")
-    if mode not in FUSED_FORWARD_MODES:
-        raise ValueError(f"EFLA_FUSED_FORWARD: expected one of {', '.join(FUSED_FORWARD_MODES)}, got {mode!r}")
-    return mode
+    if mode not in ("0", "1"):
+        raise ValueError(f"EFLA_FUSED_FORWARD: expected 0 or 1, got {mode!r}")
+    return mode == "1"
 
 
 # Triton's type of each argument as the chunk ops pass it (bf16 inputs), to compile the kernel ahead
@@ -55,9 +49,6 @@ ARGUMENT_TYPES = {
     "k": "*bf16",
     "w": "*bf16",
     "u": "*bf16",
-    "v": "*bf16",
-    "beta": "*bf16",
-    "A": "*bf16",
     "g": "*fp32",
     "o": "*bf16",
     "h0": "*fp32",
@@ -91,7 +82,6 @@ def _on_blackwell() -> bool:
         "USE_INITIAL_STATE": lambda args: args["h0"] is not None,
         "STORE_FINAL_STATE": lambda args: args["ht"] is not None,
         "IS_VARLEN": lambda args: args["cu_seqlens"] is not None,
-        "FROM_A": lambda args: args["A"] is not None,
     }
 )
 @triton.autotune(
@@ -103,7 +93,7 @@ def _on_blackwell() -> bool:
             for stages in (2, 3)
         ]
     ),
-    key=["H", "K", "V", "BT", "USE_G", "FROM_A"],
+    key=["H", "K", "V", "BT", "USE_G"],
     prune_configs_by={"early_config_prune": _settings_that_hold_their_state},
     **autotune_kwargs(),
 )
@@ -113,9 +103,6 @@ def state_output_fwd_kernel(
     k,
     w,
     u,
-    v,
-    beta,
-    A,
     g,
     o,
     h0,
@@ -133,7 +120,6 @@ def state_output_fwd_kernel(
     USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
-    FROM_A: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)  # one axis: a grid's second is capped at 65,535 (sequences x heads)
     NV = tl.cdiv(V, BV)
@@ -170,19 +156,8 @@ def state_output_fwd_kernel(
         if USE_G:
             b_g = tl.load(g + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
             b_g_last = tl.load(g + (bos + tl.minimum((i_t + 1) * BT, T) - 1) * H + i_h).to(tl.float32)
-        if FROM_A:  # the WY form from the solved A, rounded as fla's kernel stores it
-            o_c = tl.arange(0, BT)
-            b_A = tl.load(A + (rows[:, None] * H + i_h) * BT + o_c[None, :], mask=m_t[:, None], other=0.0)
-            b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0)
-            b_kb = b_k * b_beta[:, None]
-            if USE_G:
-                b_kb *= tl.exp2(b_g)[:, None]
-            b_w = tl.dot(b_A, b_kb.to(b_k.dtype)).to(b_k.dtype)
-            b_vb = (tl.load(v + p_v_rows, mask=m_tv, other=0.0) * b_beta[:, None]).to(b_k.dtype)
-            b_u = tl.dot(b_A, b_vb, input_precision="ieee").to(b_k.dtype)  # as fla forms u
-        else:
-            b_w = tl.load(w + p_k_rows, mask=m_tk, other=0.0)
-            b_u = tl.load(u + p_v_rows, mask=m_tv, other=0.0)
+        b_w = tl.load(w + p_k_rows, mask=m_tk, other=0.0)
+        b_u = tl.load(u + p_v_rows, mask=m_tv, other=0.0)
         b_h_in = b_h.to(b_w.dtype)
 
         b_v_new = b_u.to(tl.float32) - tl.dot(b_w, b_h_in)
@@ -205,12 +180,12 @@ def state_output_fwd_kernel(
         tl.store(ht + p_state, b_h.to(ht.dtype.element_ty), mask=m_state)
 
 
-def state_output(q, k, g, h0, scale, cu_seqlens, output_final_state, w=None, u=None, v=None, beta=None, A=None):
-    """``(o, final state or None)`` of the chunk forward from its WY form: ``(w, u)``, or ``(v, beta,
-    A)`` to form it here; ``g`` the gate's chunk-local cumsum in base 2, or ``None``. Shapes:
-    ``[B, T, H, K]``, ``[B, T, H, V]``, ``beta`` ``[B, T, H]``, ``A`` ``[B, T, H, 64]``."""
+def state_output(q, k, w, u, g, h0, scale, cu_seqlens, output_final_state):
+    """``(o, final state or None)`` of the chunk forward from its WY form ``(w, u)``; ``g`` the gate's
+    chunk-local cumsum in base 2, or ``None``. Shapes: ``q``, ``k``, ``w`` ``[B, T, H, K]``, ``u``
+    ``[B, T, H, V]``."""
     B, T, H, K = k.shape
-    V = (u if A is None else v).shape[-1]
+    V = u.shape[-1]
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     o = q.new_empty(B, T, H, V)
     final = k.new_zeros(N, H, K, V, dtype=torch.float32) if output_final_state else None
@@ -221,9 +196,6 @@ def state_output(q, k, g, h0, scale, cu_seqlens, output_final_state, w=None, u=N
         k=k,
         w=w,
         u=u,
-        v=v,
-        beta=beta,
-        A=A,
         g=g,
         o=o,
         h0=h0,
