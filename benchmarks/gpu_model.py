@@ -24,7 +24,7 @@ overflowing-key check, so its ratio to the preset is what the check costs), ``<p
 instead of straight to the compiled kernel after the first; ``efla+triton`` runs by default),
 ``<preset>+tuned`` (``EFLA_STATE_TUNING=1``: the ops' state passes tuned per batch x heads) and
 ``<preset>+fusedfwd`` (``EFLA_FUSED_FORWARD=1``: the forward's state and output passes in one
-kernel).
+kernel) and ``<preset>+split4`` (``EFLA_SPLIT_STATE=4``: the state pass over sequences in 4 pieces).
 
 ``--profile`` adds, per shape, one profiled step of every model (``torch.profiler``): its GPU kernel
 time, kernel launches, the share of the median step the GPU is busy (well below 100%: the step is
@@ -71,11 +71,13 @@ GATES_IN_LAYER = "+gates-in-layer"  # gated-efla+gates-in-layer: the layer activ
 TRITON_LAUNCHES = "+triton"  # e.g. efla+triton: EFLA_DIRECT_LAUNCH=0 during its steps (every launch through Triton)
 STATE_TUNING = "+tuned"  # e.g. efla+tuned: EFLA_STATE_TUNING=1 during its steps (state passes tuned per batch x heads)
 FUSED_FORWARD = "+fusedfwd"  # e.g. efla+fusedfwd: EFLA_FUSED_FORWARD=1 (the forward's state and output passes in one kernel)
+SPLIT_STATE = "+split4"  # e.g. efla+split4: EFLA_SPLIT_STATE=4 (the state pass over sequences in 4 pieces side by side)
 STEP_ENVIRONMENT = {
     NO_KEY_CHECK: ("EFLA_CHECK_KEYS", "0"),
     TRITON_LAUNCHES: ("EFLA_DIRECT_LAUNCH", "0"),
     STATE_TUNING: ("EFLA_STATE_TUNING", "1"),
     FUSED_FORWARD: ("EFLA_FUSED_FORWARD", "1"),
+    SPLIT_STATE: ("EFLA_SPLIT_STATE", "4"),
 }
 LINES: list[str] = []
 
@@ -164,7 +166,7 @@ def error_line(e: BaseException) -> str:
 def step_environment(kind: str):
     """The variables a model's suffixes set while it steps (the ops read them at every call):
     ``+nokeycheck`` ``EFLA_CHECK_KEYS=0``, ``+triton`` ``EFLA_DIRECT_LAUNCH=0``, ``+tuned``
-    ``EFLA_STATE_TUNING=1``, ``+fusedfwd`` ``EFLA_FUSED_FORWARD=1``."""
+    ``EFLA_STATE_TUNING=1``, ``+fusedfwd`` ``EFLA_FUSED_FORWARD=1``, ``+split4`` ``EFLA_SPLIT_STATE=4``."""
     return environment(dict(env for suffix, env in STEP_ENVIRONMENT.items() if suffix in kind))
 
 

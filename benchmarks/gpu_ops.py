@@ -222,6 +222,12 @@ VARIANTS = {
         "Our ops with the forward's state and output passes in one kernel, `EFLA_FUSED_FORWARD=1`",
         {"EFLA_FUSED_FORWARD": "1"},
     ),
+    "split4": (
+        "Our ops with the state passes of the forward (and the backward's recomputation) over sequences "
+        "in 4 pieces side by side, `EFLA_SPLIT_STATE=4`",
+        {"EFLA_SPLIT_STATE": "4"},
+    ),
+    "split8": ("The same in 8 pieces, `EFLA_SPLIT_STATE=8`", {"EFLA_SPLIT_STATE": "8"}),
 }
 
 

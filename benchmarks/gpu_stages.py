@@ -100,6 +100,11 @@ def efla_stages(ch, F, q, k, v, beta, do, scale):
     kn, k_rstd = F["l2norm_fwd"](k)
     dq, dk, dk_wy, _, dalpha, _ = ch.delta_rule_bwd(qn, k, v, alpha, A, scale, None, do, None, None)
     dk, dk_wy = dk.contiguous(), dk_wy.contiguous()
+    w, u = ch.st.delta_w_u(k, v, alpha, A, None, None)
+
+    def state_pass_in(pieces: str):
+        return with_settings(lambda: ch.st.state_pass(k, w, u, None, None, None, None), {"EFLA_SPLIT_STATE": pieces})
+
     # the coefficient passes flag overflowing keys as the model's do (the flag's read is not timed)
     return {
         "(q l2norm fwd alone)": lambda: F["l2norm_fwd"](q),
@@ -115,6 +120,9 @@ def efla_stages(ch, F, q, k, v, beta, do, scale):
         "(delta_rule_fwd with its state and output passes in one kernel, EFLA_FUSED_FORWARD=1)": with_settings(
             lambda: ch.delta_rule_fwd(qn, k, v, alpha, scale, None, False, None), {"EFLA_FUSED_FORWARD": "1"}
         ),
+        "(its state pass alone: fla's h kernel)": state_pass_in("0"),
+        "(its state pass, sequences in 4 pieces side by side, EFLA_SPLIT_STATE=4)": state_pass_in("4"),
+        "(its state pass, sequences in 8 pieces side by side, EFLA_SPLIT_STATE=8)": state_pass_in("8"),
         "(its WY preparation: fla's fused kkt + solve, w/u)": lambda: F["chunk_gated_delta_rule_fwd_intra"](
             k=k, v=v, g=None, beta=alpha, chunk_size=ch.CHUNK
         ),

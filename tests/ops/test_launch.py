@@ -154,6 +154,7 @@ _VECTOR_SCRIPT = textwrap.dedent(
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path.insert(0, {repo!r})
     from efla.ops.cuda import chunk as C, launch as L, stages as st
+    from efla.ops.cuda import split_state
     from efla.ops.cuda.fused_forward import state_output
     from tests.ops import stand_in_driver
     from tests.ops.stand_in_driver import launches
@@ -184,6 +185,7 @@ _VECTOR_SCRIPT = textwrap.dedent(
             delta_dqkw=lambda: st.delta_dqkw(q, k, u, w, h, do, dh, u, 0.125, cu, ci),
             delta_wy_grads=lambda: st.delta_wy_grads(k, v, beta, A, w, u, cu, ci),
             fused_forward=lambda: state_output(q, k, w, u, g, h0, 0.125, cu, with_state),
+            split_state=lambda: split_state.entering_states(k, w, u, g, None if h0 is None else h0[:B], 2),
             coef_fwd=lambda: C.coef_fwd(k, beta, q=q),
             coef_bwd=lambda: C.coef_bwd(k, beta, beta, dk, dk_more=w, q=q, q_rstd=beta.float(), dq=dq),
         )

@@ -14,6 +14,7 @@ import functools
 import torch
 import triton
 
+from . import split_state
 from .launch import launch
 from .tuning import by_sequence_heads, state_tuning
 
@@ -173,9 +174,13 @@ def _chunk_offsets(cu_seqlens):
 
 def state_pass(k, w, u, g, h0, cu_seqlens, chunk_indices, output_final_state=False):
     """The chunk-to-chunk state pass: ``(h, v_new, final state or None)``; ``h`` holds each chunk's
-    starting state, ``v_new = u - w h``."""
+    starting state, ``v_new = u - w h``. With ``EFLA_SPLIT_STATE`` a dense batch's sequences walk
+    in pieces side by side (``split_state.py``)."""
     B, T, H, K = k.shape
     V = u.shape[-1]
+    pieces = split_state.piece_count(T, split_state.split_pieces()) if cu_seqlens is None else 1
+    if pieces > 1:
+        return _state_pass_in_pieces(k, w, u, g, h0, pieces, output_final_state)
     N = _sequences(k, cu_seqlens)
     NT = _chunks(T, cu_seqlens, chunk_indices)
     h = k.new_empty(B, NT, H, K, V)
@@ -204,6 +209,16 @@ def state_pass(k, w, u, g, h0, cu_seqlens, chunk_indices, output_final_state=Fal
         STATE_V_FIRST=False,
     )
     return h, v_new, final
+
+
+def _state_pass_in_pieces(k, w, u, g, h0, pieces, output_final_state):
+    B, T, H, K = k.shape
+    V = u.shape[-1]
+    states, boundaries, table = split_state.entering_states(k, w, u, g, h0, pieces)
+    packed = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (k, w, u, g)]
+    h, v_new, final = state_pass(*packed, states, boundaries, table, output_final_state)
+    final = final.view(B, pieces, H, K, V)[:, -1].contiguous() if final is not None else None
+    return h.view(B, -1, H, K, V), v_new.view(B, T, H, V), final
 
 
 def state_grads(q, k, w, g, h0, dht, do, dv, scale, cu_seqlens, chunk_indices):
