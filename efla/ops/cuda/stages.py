@@ -175,11 +175,12 @@ def _chunk_offsets(cu_seqlens):
 def state_pass(k, w, u, g, h0, cu_seqlens, chunk_indices, output_final_state=False):
     """The chunk-to-chunk state pass: ``(h, v_new, final state or None)``; ``h`` holds each chunk's
     starting state, ``v_new = u - w h``. With ``EFLA_SPLIT_STATE`` a dense batch's sequences walk
-    in pieces side by side (``split_state.py``)."""
+    in pieces side by side (``split_state.py``; not while a CUDA graph is captured: its layout's
+    first use copies to the GPU)."""
     B, T, H, K = k.shape
     V = u.shape[-1]
     pieces = split_state.piece_count(T, split_state.split_pieces()) if cu_seqlens is None else 1
-    if pieces > 1:
+    if pieces > 1 and not (k.is_cuda and torch.cuda.is_current_stream_capturing()):
         return _state_pass_in_pieces(k, w, u, g, h0, pieces, output_final_state)
     N = _sequences(k, cu_seqlens)
     NT = _chunks(T, cu_seqlens, chunk_indices)
