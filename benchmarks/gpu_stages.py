@@ -101,9 +101,15 @@ def efla_stages(ch, F, q, k, v, beta, do, scale):
     dq, dk, dk_wy, _, dalpha, _ = ch.delta_rule_bwd(qn, k, v, alpha, A, scale, None, do, None, None)
     dk, dk_wy = dk.contiguous(), dk_wy.contiguous()
     w, u = ch.st.delta_w_u(k, v, alpha, A, None, None)
+    dv_local = ch.st.local_dv(qn, k, do, None, scale, None, None)
 
     def state_pass_in(pieces: str):
         return with_settings(lambda: ch.st.state_pass(k, w, u, None, None, None, None), {"EFLA_SPLIT_STATE": pieces})
+
+    def state_grads_in(pieces: str):
+        return with_settings(
+            lambda: ch.st.state_grads(qn, k, w, None, None, None, do, dv_local, scale, None, None), {"EFLA_SPLIT_STATE": pieces}
+        )
 
     # the coefficient passes flag overflowing keys as the model's do (the flag's read is not timed)
     return {
@@ -123,6 +129,9 @@ def efla_stages(ch, F, q, k, v, beta, do, scale):
         "(its state pass alone: fla's h kernel)": state_pass_in("0"),
         "(its state pass, sequences in 4 pieces side by side, EFLA_SPLIT_STATE=4)": state_pass_in("4"),
         "(its state pass, sequences in 8 pieces side by side, EFLA_SPLIT_STATE=8)": state_pass_in("8"),
+        "(the backward's reverse state pass alone: fla's dh kernel)": state_grads_in("0"),
+        "(the reverse state pass, sequences in 4 pieces side by side, EFLA_SPLIT_STATE=4)": state_grads_in("4"),
+        "(the reverse state pass, sequences in 8 pieces side by side, EFLA_SPLIT_STATE=8)": state_grads_in("8"),
         "(its WY preparation: fla's fused kkt + solve, w/u)": lambda: F["chunk_gated_delta_rule_fwd_intra"](
             k=k, v=v, g=None, beta=alpha, chunk_size=ch.CHUNK
         ),

@@ -191,3 +191,15 @@ def test_fused_forward_compiles_for_sm90(gated):
         ff.state_output_fwd_kernel.fn.fn, ff.ARGUMENT_TYPES, dict(H=16, K=128, V=128, BT=64, BK=128, BV=32, **flags)
     )
     assert len(compiled.asm["cubin"]) > 0
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_state_gradient_summary_compiles_for_sm90(gated):
+    from efla.ops.cuda import split_state
+
+    compiled = _compile_sm90(
+        split_state.gradient_summary_kernel.fn.fn,
+        split_state.GRADIENT_SUMMARY_ARGUMENT_TYPES,
+        dict(H=16, K=128, V=128, BT=64, BK=128, BV=32, BM=32, USE_G=gated),
+    )
+    assert len(compiled.asm["cubin"]) > 0

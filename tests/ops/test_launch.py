@@ -186,6 +186,9 @@ _VECTOR_SCRIPT = textwrap.dedent(
             delta_wy_grads=lambda: st.delta_wy_grads(k, v, beta, A, w, u, cu, ci),
             fused_forward=lambda: state_output(q, k, w, u, g, h0, 0.125, cu, with_state),
             split_state=lambda: split_state.entering_states(k, w, u, g, None if h0 is None else h0[:B], 2),
+            split_state_grads=lambda: split_state.gradients_from_the_right(
+                q, k, w, g, None if h0 is None else h0[:B], do, u, 0.125, 2
+            ),
             coef_fwd=lambda: C.coef_fwd(k, beta, q=q),
             coef_bwd=lambda: C.coef_bwd(k, beta, beta, dk, dk_more=w, q=q, q_rstd=beta.float(), dq=dq),
         )

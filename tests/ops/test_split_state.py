@@ -1,10 +1,13 @@
-"""The state pass over sequences cut into pieces that walk side by side (``EFLA_SPLIT_STATE``).
+"""The state passes over sequences cut into pieces that walk side by side (``EFLA_SPLIT_STATE``).
 
-Under Triton's CPU interpreter, in float32: the state pass in pieces gives the per-chunk states,
-new values and final states of the pass that walks each sequence whole (with and without a gate
-and an initial state, a last chunk that is partial, more pieces asked for than there are chunks),
-and the EFLA and Gated EFLA chunk ops with it, forward and backward, match the float64 per-token
-reference. On a GPU (bf16): the ops with it against the reference and against the ops without it.
+Under Triton's CPU interpreter, in float32: the forward state pass in pieces gives the per-chunk
+states, new values and final states of the pass that walks each sequence whole, and the backward's
+reverse pass in pieces its per-chunk state gradients, initial-state gradient and value gradients
+(with and without a gate, an initial state and a final state's gradient, a last chunk that is
+partial, more pieces asked for than there are chunks); the EFLA and Gated EFLA chunk ops with both,
+forward and backward, match the float64 per-token reference. On a GPU (bf16): the ops with it
+against the reference and against the ops without it (the interpreter's float32 inputs leave the
+low half of the 16-bit split of the composed transform at zero: only the GPU test covers it).
 """
 
 from __future__ import annotations
@@ -56,6 +59,29 @@ _SCRIPT = textwrap.dedent(
     print(state_pass_case(2, 300, 2, 32, 16, 3, True, True))
     print(state_pass_case(1, 256, 2, 64, 32, 2, True, True))  # K = 64: the pre-scan's narrower column blocks
     print(state_pass_case(2, 128, 1, 16, 16, 8, False, True))  # 8 asked for, 2 chunks: 2 pieces
+
+    def state_grads_case(B, T, H, K, V, pieces, gated, with_h0, with_dht):
+        torch.manual_seed(T + K + 1)
+        q, k, w = (torch.randn(B, T, H, K) * 0.3 for _ in range(3))
+        do, dv = torch.randn(B, T, H, V), torch.randn(B, T, H, V)
+        g = st.local_cumsum(-0.05 * torch.rand(B, T, H), None, None, scale=st.RCP_LN2) if gated else None
+        h0 = torch.randn(B, H, K, V) if with_h0 else None
+        dht = torch.randn(B, H, K, V) if with_dht else None
+        os.environ["EFLA_SPLIT_STATE"] = "0"
+        whole = st.state_grads(q, k, w, g, h0, dht, do, dv, 0.3, None, None)
+        os.environ["EFLA_SPLIT_STATE"] = str(pieces)
+        split = st.state_grads(q, k, w, g, h0, dht, do, dv, 0.3, None, None)
+        assert (split[1] is None) == (whole[1] is None)
+        pairs = [(a, b) for a, b in zip(split, whole) if b is not None]
+        assert all(a.shape == b.shape for a, b in pairs)
+        errors = [rel(a, b) for a, b in pairs]
+        assert max(errors) < 1e-5, (B, T, H, K, V, pieces, gated, with_h0, with_dht, errors)
+        return max(errors)
+
+    print(state_grads_case(2, 300, 2, 32, 16, 3, False, True, True))  # dh, dh0 and dv of the reverse pass
+    print(state_grads_case(2, 300, 2, 32, 16, 3, True, True, False))
+    print(state_grads_case(1, 256, 2, 64, 32, 2, True, False, True))
+    print(state_grads_case(2, 128, 1, 16, 16, 8, False, True, True))
 
     def op_case(kind):
         g = torch.Generator().manual_seed(3)

@@ -1,23 +1,27 @@
-"""The chunk-to-chunk state pass over sequences cut into pieces that walk side by side (opt-in:
+"""The chunk-to-chunk state passes over sequences cut into pieces that walk side by side (opt-in:
 ``EFLA_SPLIT_STATE=<pieces>``).
 
 fla's state pass walks each (sequence, head) through its chunks in order, one program per value
-block: at [2, 16384, 16] with K = V = 128 that is 32 sequence-heads walking 256 chunks each, a few
-dozen programs on the H200's 132 multiprocessors, so the pass waits on each chunk's latency rather
-than on memory. The state after a piece of a sequence is an affine function of the state before
-it, ``h_out = M h_in + h_local``. Cut each sequence into chunk-aligned pieces and:
+block, and the backward's reverse pass walks them back: at [2, 16384, 16] with K = V = 128 that is
+32 sequence-heads walking 256 chunks each, a few dozen programs on the H200's 132 multiprocessors,
+so the passes wait on each chunk's latency rather than on memory. Over a piece of a sequence the
+state after it is an affine function of the state before it, ``h_out = M h_in + h_local``, and the
+state's gradient before it one of the gradient after it. Cut each sequence into chunk-aligned
+pieces and:
 
-1. fla's affine pre-scan (its context-parallel kernel) writes every piece's ``[h_local | M]``
-   (``[K, V + K]`` per head, float32), all pieces at once;
-2. fla's merge kernel chains them into the state entering each piece, from the sequence's initial
-   state;
-3. fla's state pass walks all pieces at once, each from its entering state, as a packed batch.
+1. summarise every piece, all pieces at once: forwards with fla's affine pre-scan (its
+   context-parallel kernel), backwards with ``gradient_summary_kernel`` here (fla's backward
+   pre-scan takes one sequence per launch), ``[h_local | M]`` as ``[K, V + K]`` float32 per head;
+2. chain the summaries with fla's merge kernel into the state entering each piece (forwards from
+   the sequence's initial state, backwards from the final state's gradient, last piece first);
+3. run fla's pass over all pieces at once as a packed batch, each from its entering state.
 
-The pieces hold whole chunks, so the per-chunk states ``h`` and the new values ``v_new`` come out in
-the layout of the dense pass. What differs is rounding: the serial pass rounds the state it carries
-to the inputs' dtype at each chunk, the chained summaries carry it in float32 (fla composes ``M``
-in three-pass TF32). The pre-scan and the merge cost work that the serial pass does not do; it pays
-only where the serial pass leaves the GPU idle, which ``benchmarks/gpu_ops.py`` measures.
+The pieces hold whole chunks, so the per-chunk states, new values and gradients come out in the
+layout of the dense passes. What differs is rounding: the whole pass rounds the state it carries to
+the inputs' dtype at each chunk, the chained summaries carry it in float32 (fla composes ``M`` in
+three-pass TF32, the backward's as two 16-bit parts). The summaries and the merge are work the
+whole pass does not do; they pay only where the whole pass leaves the GPU idle, which
+``benchmarks/gpu_ops.py`` and ``benchmarks/gpu_stages.py`` measure.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
+from .kernels import autotune_kwargs, tunable
 from .launch import launch
 
 CHUNK = 64
@@ -114,18 +120,27 @@ def entering_states(k, w, u, g, h0, pieces: int):
     states = k.new_zeros(B, pieces, H, K, V, dtype=torch.float32)
     if h0 is not None:
         states[:, 0] = h0
-    later = states.new_empty(B * (pieces - 1), H, K, V)
+    states[:, 1:] = _merge(summaries, h0, B, pieces, seq_offsets, init_offsets, seq_ids).view(B, pieces - 1, H, K, V)
+    return states.view(B * pieces, H, K, V), boundaries, table
+
+
+def _merge(summaries, entering, B, pieces, seq_offsets, init_offsets, seq_ids):
+    """fla's merge: each sequence's summaries chained first to last from its ``entering`` state
+    (``None``: zeros); the state after each but the last, ``[B * (pieces - 1), H, K, V]``."""
+    _, H, K, VK = summaries.shape
+    V = VK - K
+    chained = summaries.new_empty(B * (pieces - 1), H, K, V)
     launch(
         _kernels()["merge"],
         lambda meta: (triton.cdiv(V, meta["BV"]), B, H),
-        h=later,
+        h=chained,
         ag_hm=summaries,
         num_ranks=0,
         rank=0,
         seq_offsets=seq_offsets,
         init_offsets=init_offsets,
         h0_seq_ids=seq_ids,
-        h0=h0,
+        h0=entering,
         h_seq_idx=None,
         HV=H,
         K=K,
@@ -135,5 +150,157 @@ def entering_states(k, w, u, g, h0, pieces: int):
         IS_INTRACARD=True,
         N=B,
     )
-    states[:, 1:] = later.view(B, pieces - 1, H, K, V)
-    return states.view(B * pieces, H, K, V), boundaries, table
+    return chained
+
+
+# ------------------------------------------------------------------ the backward's state-gradient pass
+# fla's reverse pass carries the gradient D of the state from a chunk's end to its start:
+#     dv2_t = e_t * (k_t D) + dv_t        (e_t = gamma_t / Gamma_t by row, ones without a gate)
+#     D    <- gamma_t D + scale (Gamma_t q_t)^T do_t - w_t^T dv2_t
+# affine in D: D_start = M D_end + D_local over a piece, M = prod_t (gamma_t I - w_t^T diag(e_t) k_t).
+# fla's pre-scan for it handles one sequence per launch; this one handles every piece at once.
+
+
+# Triton's type of each argument as the backward passes it (bf16 inputs, float32 gate), to compile the
+# kernel ahead of time without a GPU (the sm_90 compile test)
+GRADIENT_SUMMARY_ARGUMENT_TYPES = {
+    "q": "*bf16",
+    "k": "*bf16",
+    "w": "*bf16",
+    "g": "*fp32",
+    "do": "*bf16",
+    "dv": "*bf16",
+    "summaries": "*fp32",
+    "cu_seqlens": "*i32",
+    "scale": "fp32",
+}
+
+
+@triton.heuristics({"USE_G": lambda args: args["g"] is not None})
+@triton.autotune(
+    configs=tunable([triton.Config({}, num_warps=warps, num_stages=stages) for warps in (4, 8) for stages in (2, 3, 1)]),
+    key=["H", "K", "V", "BT", "USE_G"],
+    **autotune_kwargs(),
+)
+@triton.jit(do_not_specialize=["scale"])
+def gradient_summary_kernel(
+    q,
+    k,
+    w,
+    g,
+    do,
+    dv,
+    summaries,
+    cu_seqlens,
+    scale,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BM: tl.constexpr,
+    USE_G: tl.constexpr,
+):
+    """Each piece's ``[D_local | M]`` (``[K, V + K]`` per head, float32): a program holds one block
+    of columns of either part and walks the piece's chunks last to first."""
+    i_c, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    NV = tl.cdiv(V, BV)
+    out = summaries + (i_n * H + i_h) * K * (V + K)
+    if i_c < NV:  # D_local: the gradient at the piece's start when none comes in at its end
+        o_v = i_c * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        b_d = tl.zeros([BK, BV], dtype=tl.float32)
+        for i_t in range(tl.cdiv(T, BT) - 1, -1, -1):
+            b_k, b_w, b_q, e, gamma, rows, m_t = _chunk(q, k, w, g, bos, T, i_t, i_h, o_k, m_k, H, K, BT, USE_G)
+            p_v = (rows[:, None] * H + i_h) * V + o_v[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            b_dv = tl.dot(b_k, b_d.to(b_k.dtype)) * e[:, None] + tl.load(dv + p_v, mask=m_tv, other=0.0).to(tl.float32)
+            b_do = tl.load(do + p_v, mask=m_tv, other=0.0)
+            b_d = b_d * gamma + tl.dot(tl.trans(b_q), b_do.to(b_q.dtype)) * scale
+            b_d -= tl.dot(tl.trans(b_w), b_dv.to(b_w.dtype))
+        tl.store(out + o_k[:, None] * (V + K) + o_v[None, :], b_d, mask=m_k[:, None] & m_v[None, :])
+    else:  # M, a block of its columns, from the identity's
+        o_j = (i_c - NV) * BM + tl.arange(0, BM)
+        b_m = tl.where(o_k[:, None] == o_j[None, :], 1.0, 0.0)
+        for i_t in range(tl.cdiv(T, BT) - 1, -1, -1):
+            b_k, b_w, b_q, e, gamma, rows, m_t = _chunk(q, k, w, g, bos, T, i_t, i_h, o_k, m_k, H, K, BT, USE_G)
+            b_km = _dot_bf16x2(b_k, b_m) * e[:, None]
+            b_m = b_m * gamma - _dot_bf16x2(tl.trans(b_w), b_km)
+        tl.store(out + V + o_k[:, None] * (V + K) + o_j[None, :], b_m, mask=m_k[:, None] & (o_j < K)[None, :])
+
+
+@triton.jit
+def _dot_bf16x2(a, b):
+    """``a @ b`` for 16-bit ``a`` and float32 ``b``, ``b`` as the sum of two 16-bit parts: about
+    16 bits of its mantissa kept (the composed transform accumulates over a piece's chunks), at
+    the registers of 16-bit products (three-pass TF32 spilled at K = 128)."""
+    b_hi = b.to(a.dtype)
+    b_lo = (b - b_hi.to(tl.float32)).to(a.dtype)
+    return tl.dot(a, b_lo, tl.dot(a, b_hi))
+
+
+@triton.jit
+def _chunk(q, k, w, g, bos, T, i_t, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, USE_G: tl.constexpr):
+    """One chunk's keys, WY keys and (gate-scaled) queries, ``[BT, BK]``, the rows' factor ``e``
+    and the chunk's decay ``gamma``; rows past the piece's end are zero."""
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    rows = bos + o_t
+    p = (rows[:, None] * H + i_h) * K + o_k[None, :]
+    m = m_t[:, None] & m_k[None, :]
+    b_k, b_w, b_q = tl.load(k + p, mask=m, other=0.0), tl.load(w + p, mask=m, other=0.0), tl.load(q + p, mask=m, other=0.0)
+    if USE_G:
+        b_g = tl.load(g + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+        g_last = tl.load(g + (bos + tl.minimum((i_t + 1) * BT, T) - 1) * H + i_h).to(tl.float32)
+        e = tl.where(m_t, tl.exp2(g_last - b_g), 0.0)
+        b_q = b_q * tl.exp2(b_g)[:, None]
+        gamma = tl.exp2(g_last)
+    else:
+        e = tl.where(m_t, 1.0, 0.0)
+        gamma = 1.0
+    return b_k, b_w, b_q, e, gamma, rows, m_t
+
+
+def gradients_from_the_right(q, k, w, g, dht, do, dv, scale, pieces: int):
+    """``(the state gradient arriving at the end of every piece [B * pieces, H, K, V] float32,
+    boundaries, chunk table)`` for the backward's reverse pass over the dense batch (``dht`` the
+    final state's gradient, or ``None``; ``dv`` the values' gradient from within the chunks)."""
+    B, T, H, K = k.shape
+    V = do.shape[-1]
+    boundaries, table, seq_offsets, init_offsets, seq_ids = _layout(B, T, pieces, k.device)
+    summaries = k.new_empty(B * pieces, H, K, V + K, dtype=torch.float32)
+    block = 32  # columns per program: at K = 128, 64 spilled with 4 warps on sm_90 (32 does not)
+    packed = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, w, g, do, dv)]
+    launch(
+        gradient_summary_kernel,
+        (triton.cdiv(V, block) + triton.cdiv(K, block), H, B * pieces),
+        q=packed[0],
+        k=packed[1],
+        w=packed[2],
+        g=packed[3],
+        do=packed[4],
+        dv=packed[5],
+        summaries=summaries,
+        cu_seqlens=boundaries,
+        scale=scale,
+        H=H,
+        K=K,
+        V=V,
+        BT=CHUNK,
+        BK=max(triton.next_power_of_2(K), 16),
+        BV=block,
+        BM=block,
+    )
+    # fla's merge chains summaries first to last from an entering state: here last piece first, from dht
+    last_first = summaries.view(B, pieces, H, K, V + K).flip(1).reshape(B * pieces, H, K, V + K)
+    chained = _merge(last_first, dht, B, pieces, seq_offsets, init_offsets, seq_ids)
+    arriving = k.new_zeros(B, pieces, H, K, V, dtype=torch.float32)
+    if dht is not None:
+        arriving[:, -1] = dht
+    arriving[:, :-1] = chained.view(B, pieces - 1, H, K, V).flip(1)
+    return arriving.view(B * pieces, H, K, V), boundaries, table

@@ -175,12 +175,11 @@ def _chunk_offsets(cu_seqlens):
 def state_pass(k, w, u, g, h0, cu_seqlens, chunk_indices, output_final_state=False):
     """The chunk-to-chunk state pass: ``(h, v_new, final state or None)``; ``h`` holds each chunk's
     starting state, ``v_new = u - w h``. With ``EFLA_SPLIT_STATE`` a dense batch's sequences walk
-    in pieces side by side (``split_state.py``; not while a CUDA graph is captured: its layout's
-    first use copies to the GPU)."""
+    in pieces side by side (``split_state.py``)."""
     B, T, H, K = k.shape
     V = u.shape[-1]
-    pieces = split_state.piece_count(T, split_state.split_pieces()) if cu_seqlens is None else 1
-    if pieces > 1 and not (k.is_cuda and torch.cuda.is_current_stream_capturing()):
+    pieces = _pieces(k, cu_seqlens)
+    if pieces > 1:
         return _state_pass_in_pieces(k, w, u, g, h0, pieces, output_final_state)
     N = _sequences(k, cu_seqlens)
     NT = _chunks(T, cu_seqlens, chunk_indices)
@@ -212,6 +211,15 @@ def state_pass(k, w, u, g, h0, cu_seqlens, chunk_indices, output_final_state=Fal
     return h, v_new, final
 
 
+def _pieces(k, cu_seqlens) -> int:
+    """How many pieces each sequence of a dense batch walks in (``EFLA_SPLIT_STATE``); 1 for a
+    packed batch, keys wider than 128, or while a CUDA graph is captured (the layout's first use
+    copies to the GPU)."""
+    if cu_seqlens is not None or k.shape[-1] > 128 or (k.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return 1
+    return split_state.piece_count(k.shape[1], split_state.split_pieces())
+
+
 def _state_pass_in_pieces(k, w, u, g, h0, pieces, output_final_state):
     B, T, H, K = k.shape
     V = u.shape[-1]
@@ -222,10 +230,26 @@ def _state_pass_in_pieces(k, w, u, g, h0, pieces, output_final_state):
     return h.view(B, -1, H, K, V), v_new.view(B, T, H, V), final
 
 
-def state_grads(q, k, w, g, h0, dht, do, dv, scale, cu_seqlens, chunk_indices):
-    """The reverse state pass: ``(dh, dh0 or None, dv)``, ``dv`` with the state's part added."""
+def _state_grads_in_pieces(q, k, w, g, h0, dht, do, dv, scale, pieces):
     B, T, H, K = q.shape
     V = do.shape[-1]
+    arriving, boundaries, table = split_state.gradients_from_the_right(q, k, w, g, dht, do, dv, scale, pieces)
+    packed = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, w, g)]
+    do1, dv1 = do.reshape(1, B * T, H, V), dv.reshape(1, B * T, H, V)
+    per_piece_h0 = arriving if h0 is not None else None  # its shape only: every piece's dh0 is written
+    dh, dh0, dv2 = state_grads(*packed, per_piece_h0, arriving, do1, dv1, scale, boundaries, table)
+    dh0 = dh0.view(B, pieces, H, K, V)[:, 0].contiguous() if dh0 is not None else None
+    return dh.view(B, -1, H, K, V), dh0, dv2.view(B, T, H, V)
+
+
+def state_grads(q, k, w, g, h0, dht, do, dv, scale, cu_seqlens, chunk_indices):
+    """The reverse state pass: ``(dh, dh0 or None, dv)``, ``dv`` with the state's part added. With
+    ``EFLA_SPLIT_STATE`` a dense batch's sequences walk in pieces side by side, as in ``state_pass``."""
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    pieces = _pieces(k, cu_seqlens)
+    if pieces > 1:
+        return _state_grads_in_pieces(q, k, w, g, h0, dht, do, dv, scale, pieces)
     N = _sequences(k, cu_seqlens)
     NT = _chunks(T, cu_seqlens, chunk_indices)
     dh = q.new_empty(B, NT, H, K, V)
