@@ -156,19 +156,19 @@ def test_gpu_split_state_matches_reference_and_the_whole_pass(rule, monkeypatch)
     inputs += [-torch.rand(B, T, H) * 2] if gated else []
     inputs += [torch.rand(B, T, H)]
     inputs = [x.to("cuda", torch.bfloat16).requires_grad_() for x in inputs]
-    h0 = torch.randn(B, H, K, V, device="cuda")
+    h0 = torch.randn(B, H, K, V, device="cuda", requires_grad=True)
     do = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
 
     def run(pieces):
         monkeypatch.setenv("EFLA_SPLIT_STATE", pieces)
         o, S = getattr(ops, "chunk_" + rule)(*inputs, initial_state=h0, output_final_state=True, scale=K**-0.5)
-        grads = torch.autograd.grad((o.float() * do.float()).sum() + S.sum(), inputs)
+        grads = torch.autograd.grad((o.float() * do.float()).sum() + S.sum(), [*inputs, h0])
         return [o, S, *grads]
 
     split, whole = run("4"), run("0")
-    ref_inputs = [x.detach().double().cpu().requires_grad_() for x in inputs]
+    ref_inputs = [x.detach().double().cpu().requires_grad_() for x in [*inputs, h0]]
     ro, rS = getattr(ops, "recurrent_" + rule)(
-        *ref_inputs, initial_state=h0.double().cpu(), output_final_state=True, scale=K**-0.5
+        *ref_inputs[:-1], initial_state=ref_inputs[-1], output_final_state=True, scale=K**-0.5
     )
     ref = [ro, rS, *torch.autograd.grad((ro * do.double().cpu()).sum() + rS.sum(), ref_inputs)]
     rel = lambda a, b: ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm()).item()  # noqa: E731
