@@ -222,12 +222,17 @@ VARIANTS = {
         "Our ops with the forward's state and output passes in one kernel, `EFLA_FUSED_FORWARD=1`",
         {"EFLA_FUSED_FORWARD": "1"},
     ),
+    # fla's state passes are tuned per head count only, so the whole and the split passes would share
+    # one setting: the split variants tune per sequences x heads, to be read against `tuned`
     "split4": (
-        "Our ops with the state passes of the forward (and the backward's recomputation) over sequences "
-        "in 4 pieces side by side, `EFLA_SPLIT_STATE=4`",
-        {"EFLA_SPLIT_STATE": "4"},
+        "Our ops with the state passes over sequences in 4 pieces side by side, tuned per sequences x heads, "
+        "`EFLA_SPLIT_STATE=4 EFLA_STATE_TUNING=1` (against the `tuned` rows)",
+        {"EFLA_SPLIT_STATE": "4", "EFLA_STATE_TUNING": "1"},
     ),
-    "split8": ("The same in 8 pieces, `EFLA_SPLIT_STATE=8`", {"EFLA_SPLIT_STATE": "8"}),
+    "split8": (
+        "The same in 8 pieces, `EFLA_SPLIT_STATE=8 EFLA_STATE_TUNING=1`",
+        {"EFLA_SPLIT_STATE": "8", "EFLA_STATE_TUNING": "1"},
+    ),
 }
 
 

@@ -103,13 +103,15 @@ def efla_stages(ch, F, q, k, v, beta, do, scale):
     w, u = ch.st.delta_w_u(k, v, alpha, A, None, None)
     dv_local = ch.st.local_dv(qn, k, do, None, scale, None, None)
 
+    # each tuned per sequences x heads: fla tunes these kernels per head count only, so the whole and
+    # the split passes would otherwise share the setting the first of them was tuned at
     def state_pass_in(pieces: str):
-        return with_settings(lambda: ch.st.state_pass(k, w, u, None, None, None, None), {"EFLA_SPLIT_STATE": pieces})
+        settings = {"EFLA_SPLIT_STATE": pieces, "EFLA_STATE_TUNING": "1"}
+        return with_settings(lambda: ch.st.state_pass(k, w, u, None, None, None, None), settings)
 
     def state_grads_in(pieces: str):
-        return with_settings(
-            lambda: ch.st.state_grads(qn, k, w, None, None, None, do, dv_local, scale, None, None), {"EFLA_SPLIT_STATE": pieces}
-        )
+        settings = {"EFLA_SPLIT_STATE": pieces, "EFLA_STATE_TUNING": "1"}
+        return with_settings(lambda: ch.st.state_grads(qn, k, w, None, None, None, do, dv_local, scale, None, None), settings)
 
     # the coefficient passes flag overflowing keys as the model's do (the flag's read is not timed)
     return {
@@ -126,10 +128,10 @@ def efla_stages(ch, F, q, k, v, beta, do, scale):
         "(delta_rule_fwd with its state and output passes in one kernel, EFLA_FUSED_FORWARD=1)": with_settings(
             lambda: ch.delta_rule_fwd(qn, k, v, alpha, scale, None, False, None), {"EFLA_FUSED_FORWARD": "1"}
         ),
-        "(its state pass alone: fla's h kernel)": state_pass_in("0"),
+        "(its state pass alone: fla's h kernel, tuned per sequences x heads)": state_pass_in("0"),
         "(its state pass, sequences in 4 pieces side by side, EFLA_SPLIT_STATE=4)": state_pass_in("4"),
         "(its state pass, sequences in 8 pieces side by side, EFLA_SPLIT_STATE=8)": state_pass_in("8"),
-        "(the backward's reverse state pass alone: fla's dh kernel)": state_grads_in("0"),
+        "(the backward's reverse state pass alone: fla's dh kernel, tuned per sequences x heads)": state_grads_in("0"),
         "(the reverse state pass, sequences in 4 pieces side by side, EFLA_SPLIT_STATE=4)": state_grads_in("4"),
         "(the reverse state pass, sequences in 8 pieces side by side, EFLA_SPLIT_STATE=8)": state_grads_in("8"),
         "(its WY preparation: fla's fused kkt + solve, w/u)": lambda: F["chunk_gated_delta_rule_fwd_intra"](

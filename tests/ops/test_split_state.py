@@ -132,6 +132,24 @@ def test_pieces_hold_whole_chunks(T, asked, pieces, per_piece):
     assert split_state.chunks_per_piece(T, asked) == per_piece
 
 
+@pytest.mark.parametrize(
+    "asked, shape, pieces",
+    [
+        ("4", (2, 16384, 16, 128, 128), 4),
+        ("", (2, 16384, 16, 128, 128), 1),  # unset, or set empty: off
+        ("1", (2, 16384, 16, 128, 128), 1),
+        ("4", (2, 16384, 16, 8, 128), 1),  # keys narrower than a product's 16
+        ("4", (2, 16384, 16, 256, 256), 1),  # wider than the gradient summary's 128
+        ("4", (2, 0, 16, 128, 128), 1),  # nothing to walk
+        ("8", (300, 16384, 32, 128, 128), 1),  # summaries past 32-bit offsets in fla's merge kernel
+        ("8", (200, 16384, 32, 128, 128), 8),
+    ],
+)
+def test_splitting_applies_only_where_it_can(asked, shape, pieces, monkeypatch):
+    monkeypatch.setenv("EFLA_SPLIT_STATE", asked)
+    assert split_state.pieces_for(*shape, on_cuda=False) == pieces
+
+
 @pytest.mark.parametrize("text", ["yes", "-2", "4.5"])
 def test_a_piece_count_that_is_not_a_number_is_refused(text, monkeypatch):
     monkeypatch.setenv("EFLA_SPLIT_STATE", text)

@@ -17,9 +17,10 @@ pieces and:
 3. run fla's pass over all pieces at once as a packed batch, each from its entering state.
 
 The pieces hold whole chunks, so the per-chunk states, new values and gradients come out in the
-layout of the dense passes. What differs is rounding: the whole pass rounds the state it carries to
-the inputs' dtype at each chunk, the chained summaries carry it in float32 (fla composes ``M`` in
-three-pass TF32, the backward's as two 16-bit parts). The summaries and the merge are work the
+layout of the dense passes. What differs is rounding: the whole pass carries the state in float32
+but rounds it to the inputs' dtype as a product's operand at each chunk, where a piece's entering
+state comes from chained float32 summaries (fla composes ``M`` in three-pass TF32, the backward's
+as two 16-bit parts). The summaries and the merge are work the
 whole pass does not do; they pay only where the whole pass leaves the GPU idle, which
 ``benchmarks/gpu_ops.py`` and ``benchmarks/gpu_stages.py`` measure.
 """
@@ -42,7 +43,7 @@ CHUNK = 64
 def split_pieces() -> int:
     """``EFLA_SPLIT_STATE``: pieces per sequence for the state pass (``0`` or ``1``: not split,
     the default)."""
-    text = os.environ.get("EFLA_SPLIT_STATE", "0")
+    text = os.environ.get("EFLA_SPLIT_STATE", "") or "0"
     if not text.isdigit():
         raise ValueError(f"EFLA_SPLIT_STATE: expected a number of pieces per sequence, got {text!r}")
     return int(text)
@@ -66,7 +67,21 @@ def chunks_per_piece(T: int, pieces: int) -> int:
 
 def piece_count(T: int, pieces: int) -> int:
     """How many pieces a ``T``-token sequence is cut into when about ``pieces`` are asked for."""
-    return triton.cdiv(triton.cdiv(T, CHUNK), chunks_per_piece(T, pieces))
+    return triton.cdiv(triton.cdiv(T, CHUNK), chunks_per_piece(T, pieces)) if T > 0 else 1
+
+
+def pieces_for(B: int, T: int, H: int, K: int, V: int, on_cuda: bool) -> int:
+    """How many pieces each of ``B`` sequences of ``T`` tokens walks in: about ``EFLA_SPLIT_STATE``,
+    or 1 where splitting does not apply (off, keys outside 16-128 wide, a GPU older than sm_80 (fla's
+    three-pass TF32 products), a CUDA graph being captured (the layout's first use copies to the
+    GPU), or summaries past what fla's merge kernel addresses with 32-bit offsets)."""
+    asked = split_pieces()
+    if asked <= 1 or not 16 <= K <= 128:
+        return 1
+    if on_cuda and (torch.cuda.is_current_stream_capturing() or torch.cuda.get_device_capability()[0] < 8):
+        return 1
+    pieces = piece_count(T, asked)
+    return pieces if B * pieces * H * K * (V + K) < 2**31 else 1
 
 
 @functools.lru_cache(maxsize=64)
@@ -173,6 +188,7 @@ GRADIENT_SUMMARY_ARGUMENT_TYPES = {
     "summaries": "*fp32",
     "cu_seqlens": "*i32",
     "scale": "fp32",
+    "pieces": "i32",
 }
 
 
@@ -182,7 +198,7 @@ GRADIENT_SUMMARY_ARGUMENT_TYPES = {
     key=["H", "K", "V", "BT", "USE_G"],
     **autotune_kwargs(),
 )
-@triton.jit(do_not_specialize=["scale"])
+@triton.jit(do_not_specialize=["scale", "pieces"])
 def gradient_summary_kernel(
     q,
     k,
@@ -193,6 +209,7 @@ def gradient_summary_kernel(
     summaries,
     cu_seqlens,
     scale,
+    pieces,
     H: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
@@ -202,15 +219,17 @@ def gradient_summary_kernel(
     BM: tl.constexpr,
     USE_G: tl.constexpr,
 ):
-    """Each piece's ``[D_local | M]`` (``[K, V + K]`` per head, float32): a program holds one block
-    of columns of either part and walks the piece's chunks last to first."""
+    """Each piece's ``[D_local | M]`` (``[K, V + K]`` per head, float32), each sequence's pieces
+    stored last first (the order the merge chains them in): a program holds one block of columns of
+    either part and walks the piece's chunks last to first."""
     i_c, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    i_stored = i_n + pieces - 1 - 2 * (i_n % pieces)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     NV = tl.cdiv(V, BV)
-    out = summaries + (i_n * H + i_h) * K * (V + K)
+    out = summaries + (i_stored * H + i_h) * K * (V + K)
     if i_c < NV:  # D_local: the gradient at the piece's start when none comes in at its end
         o_v = i_c * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -288,6 +307,7 @@ def gradients_from_the_right(q, k, w, g, dht, do, dv, scale, pieces: int):
         summaries=summaries,
         cu_seqlens=boundaries,
         scale=scale,
+        pieces=pieces,
         H=H,
         K=K,
         V=V,
@@ -296,9 +316,9 @@ def gradients_from_the_right(q, k, w, g, dht, do, dv, scale, pieces: int):
         BV=block,
         BM=block,
     )
-    # fla's merge chains summaries first to last from an entering state: here last piece first, from dht
-    last_first = summaries.view(B, pieces, H, K, V + K).flip(1).reshape(B * pieces, H, K, V + K)
-    chained = _merge(last_first, dht, B, pieces, seq_offsets, init_offsets, seq_ids)
+    # fla's merge chains each sequence's summaries first to last from an entering state: here last
+    # piece first (as stored), from dht
+    chained = _merge(summaries, dht, B, pieces, seq_offsets, init_offsets, seq_ids)
     arriving = k.new_zeros(B, pieces, H, K, V, dtype=torch.float32)
     if dht is not None:
         arriving[:, -1] = dht

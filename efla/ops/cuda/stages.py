@@ -178,7 +178,7 @@ def state_pass(k, w, u, g, h0, cu_seqlens, chunk_indices, output_final_state=Fal
     in pieces side by side (``split_state.py``)."""
     B, T, H, K = k.shape
     V = u.shape[-1]
-    pieces = _pieces(k, cu_seqlens)
+    pieces = _pieces(k, V, cu_seqlens)
     if pieces > 1:
         return _state_pass_in_pieces(k, w, u, g, h0, pieces, output_final_state)
     N = _sequences(k, cu_seqlens)
@@ -211,13 +211,10 @@ def state_pass(k, w, u, g, h0, cu_seqlens, chunk_indices, output_final_state=Fal
     return h, v_new, final
 
 
-def _pieces(k, cu_seqlens) -> int:
-    """How many pieces each sequence of a dense batch walks in (``EFLA_SPLIT_STATE``); 1 for a
-    packed batch, keys wider than 128, or while a CUDA graph is captured (the layout's first use
-    copies to the GPU)."""
-    if cu_seqlens is not None or k.shape[-1] > 128 or (k.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return 1
-    return split_state.piece_count(k.shape[1], split_state.split_pieces())
+def _pieces(k, V: int, cu_seqlens) -> int:
+    """How many pieces each sequence of a dense batch walks in (``split_state.pieces_for``); 1 for a
+    packed batch."""
+    return 1 if cu_seqlens is not None else split_state.pieces_for(*k.shape, V, k.is_cuda)
 
 
 def _state_pass_in_pieces(k, w, u, g, h0, pieces, output_final_state):
@@ -247,7 +244,7 @@ def state_grads(q, k, w, g, h0, dht, do, dv, scale, cu_seqlens, chunk_indices):
     ``EFLA_SPLIT_STATE`` a dense batch's sequences walk in pieces side by side, as in ``state_pass``."""
     B, T, H, K = q.shape
     V = do.shape[-1]
-    pieces = _pieces(k, cu_seqlens)
+    pieces = _pieces(k, V, cu_seqlens)
     if pieces > 1:
         return _state_grads_in_pieces(q, k, w, g, h0, dht, do, dv, scale, pieces)
     N = _sequences(k, cu_seqlens)
