@@ -58,6 +58,12 @@ def _kernels() -> dict:
     return dict(pre_scan=chunk_cp_fwd_kernel_h, merge=chunk_cp_fwd_bwd_kernel_merge, chunk_indices=prepare_chunk_indices)
 
 
+def packed(*tensors):
+    """Each ``[B, T, ...]`` tensor (or ``None``) as one sequence of ``B * T`` tokens, ``[1, B * T,
+    ...]``: the pieces of a dense batch as a packed batch."""
+    return [x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:]) if x is not None else None for x in tensors]
+
+
 def chunks_per_piece(T: int, pieces: int) -> int:
     """Whole chunks in each piece of a ``T``-token sequence cut into about ``pieces`` (the last
     piece may hold fewer)."""
@@ -107,19 +113,19 @@ def entering_states(k, w, u, g, h0, pieces: int):
     B, T, H, K = k.shape
     V = u.shape[-1]
     boundaries, table, seq_offsets, init_offsets, seq_ids = _layout(B, T, pieces, k.device)
-    packed = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (k, w, u, g)]
+    k1, w1, u1, g1 = packed(k, w, u, g)
     summaries = k.new_empty(B * pieces, H, K, V + K, dtype=torch.float32)
     block = 32 if K <= 64 else 64  # fla's pre-scan: its column blocks over [h_local | M]
     launch(
         _kernels()["pre_scan"],
         (triton.cdiv(V, block) + triton.cdiv(K, block), H, B * pieces),
-        k=packed[0],
-        v=packed[2],
-        w=packed[1],
-        g=packed[3],
+        k=k1,
+        v=u1,
+        w=w1,
+        g=g1,
         gk=None,
         bg=None,
-        u=packed[2],
+        u=u1,
         hm=summaries,
         cu_seqlens=boundaries,
         T=0,
@@ -294,16 +300,16 @@ def gradients_from_the_right(q, k, w, g, dht, do, dv, scale, pieces: int):
     boundaries, table, seq_offsets, init_offsets, seq_ids = _layout(B, T, pieces, k.device)
     summaries = k.new_empty(B * pieces, H, K, V + K, dtype=torch.float32)
     block = 32  # columns per program: at K = 128, 64 spilled with 4 warps on sm_90 (32 does not)
-    packed = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, w, g, do, dv)]
+    q1, k1, w1, g1, do1, dv1 = packed(q, k, w, g, do, dv)
     launch(
         gradient_summary_kernel,
         (triton.cdiv(V, block) + triton.cdiv(K, block), H, B * pieces),
-        q=packed[0],
-        k=packed[1],
-        w=packed[2],
-        g=packed[3],
-        do=packed[4],
-        dv=packed[5],
+        q=q1,
+        k=k1,
+        w=w1,
+        g=g1,
+        do=do1,
+        dv=dv1,
         summaries=summaries,
         cu_seqlens=boundaries,
         scale=scale,

@@ -221,8 +221,7 @@ def _state_pass_in_pieces(k, w, u, g, h0, pieces, output_final_state):
     B, T, H, K = k.shape
     V = u.shape[-1]
     states, boundaries, table = split_state.entering_states(k, w, u, g, h0, pieces)
-    packed = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (k, w, u, g)]
-    h, v_new, final = state_pass(*packed, states, boundaries, table, output_final_state)
+    h, v_new, final = state_pass(*split_state.packed(k, w, u, g), states, boundaries, table, output_final_state)
     final = final.view(B, pieces, H, K, V)[:, -1].contiguous() if final is not None else None
     return h.view(B, -1, H, K, V), v_new.view(B, T, H, V), final
 
@@ -231,10 +230,9 @@ def _state_grads_in_pieces(q, k, w, g, h0, dht, do, dv, scale, pieces):
     B, T, H, K = q.shape
     V = do.shape[-1]
     arriving, boundaries, table = split_state.gradients_from_the_right(q, k, w, g, dht, do, dv, scale, pieces)
-    packed = [x.reshape(1, B * T, *x.shape[2:]) if x is not None else None for x in (q, k, w, g)]
-    do1, dv1 = do.reshape(1, B * T, H, V), dv.reshape(1, B * T, H, V)
+    q1, k1, w1, g1, do1, dv1 = split_state.packed(q, k, w, g, do, dv)
     per_piece_h0 = arriving if h0 is not None else None  # its shape only: every piece's dh0 is written
-    dh, dh0, dv2 = state_grads(*packed, per_piece_h0, arriving, do1, dv1, scale, boundaries, table)
+    dh, dh0, dv2 = state_grads(q1, k1, w1, g1, per_piece_h0, arriving, do1, dv1, scale, boundaries, table)
     dh0 = dh0.view(B, pieces, H, K, V)[:, 0].contiguous() if dh0 is not None else None
     return dh.view(B, -1, H, K, V), dh0, dv2.view(B, T, H, V)
 
