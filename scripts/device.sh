@@ -22,6 +22,10 @@
 #             replaces its options, e.g. "--sizes 1.3b --models fla,efla,efla+triton")
 #   generate  benchmarks/gpu_generate.py: generation speed (340M), then the kernel and profile stages
 #   serve     benchmarks/serve_load.py: the server's scheduler under load beside static batching
+#   distributed  benchmarks/gpu_distributed.py over every GPU of the machine (nvidia-h200-x2 or more):
+#             DIST_ARGS picks stages and sizes (e.g. "--stages ddp,resume,cp --budget 420"; LIMIT=560);
+#             it trains on .devdata/corpus, git-ignored: carry it after
+#             mkdir -p .devdata && cp -r ../shared/data/corpus/gutenberg .devdata/corpus
 #
 # Triton's compiled kernels and tuning results: a fresh machine compiles and tunes every kernel again
 # (minutes for fla's gated kernels). Carry .triton-cache/ (git-ignored) as well and they are reused;
@@ -56,7 +60,9 @@ run_phase() {
     model) python3 benchmarks/gpu_model.py ${MODEL_ARGS:---sizes 340m,1.3b} --out "$OUT/model" ;;
     generate) python3 benchmarks/gpu_generate.py --sizes 340m --stages speed,kernel,profile --out "$OUT/generate" ;;
     serve) python3 benchmarks/serve_load.py --rates 64,inf --requests 512 --out "$OUT/serve" ;;
-    *) echo "device.sh: unknown phase $1 (tests, gentests, optests, ops, stages, model, generate, serve)"; return 2 ;;
+    distributed) python3 benchmarks/gpu_distributed.py --data .devdata/corpus --out "$OUT/distributed" \
+                   --nproc "$(nvidia-smi -L | wc -l)" ${DIST_ARGS:-} ;;
+    *) echo "device.sh: unknown phase $1 (tests, gentests, optests, ops, stages, model, generate, serve, distributed)"; return 2 ;;
   esac
 }
 

@@ -1,0 +1,526 @@
+"""Several GPUs of one host against one, through ``efla train`` under torchrun: data parallelism,
+FSDP2, a killed rank resumed, and one long sequence split over the GPUs (context parallelism).
+
+Each stage's result goes to ``OUT/<stage>.json`` when it ends, and ``OUT/distributed.md`` is written
+anew from every ``OUT/*.json`` after each stage, so a call stopped at its limit keeps what finished
+and a later call with the same ``OUT`` adds to it. Stages (``--stages``, run in the order given):
+
+* ``ddp``: ``--preset`` (340M EFLA) at ``--seq-len`` 2048 and a global batch of ``--batch-tokens``
+  (32K) for ``--steps`` steps on one GPU and on ``--nproc``, same data, tokenizer, seed and
+  micro-batches: steady-state tokens/s of each, the speed-up and the losses side by side;
+* ``resume``: the ``--nproc`` run again, checkpointing every ``--save-every`` steps; once
+  ``--kill-at`` steps are logged one rank is killed (SIGKILL), then the run is resumed to the end
+  (``--resume``): its losses against the uninterrupted run of ``ddp`` (run first if absent);
+* ``fsdp``: ``--fsdp-preset`` (1.3B EFLA) with ``--fsdp`` on ``--nproc``: tokens/s, peak memory per GPU;
+* ``cp``: ``benchmarks/context_parallel_check.py`` on ``--nproc`` at ``--cp-tokens`` (64K) tokens,
+  bf16: the split's outputs, final states and gradients against the single-process op's;
+* ``longest``: ``--preset`` at each of ``--lengths`` (one sequence per step) on one GPU, then split
+  over ``--nproc`` with ``--context-parallel``, each up to the first length that fails:
+  tokens/s and peak memory per GPU.
+
+Without a GPU every run takes the CPU with gloo (a rehearsal at tiny sizes; ``tests/distributed``
+runs one). NVLink multicast stays off in every process started here.
+
+Usage (two GPUs): ``python benchmarks/gpu_distributed.py --data DIR --out OUT --stages ddp,resume,cp``;
+``--stages ''`` writes ``OUT/distributed.md`` from the JSON files in ``OUT`` alone (those of several
+calls copied into one folder). ``scripts/device.sh distributed`` runs it on a lent machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import glob
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+STAGES = ("ddp", "resume", "fsdp", "cp", "longest")
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+# ------------------------------------------------------------------------------------------ runs
+
+
+class Runner:
+    """Starts torchrun processes with the shared options and records each command line."""
+
+    def __init__(self, a):
+        self.a = a
+        self.work = pathlib.Path(a.work)
+        self.commands: list[str] = []
+
+    def env(self) -> dict:
+        env = dict(os.environ, **NO_MULTICAST, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
+    def torchrun(self, nproc: int, *args: str) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
+
+    def train_command(self, nproc: int, out: pathlib.Path, preset: str, *extra: str) -> list[str]:
+        a = self.a
+        return self.torchrun(
+            nproc,
+            *("-m", "efla", "train", "--preset", preset, "--data", *a.data, "--tokenizer", str(self.tokenizer())),
+            *("--cache-dir", str(self.work / "cache"), "--val-sequences", str(a.val_sequences), "--seed", "0"),
+            *("--no-progress", "--out", str(out), *a.train_args.split(), *extra),
+        )
+
+    def start(self, command: list[str], log: pathlib.Path) -> subprocess.Popen:
+        self.commands.append(" ".join(_shown(command)))
+        log.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(log, "w")  # noqa: SIM115 (closed when the process is waited for)
+        process = subprocess.Popen(command, env=self.env(), cwd=str(REPO), stdout=handle, stderr=subprocess.STDOUT)
+        process.log_handle = handle
+        return process
+
+    def run(self, command: list[str], log: pathlib.Path) -> int:
+        process = self.start(command, log)
+        return finish(process, self.a.run_timeout)
+
+    def record(self, out: pathlib.Path, rc: int, log: pathlib.Path) -> dict:
+        """What a finished run logged; its directory (checkpoints of gigabytes at 340M) then goes
+        unless ``--keep-runs``."""
+        record = run_record(out, rc, log)
+        if not self.a.keep_runs:
+            shutil.rmtree(out, ignore_errors=True)
+        return record
+
+    def tokenizer(self) -> pathlib.Path:
+        """One byte-level BPE for every run of the call, trained once on the data."""
+        path = self.work / "tokenizer"
+        if not (path / "tokenizer_config.json").exists():
+            from efla.data.text import read_documents
+            from efla.data.tokenizer import train_bpe_tokenizer
+
+            texts = _limited(read_documents(self.a.data), self.a.tokenizer_chars)
+            train_bpe_tokenizer(texts, vocab_size=self.a.vocab_size, save_dir=str(path))
+        return path
+
+
+def _limited(documents, budget: int):
+    """Documents up to ``budget`` characters in all (the last one cut)."""
+    for doc in documents:
+        if budget <= 0:
+            return
+        yield doc[:budget]
+        budget -= len(doc)
+
+
+def _shown(command: list[str]) -> list[str]:
+    return ["python" if part == sys.executable else part for part in command]
+
+
+def finish(process: subprocess.Popen, timeout: float) -> int:
+    """The process's exit status; killed (with its children) past ``timeout`` seconds: -9."""
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [*children(process.pid), process.pid]:
+            _kill(pid)
+        return process.wait()
+    finally:
+        process.log_handle.close()
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux ``/proc``)."""
+    found = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            text = pathlib.Path(stat).read_text()
+        except OSError:
+            continue
+        if int(text.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(stat.split("/")[2]))
+    return found
+
+
+def rank_of(pid: int) -> int | None:
+    try:
+        environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    ranks = [int(v.split(b"=", 1)[1]) for v in environ if v.startswith(b"RANK=")]
+    return ranks[0] if ranks else None
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def read_log(out: pathlib.Path) -> list[dict]:
+    path = out / "log.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summary(out: pathlib.Path) -> dict:
+    path = out / "train_summary.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def failure(log: pathlib.Path) -> str:
+    """The last line of a failed run's output that names an error."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "error" in line or line.startswith("efla "):
+            return line.strip()[:300]
+    return lines[-1].strip()[:300] if lines else "no output"
+
+
+def run_record(out: pathlib.Path, rc: int, log: pathlib.Path) -> dict:
+    s = summary(out)
+    record = dict(
+        ok=rc == 0,
+        tokens_per_s=s.get("tokens_per_s"),
+        peak_memory_gib_per_gpu=s.get("peak_memory_gib_per_gpu"),
+        losses=[e["loss"] for e in read_log(out)],
+        val_loss=s.get("val_loss"),
+        world_size=s.get("world_size"),
+        device=s.get("device"),
+        precision=s.get("precision"),
+    )
+    if rc != 0:
+        record["error"] = failure(log)
+    return record
+
+
+# ---------------------------------------------------------------------------------------- stages
+
+
+def batch_args(a, steps: int) -> list[str]:
+    """``--seq-len`` sequences, ``--batch-tokens`` a step in micro-batches of ``--micro-batch-size``."""
+    return [
+        *("--seq-len", str(a.seq_len), "--batch-tokens", str(a.batch_tokens)),
+        *("--micro-batch-size", str(a.micro_batch_size), "--max-steps", str(steps)),
+    ]
+
+
+def stage_ddp(r: Runner) -> dict:
+    a = r.a
+    runs = {}
+    for nproc in (1, a.nproc):
+        out = r.work / f"ddp-{nproc}"
+        rc = r.run(r.train_command(nproc, out, a.preset, *batch_args(a, a.steps)), r.work / f"ddp-{nproc}.log")
+        runs[str(nproc)] = r.record(out, rc, r.work / f"ddp-{nproc}.log")
+    return dict(preset=a.preset, seq_len=a.seq_len, batch_tokens=a.batch_tokens, nproc=a.nproc, runs=runs)
+
+
+def stage_resume(r: Runner, done: dict) -> dict:
+    a = r.a
+    reference = (done.get("ddp") or {}).get("runs", {}).get(str(a.nproc)) or stage_ddp(r)["runs"][str(a.nproc)]
+    out = r.work / "resume"
+    command = r.train_command(a.nproc, out, a.preset, *batch_args(a, a.steps), "--save-every", str(a.save_every))
+    killed_rank, killed_rc, killed_losses = kill_a_rank(r, command, out)
+    rc = r.run(command + ["--resume"], r.work / "resume-2.log")
+    resumed = r.record(out, rc, r.work / "resume-2.log")
+    return dict(
+        preset=a.preset,
+        nproc=a.nproc,
+        save_every=a.save_every,
+        kill_at=a.kill_at,
+        killed_rank=killed_rank,
+        killed_exit_status=killed_rc,
+        losses_before_kill=killed_losses,
+        resumed=resumed,
+        uninterrupted=reference["losses"],
+    )
+
+
+def kill_a_rank(r: Runner, command: list[str], out: pathlib.Path) -> tuple[int | None, int, list[float]]:
+    """Start ``command``; once ``--kill-at`` steps are logged, SIGKILL its last rank. Returns
+    (the rank killed, or None if the run ended first; torchrun's exit status; the losses logged)."""
+    a = r.a
+    process = r.start(command, r.work / "resume-1.log")
+    deadline = time.monotonic() + a.run_timeout
+    killed = None
+    while process.poll() is None and time.monotonic() < deadline:
+        if len(read_log(out)) >= a.kill_at:
+            workers = {rank_of(pid): pid for pid in children(process.pid)}
+            if a.nproc - 1 in workers:
+                _kill(workers[a.nproc - 1])
+                killed = a.nproc - 1
+                break
+        time.sleep(0.05)
+    rc = finish(process, max(deadline - time.monotonic(), 60))
+    return killed, rc, [e["loss"] for e in read_log(out)]
+
+
+def stage_fsdp(r: Runner) -> dict:
+    a = r.a
+    out = r.work / "fsdp"
+    rc = r.run(r.train_command(a.nproc, out, a.fsdp_preset, *batch_args(a, a.fsdp_steps), "--fsdp"), r.work / "fsdp.log")
+    return dict(
+        preset=a.fsdp_preset,
+        nproc=a.nproc,
+        seq_len=a.seq_len,
+        batch_tokens=a.batch_tokens,
+        run=r.record(out, rc, r.work / "fsdp.log"),
+    )
+
+
+def stage_cp(r: Runner) -> dict:
+    a = r.a
+    log = r.work / "cp.log"
+    script = str(REPO / "benchmarks" / "context_parallel_check.py")
+    rc = r.run(r.torchrun(a.nproc, script, "--dtype", a.cp_dtype, "--tokens", str(a.cp_tokens), *a.cp_args.split()), log)
+    cases = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    result = dict(nproc=a.nproc, tokens=a.cp_tokens, dtype=a.cp_dtype, ok=rc == 0, cases=cases)
+    if rc != 0:
+        result["error"] = failure(log)
+    return result
+
+
+def stage_longest(r: Runner) -> dict:
+    a = r.a
+    found = {}
+    for nproc, split in ((1, []), (a.nproc, ["--context-parallel", str(a.nproc)])):
+        rows = []
+        for length in a.lengths:
+            out = r.work / f"longest-{nproc}-{length}"
+            # one sequence a step: on one GPU, or split over the group of all of them
+            args = ["--seq-len", str(length), "--batch-tokens", str(length), "--micro-batch-size", "1"]
+            args += ["--max-steps", str(a.length_steps), "--val-sequences", "0", *split]
+            rc = r.run(r.train_command(nproc, out, a.preset, *args), r.work / f"longest-{nproc}-{length}.log")
+            rows.append(dict(seq_len=length, **r.record(out, rc, r.work / f"longest-{nproc}-{length}.log")))
+            if rc != 0:
+                break
+        found[str(nproc)] = rows
+    return dict(preset=a.preset, nproc=a.nproc, runs=found)
+
+
+def run_stage(name: str, r: Runner, done: dict) -> dict:
+    if name == "resume":
+        return stage_resume(r, done)
+    return {"ddp": stage_ddp, "fsdp": stage_fsdp, "cp": stage_cp, "longest": stage_longest}[name](r)
+
+
+# ---------------------------------------------------------------------------------------- report
+
+
+def _heading(title: str, columns: list[str]) -> list[str]:
+    """A section's title and the head of its table."""
+    return [title, "", *_table_head(columns)]
+
+
+def _table_head(columns: list[str]) -> list[str]:
+    return ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+
+
+def fmt(x, spec: str = ",.0f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def memory(record: dict) -> str:
+    peaks = record.get("peak_memory_gib_per_gpu")
+    return " / ".join(f"{p:.1f}" for p in peaks) if peaks else "-"
+
+
+def largest_difference(a: list[float], b: list[float]) -> float | None:
+    pairs = list(zip(a, b))
+    return max(abs(x - y) for x, y in pairs) if pairs else None
+
+
+def report_ddp(d: dict) -> list[str]:
+    one, many = d["runs"]["1"], d["runs"][str(d["nproc"])]
+    speed = many["tokens_per_s"] / one["tokens_per_s"] if one["tokens_per_s"] and many["tokens_per_s"] else None
+    lines = _heading(
+        f"### Data parallelism: {d['preset']}, {d['seq_len']} tokens a sequence, {d['batch_tokens']:,} a step",
+        ["ranks", "tokens/s", "peak GiB per GPU", "final loss", "validation loss"],
+    )
+    lines += [_run_row(n, rec) for n, rec in (("1", one), (str(d["nproc"]), many))]
+    lines += [
+        "",
+        f"Speed-up: {fmt(speed, '.2f')}x; largest loss difference over the steps: "
+        f"{fmt(largest_difference(one['losses'], many['losses']), '.2e')}.",
+        "",
+    ]
+    lines += _table_head(["step", "loss, 1 rank", f"loss, {d['nproc']} ranks"])
+    lines += [f"| {i + 1} | {x:.4f} | {y:.4f} |" for i, (x, y) in enumerate(zip(one["losses"], many["losses"]))]
+    return lines + _errors(d["runs"])
+
+
+def _run_row(ranks: str, rec: dict) -> str:
+    final, val = fmt(_last(rec["losses"]), ".4f"), fmt(rec["val_loss"], ".4f")
+    return f"| {ranks} | {fmt(rec['tokens_per_s'])} | {memory(rec)} | {final} | {val} |"
+
+
+def _last(values: list):
+    return values[-1] if values else None
+
+
+def _errors(runs: dict) -> list[str]:
+    return [f"- {n}: failed: `{rec['error']}`" for n, rec in runs.items() if rec.get("error")]
+
+
+def report_resume(d: dict) -> list[str]:
+    resumed = d["resumed"]["losses"]
+    killed = (
+        f"rank {d['killed_rank']} killed (SIGKILL) once {d['kill_at']} steps were logged"
+        if d["killed_rank"] is not None
+        else f"no rank killed: the run ended before {d['kill_at']} steps were logged"
+    )
+    lines = [
+        f"### A rank killed and the run resumed: {d['preset']} on {d['nproc']} ranks",
+        "",
+        f"Checkpoints every {d['save_every']} steps; {killed} (torchrun exited with {d['killed_exit_status']}), "
+        f"then `--resume` to the end ({'finished' if d['resumed']['ok'] else 'failed: ' + d['resumed'].get('error', '')}).",
+        "",
+        *_table_head(["step", "uninterrupted", "before the kill", "resumed"]),
+    ]
+    before = d["losses_before_kill"]
+    for i, ref in enumerate(d["uninterrupted"]):
+        cells = [f"{v[i]:.4f}" if i < len(v) else "" for v in (before, resumed)]
+        lines.append(f"| {i + 1} | {ref:.4f} | {cells[0]} | {cells[1]} |")
+    diff = largest_difference(d["uninterrupted"], resumed)
+    same = d["uninterrupted"] == resumed
+    return lines + [
+        "",
+        f"Resumed against uninterrupted: largest difference {fmt(diff, '.2e')}{' (bitwise equal)' if same else ''}.",
+    ]
+
+
+def report_fsdp(d: dict) -> list[str]:
+    rec = d["run"]
+    lines = _heading(
+        f"### FSDP2: {d['preset']} on {d['nproc']} ranks, {d['seq_len']} tokens a sequence, {d['batch_tokens']:,} a step",
+        ["tokens/s", "peak GiB per GPU", "final loss"],
+    ) + [
+        f"| {fmt(rec['tokens_per_s'])} | {memory(rec)} | {fmt(_last(rec['losses']), '.4f')} |",
+    ]
+    return lines + _errors({"fsdp": rec})
+
+
+def report_cp(d: dict) -> list[str]:
+    lines = _heading(
+        f"### Context parallelism, correctness: {d['tokens']:,} tokens split over {d['nproc']} ranks, {d['dtype']}",
+        ["rule", "case", "split vs one process", "one process vs float32", "split vs float32"],
+    )
+    for c in d["cases"]:
+        worst = c["max_relative_error"]
+        cells = [fmt(worst.get(k), ".2e") for k in ("split_vs_single", "single_vs_float32", "split_vs_float32")]
+        lines.append(f"| {c['rule']} | {c['case']} | " + " | ".join(cells) + " |")
+    return lines + ([f"- failed: `{d['error']}`"] if d.get("error") else [])
+
+
+def report_longest(d: dict) -> list[str]:
+    lines = _heading(
+        f"### The longest sequence that trains: {d['preset']}, one sequence a step",
+        ["ranks", "tokens a sequence", "tokens/s", "peak GiB per GPU", "result"],
+    )
+    for nproc, rows in d["runs"].items():
+        for row in rows:
+            result = "trains" if row["ok"] else f"fails: `{row.get('error', '')}`"
+            lines.append(f"| {nproc} | {row['seq_len']:,} | {fmt(row['tokens_per_s'])} | {memory(row)} | {result} |")
+    return lines
+
+
+REPORTS = {"ddp": report_ddp, "resume": report_resume, "fsdp": report_fsdp, "cp": report_cp, "longest": report_longest}
+
+
+def write_report(out: pathlib.Path) -> str:
+    results = {name: json.loads((out / f"{name}.json").read_text()) for name in STAGES if (out / f"{name}.json").exists()}
+    lines = ["## Several GPUs against one (`benchmarks/gpu_distributed.py`)", ""]
+    for name, d in results.items():
+        meta = d["meta"]
+        lines += [f"Stage `{name}`: {meta['date']}, {meta['device']}, {meta['versions']}, {meta['seconds']:.0f} s;", ""]
+        lines += [f"    {command}" for command in meta["commands"]] + [""]
+        lines += REPORTS[name](d) + [""]
+    text = "\n".join(lines)
+    (out / "distributed.md").write_text(text)
+    return text
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def meta(r: Runner, started: float) -> dict:
+    from efla.experiments.harness import versions
+
+    import torch
+
+    found = versions("triton", "transformers", "fla")
+    device = f"{torch.cuda.device_count()} x {found['cuda_device']}" if found["cuda_device"] else f"CPU ({os.cpu_count()} cores)"
+    shown = ", ".join(f"{k} {v}" for k, v in found.items() if k not in ("cuda_device", "machine", "python"))
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return dict(date=date, device=device, versions=shown, seconds=time.monotonic() - started, commands=list(r.commands))
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", nargs="+", default=None, help="text files or directories to train on (needed by every stage)")
+    p.add_argument("--out", required=True, help="where the stages' JSON and distributed.md go")
+    p.add_argument("--work", default=None, help="the runs' logs and directories (default: a new temporary directory)")
+    p.add_argument("--keep-runs", action="store_true", help="keep each run's directory (checkpoints, model)")
+    p.add_argument("--stages", default="ddp,resume,cp", help=f"comma-separated of {', '.join(STAGES)}")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--preset", default="340m-efla")
+    p.add_argument("--fsdp-preset", default="1.3b-efla")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch-tokens", type=int, default=32768)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--save-every", type=int, default=5)
+    p.add_argument("--kill-at", type=int, default=12, help="steps logged before a rank is killed")
+    p.add_argument("--fsdp-steps", type=int, default=10)
+    p.add_argument("--cp-tokens", type=int, default=65536)
+    p.add_argument("--cp-dtype", default="bfloat16")
+    p.add_argument("--cp-args", default="", help="more options of context_parallel_check.py")
+    p.add_argument("--lengths", default="65536,131072,262144,524288")
+    p.add_argument("--length-steps", type=int, default=3)
+    p.add_argument("--val-sequences", type=int, default=16, help="held out for the validation loss (longest: none)")
+    p.add_argument("--vocab-size", type=int, default=32000, help="of the byte-level BPE trained on --data (fla's models': 32000)")
+    p.add_argument("--tokenizer-chars", type=int, default=20_000_000, help="characters of --data the BPE is trained on")
+    p.add_argument("--train-args", default="", help="more options of every efla train run, e.g. '--threads 1'")
+    p.add_argument("--run-timeout", type=float, default=600.0, help="seconds a run may take")
+    p.add_argument("--budget", type=float, default=None, help="seconds after which no further stage starts")
+    a = p.parse_args(argv)
+    a.stages = [s for s in a.stages.split(",") if s]
+    if a.stages and not a.data:
+        p.error("--data: text to train on is needed by every stage (an empty --stages '' only writes the report)")
+    unknown = [s for s in a.stages if s not in STAGES]
+    if unknown:
+        p.error(f"unknown stage(s) {', '.join(unknown)} (--stages: {', '.join(STAGES)})")
+    a.lengths = [int(x) for x in a.lengths.split(",") if x]
+    if a.stages and not a.work:
+        a.work = tempfile.mkdtemp(prefix="gpu_distributed-")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    begun = time.monotonic()
+    done = {name: json.loads((out / f"{name}.json").read_text()) for name in STAGES if (out / f"{name}.json").exists()}
+    if not a.stages:
+        print(write_report(out), flush=True)
+        return 0
+    print(f"gpu_distributed: runs in {a.work}", flush=True)
+    for name in a.stages:
+        if a.budget is not None and time.monotonic() - begun > a.budget:
+            print(f"gpu_distributed: stage {name} not started (--budget {a.budget:.0f} s)", flush=True)
+            continue
+        r, started = Runner(a), time.monotonic()
+        result = run_stage(name, r, done)
+        result["meta"] = meta(r, started)
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        done[name] = result
+        print(write_report(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
