@@ -14,9 +14,9 @@ and a later call with the same ``OUT`` adds to it. Stages (``--stages``, run in 
 * ``fsdp``: ``--fsdp-preset`` (1.3B EFLA) with ``--fsdp`` on ``--nproc``: tokens/s, peak memory per GPU;
 * ``cp``: ``benchmarks/context_parallel_check.py`` on ``--nproc`` at ``--cp-tokens`` (64K) tokens,
   bf16: the split's outputs, final states and gradients against the single-process op's;
-* ``longest``: ``--preset`` at each of ``--lengths`` (one sequence per step) on one GPU, then split
-  over ``--nproc`` with ``--context-parallel``, each up to the first length that fails:
-  tokens/s and peak memory per GPU.
+* ``longest``: ``--preset`` at each of ``--lengths`` (one sequence per step, activation
+  checkpointing per block: ``--length-args``) on one GPU, then split over ``--nproc`` with
+  ``--context-parallel``, each up to the first length that fails: tokens/s and peak memory per GPU.
 
 Without a GPU every run takes the CPU with gloo (a rehearsal at tiny sizes; ``tests/distributed``
 runs one). NVLink multicast stays off in every process started here.
@@ -292,13 +292,13 @@ def stage_longest(r: Runner) -> dict:
             out = r.work / f"longest-{nproc}-{length}"
             # one sequence a step: on one GPU, or split over the group of all of them
             args = ["--seq-len", str(length), "--batch-tokens", str(length), "--micro-batch-size", "1"]
-            args += ["--max-steps", str(a.length_steps), "--val-sequences", "0", *split]
+            args += ["--max-steps", str(a.length_steps), "--val-sequences", "0", *a.length_args.split(), *split]
             rc = r.run(r.train_command(nproc, out, a.preset, *args), r.work / f"longest-{nproc}-{length}.log")
             rows.append(dict(seq_len=length, **r.record(out, rc, r.work / f"longest-{nproc}-{length}.log")))
             if rc != 0:
                 break
         found[str(nproc)] = rows
-    return dict(preset=a.preset, nproc=a.nproc, runs=found)
+    return dict(preset=a.preset, nproc=a.nproc, length_args=a.length_args, runs=found)
 
 
 def run_stage(name: str, r: Runner, done: dict) -> dict:
@@ -417,7 +417,7 @@ def report_cp(d: dict) -> list[str]:
 
 def report_longest(d: dict) -> list[str]:
     lines = _heading(
-        f"### The longest sequence that trains: {d['preset']}, one sequence a step",
+        f"### The longest sequence that trains: {d['preset']}, one sequence a step, `{d['length_args']}`",
         ["ranks", "tokens a sequence", "tokens/s", "peak GiB per GPU", "result"],
     )
     for nproc, rows in d["runs"].items():
@@ -478,7 +478,8 @@ def parse(argv=None):
     p.add_argument("--cp-tokens", type=int, default=65536)
     p.add_argument("--cp-dtype", default="bfloat16")
     p.add_argument("--cp-args", default="", help="more options of context_parallel_check.py")
-    p.add_argument("--lengths", default="65536,131072,262144,524288")
+    p.add_argument("--lengths", default="131072,262144,524288,1048576")
+    p.add_argument("--length-args", default="--grad-checkpointing", help="more options of the longest stage's runs")
     p.add_argument("--length-steps", type=int, default=3)
     p.add_argument("--val-sequences", type=int, default=16, help="held out for the validation loss (longest: none)")
     p.add_argument("--vocab-size", type=int, default=32000, help="of the byte-level BPE trained on --data (fla's models': 32000)")

@@ -26,6 +26,7 @@ from .context_parallel import (
     context_parallel_scope,
     conv_histories,
     current_context,
+    recompute_in_scope,
     shard,
     shard_layout,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "conv_histories",
     "current_context",
     "next_token_targets",
+    "recompute_in_scope",
     "setup_context_parallel",
     "shard",
     "shard_layout",

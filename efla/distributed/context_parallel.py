@@ -49,6 +49,7 @@ __all__ = [
     "current_context",
     "context_parallel_aware",
     "context_parallel_conv_states",
+    "recompute_in_scope",
 ]
 
 
@@ -445,10 +446,25 @@ def current_context() -> ContextParallel | None:
 def context_parallel_scope(layout: ShardLayout, group=None):
     """Within the block, :func:`context_parallel_aware` ops and :func:`context_parallel_conv_states`
     run over ``layout``'s part (this thread only). Yields the :class:`ContextParallel`."""
+    with _reopened(ContextParallel(layout=layout, group=group)) as context:
+        yield context
+
+
+def recompute_in_scope() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant): a checkpointed block's
+    recomputation runs in the split that was open when the block ran forward. Autograd recomputes
+    during the backward, outside any scope (and, on the GPU, on a thread of its own), so without it
+    the recomputed block would run its part as a whole sequence. Every rank recomputes its blocks in
+    the order of the backward, so the exchanges of the recomputed ops and convolution caches meet."""
+    return contextlib.nullcontext(), _reopened(current_context())
+
+
+@contextlib.contextmanager
+def _reopened(context: ContextParallel | None):
     previous = current_context()
-    _active.context = ContextParallel(layout=layout, group=group)
+    _active.context = context
     try:
-        yield _active.context
+        yield context
     finally:
         _active.context = previous
 

@@ -33,7 +33,7 @@ class ContextParallelTraining:
     data_world: int
 
 
-def setup_context_parallel(size: int, *, fsdp: bool = False, grad_checkpointing: bool = False) -> ContextParallelTraining:
+def setup_context_parallel(size: int, *, fsdp: bool = False) -> ContextParallelTraining:
     """Create the context-parallel groups (every rank must call this, in the same order)."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("context_parallel: needs several processes (torchrun --nproc_per_node N)")
@@ -42,10 +42,6 @@ def setup_context_parallel(size: int, *, fsdp: bool = False, grad_checkpointing:
         raise ValueError(f"context_parallel: expected a divisor > 1 of the world size {world}, got {size}")
     if fsdp:
         raise ValueError("context_parallel: not supported with fsdp (use DDP)")
-    if grad_checkpointing:
-        raise ValueError(
-            "context_parallel: not supported with grad_checkpointing (the recomputation would run outside the split)"
-        )
     groups = [dist.new_group(list(range(first, first + size))) for first in range(0, world, size)]
     return ContextParallelTraining(
         size=size, group=groups[rank // size], rank=rank % size, data_rank=rank // size, data_world=world // size

@@ -107,6 +107,14 @@ def test_train_two_data_parallel_groups_of_two_match_one_process(corpus_and_toke
     _compare(tmp_path, corpus, tok, 4, 2, [dict(preset="tiny-gated-efla", varlen=True)])
 
 
+@pytest.mark.slow
+def test_checkpointed_blocks_recompute_inside_the_split(corpus_and_tokenizer, tmp_path):
+    """Recomputed in the backward, outside the forward's scope, a block would run its part as a whole
+    sequence (torch's checkpoint then refuses it: other tensors saved than in the forward)."""
+    corpus, tok = corpus_and_tokenizer
+    _compare(tmp_path, corpus, tok, 2, 2, [dict(preset="tiny-gated-efla", varlen=True, grad_checkpointing=True)])
+
+
 def _wrappers_alive() -> int:
     return sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
 

@@ -51,7 +51,7 @@ from safetensors.torch import load_file
 
 from efla.data.text import SequenceOrder
 from efla.data.tokenizer import tokenizer_eos_id
-from efla.distributed import setup_context_parallel
+from efla.distributed import recompute_in_scope, setup_context_parallel
 from efla.errors import UsageError
 from efla.models import EFLAConfig, EFLAForCausalLM, get_preset_config
 
@@ -251,7 +251,7 @@ def train(
         torch.cuda.set_device(device)
     cp = None
     if cfg.context_parallel > 1:
-        cp = setup_context_parallel(cfg.context_parallel, fsdp=cfg.fsdp, grad_checkpointing=cfg.grad_checkpointing)
+        cp = setup_context_parallel(cfg.context_parallel, fsdp=cfg.fsdp)
     r = _resolve(cfg, dist)
     log = log if (log is not None and dist.main) else log_nothing
     check_text(cfg, dist, log)
@@ -328,7 +328,8 @@ def _build_model(run: Session) -> None:
             ) from None
     run.model.to(run.device).train()
     if cfg.grad_checkpointing:
-        run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        recompute = {"context_fn": recompute_in_scope} if cfg.context_parallel > 1 else {}
+        run.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, **recompute})
     run.n_params = sum(p.numel() for p in run.model.parameters())
 
 
