@@ -1,16 +1,20 @@
 """Several GPUs of one host against one, through ``efla train`` under torchrun: data parallelism,
 FSDP2, a killed rank resumed, and one long sequence split over the GPUs (context parallelism).
 
-Each stage's result goes to ``OUT/<stage>.json`` when it ends, and ``OUT/distributed.md`` is written
-anew from every ``OUT/*.json`` after each stage, so a call stopped at its limit keeps what finished
-and a later call with the same ``OUT`` adds to it. Stages (``--stages``, run in the order given):
+Each stage's result goes to ``OUT/<stage>.json`` when it ends (``longest``'s after every run), and
+``OUT/distributed.md`` is written anew from every ``OUT/*.json`` each time, so a call stopped at its
+limit keeps what finished and a later call with the same ``OUT`` adds to it. ``--budget`` bounds all
+the runs (none starts or lasts past it); on SIGTERM every worker is killed, so none outlives the
+script holding a GPU. A failed run is recorded with the line of its output that names the error and
+the output's last lines. Stages (``--stages``, run in the order given):
 
 * ``ddp``: ``--preset`` (340M EFLA) at ``--seq-len`` 2048 and a global batch of ``--batch-tokens``
   (32K) for ``--steps`` steps on one GPU and on ``--nproc``, same data, tokenizer, seed and
   micro-batches: steady-state tokens/s of each, the speed-up and the losses side by side;
 * ``resume``: the ``--nproc`` run again, checkpointing every ``--save-every`` steps; once
   ``--kill-at`` steps are logged one rank is killed (SIGKILL), then the run is resumed to the end
-  (``--resume``): its losses against the uninterrupted run of ``ddp`` (run first if absent);
+  (``--resume``): its losses against the uninterrupted run of ``ddp`` (run first if absent from
+  ``OUT``: a lent machine empties ``OUT`` before each call, so give both stages to one call);
 * ``fsdp``: ``--fsdp-preset`` (1.3B EFLA) with ``--fsdp`` on ``--nproc``: tokens/s, peak memory per GPU;
 * ``cp``: ``benchmarks/context_parallel_check.py`` on ``--nproc`` at ``--cp-tokens`` (64K) tokens,
   bf16: the split's outputs, final states and gradients against the single-process op's;
@@ -35,6 +39,7 @@ import glob
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -51,12 +56,24 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 
 class Runner:
-    """Starts torchrun processes with the shared options and records each command line."""
+    """One stage's runs: starts torchrun processes with the shared options within the time left,
+    records each command line, and saves the stage's result (also part way)."""
 
-    def __init__(self, a):
-        self.a = a
+    def __init__(self, a, stage: str, deadline: float | None):
+        self.a, self.stage, self.deadline = a, stage, deadline
         self.work = pathlib.Path(a.work)
         self.commands: list[str] = []
+        self.started = time.monotonic()
+
+    def time_left(self) -> float:
+        left = self.a.run_timeout
+        return left if self.deadline is None else min(left, self.deadline - time.monotonic())
+
+    def save(self, result: dict) -> None:
+        """``OUT/<stage>.json`` and the report anew."""
+        out = pathlib.Path(self.a.out)
+        (out / f"{self.stage}.json").write_text(json.dumps({**result, "meta": meta(self)}, indent=1))
+        print(write_report(out), flush=True)
 
     def env(self) -> dict:
         env = dict(os.environ, **NO_MULTICAST, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
@@ -79,13 +96,19 @@ class Runner:
         self.commands.append(" ".join(_shown(command)))
         log.parent.mkdir(parents=True, exist_ok=True)
         handle = open(log, "w")  # noqa: SIM115 (closed when the process is waited for)
-        process = subprocess.Popen(command, env=self.env(), cwd=str(REPO), stdout=handle, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            command, env=self.env(), cwd=str(REPO), stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+        )
         process.log_handle = handle
+        LIVE.append(process)
         return process
 
-    def run(self, command: list[str], log: pathlib.Path) -> int:
+    def run(self, command: list[str], log: pathlib.Path) -> int | None:
+        """The run's exit status (-9: stopped at the time left); ``None``: not started, no time left."""
+        if self.time_left() <= 0:
+            return None
         process = self.start(command, log)
-        return finish(process, self.a.run_timeout)
+        return finish(process, self.time_left())
 
     def record(self, out: pathlib.Path, rc: int, log: pathlib.Path) -> dict:
         """What a finished run logged; its directory (checkpoints of gigabytes at 340M) then goes
@@ -120,16 +143,34 @@ def _shown(command: list[str]) -> list[str]:
     return ["python" if part == sys.executable else part for part in command]
 
 
+LIVE: list[subprocess.Popen] = []  # torchrun processes started and not yet waited for
+
+
 def finish(process: subprocess.Popen, timeout: float) -> int:
-    """The process's exit status; killed (with its children) past ``timeout`` seconds: -9."""
+    """The process's exit status; killed with its workers past ``timeout`` seconds: -9."""
     try:
-        return process.wait(timeout=timeout)
+        return process.wait(timeout=max(timeout, 0))
     except subprocess.TimeoutExpired:
-        for pid in [*children(process.pid), process.pid]:
-            _kill(pid)
+        kill_tree(process)
         return process.wait()
     finally:
         process.log_handle.close()
+        LIVE.remove(process)
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL torchrun's workers and torchrun, each with its process group: torchrun starts every
+    worker in a session of its own, and a worker's own children (compiler pools) go with its group."""
+    for pid in [*children(process.pid), process.pid]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def stop_everything(signum, _frame) -> None:
+    """On SIGTERM (a caller's time limit): no worker may outlive the script and hold the GPUs."""
+    for process in list(LIVE):
+        kill_tree(process)
+    raise SystemExit(128 + signum)
 
 
 def children(pid: int) -> list[int]:
@@ -161,9 +202,17 @@ def _kill(pid: int) -> None:
 
 def read_log(out: pathlib.Path) -> list[dict]:
     path = out / "log.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return json_lines(path.read_text()) if path.exists() else []
+
+
+def json_lines(text: str) -> list[dict]:
+    """The complete JSON objects of ``text``, one a line (a line being written is left out)."""
+    found = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            with contextlib.suppress(json.JSONDecodeError):
+                found.append(json.loads(line))
+    return found
 
 
 def summary(out: pathlib.Path) -> dict:
@@ -171,16 +220,23 @@ def summary(out: pathlib.Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def failure(log: pathlib.Path) -> str:
-    """The last line of a failed run's output that names an error."""
-    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    for line in reversed(lines):
-        if "Error" in line or "error" in line or line.startswith("efla "):
-            return line.strip()[:300]
-    return lines[-1].strip()[:300] if lines else "no output"
+NAMED_ERROR = re.compile(r"^\s*(\[rank\d+\]:\s*)?([\w.]+(Error|Exception)|efla \w[\w-]*):")
+TORCHRUN_SUMMARY = ("failed (exitcode", "ChildFailedError")
 
 
-def run_record(out: pathlib.Path, rc: int, log: pathlib.Path) -> dict:
+def failure(log: pathlib.Path) -> dict:
+    """Why a run failed: the last line that names an error before torchrun's own summary (whose
+    lines name none), and the last lines of the workers' output."""
+    if not log.exists():
+        return dict(error="not run: the time left (--budget) was spent", log_tail=[])
+    lines = [line.rstrip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    end = next((i for i, line in enumerate(lines) if any(mark in line for mark in TORCHRUN_SUMMARY)), len(lines))
+    named = [line for line in lines[:end] if NAMED_ERROR.match(line)]
+    last = named[-1] if named else (lines[end - 1] if end else "no output")
+    return dict(error=last.strip()[:300], log_tail=[line[:300] for line in lines[:end][-30:]])
+
+
+def run_record(out: pathlib.Path, rc: int | None, log: pathlib.Path) -> dict:
     s = summary(out)
     record = dict(
         ok=rc == 0,
@@ -193,7 +249,7 @@ def run_record(out: pathlib.Path, rc: int, log: pathlib.Path) -> dict:
         precision=s.get("precision"),
     )
     if rc != 0:
-        record["error"] = failure(log)
+        record.update(failure(log))
     return record
 
 
@@ -221,6 +277,8 @@ def stage_ddp(r: Runner) -> dict:
 def stage_resume(r: Runner, done: dict) -> dict:
     a = r.a
     reference = (done.get("ddp") or {}).get("runs", {}).get(str(a.nproc)) or stage_ddp(r)["runs"][str(a.nproc)]
+    if not reference["ok"]:
+        return dict(preset=a.preset, nproc=a.nproc, failed=f"the uninterrupted run failed: {reference['error']}")
     out = r.work / "resume"
     command = r.train_command(a.nproc, out, a.preset, *batch_args(a, a.steps), "--save-every", str(a.save_every))
     killed_rank, killed_rc, killed_losses = kill_a_rank(r, command, out)
@@ -244,7 +302,7 @@ def kill_a_rank(r: Runner, command: list[str], out: pathlib.Path) -> tuple[int |
     (the rank killed, or None if the run ended first; torchrun's exit status; the losses logged)."""
     a = r.a
     process = r.start(command, r.work / "resume-1.log")
-    deadline = time.monotonic() + a.run_timeout
+    deadline = time.monotonic() + r.time_left()
     killed = None
     while process.poll() is None and time.monotonic() < deadline:
         if len(read_log(out)) >= a.kill_at:
@@ -254,7 +312,7 @@ def kill_a_rank(r: Runner, command: list[str], out: pathlib.Path) -> tuple[int |
                 killed = a.nproc - 1
                 break
         time.sleep(0.05)
-    rc = finish(process, max(deadline - time.monotonic(), 60))
+    rc = finish(process, max(deadline - time.monotonic(), 60 if killed is not None else 0))
     return killed, rc, [e["loss"] for e in read_log(out)]
 
 
@@ -276,18 +334,19 @@ def stage_cp(r: Runner) -> dict:
     log = r.work / "cp.log"
     script = str(REPO / "benchmarks" / "context_parallel_check.py")
     rc = r.run(r.torchrun(a.nproc, script, "--dtype", a.cp_dtype, "--tokens", str(a.cp_tokens), *a.cp_args.split()), log)
-    cases = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    cases = json_lines(log.read_text()) if log.exists() else []
     result = dict(nproc=a.nproc, tokens=a.cp_tokens, dtype=a.cp_dtype, ok=rc == 0, cases=cases)
     if rc != 0:
-        result["error"] = failure(log)
+        result.update(failure(log))
     return result
 
 
 def stage_longest(r: Runner) -> dict:
     a = r.a
     found = {}
+    result = dict(preset=a.preset, nproc=a.nproc, length_args=a.length_args, runs=found)
     for nproc, split in ((1, []), (a.nproc, ["--context-parallel", str(a.nproc)])):
-        rows = []
+        rows = found[str(nproc)] = []
         for length in a.lengths:
             out = r.work / f"longest-{nproc}-{length}"
             # one sequence a step: on one GPU, or split over the group of all of them
@@ -295,10 +354,10 @@ def stage_longest(r: Runner) -> dict:
             args += ["--max-steps", str(a.length_steps), "--val-sequences", "0", *a.length_args.split(), *split]
             rc = r.run(r.train_command(nproc, out, a.preset, *args), r.work / f"longest-{nproc}-{length}.log")
             rows.append(dict(seq_len=length, **r.record(out, rc, r.work / f"longest-{nproc}-{length}.log")))
+            r.save(result)  # a call stopped at its limit keeps the lengths done
             if rc != 0:
                 break
-        found[str(nproc)] = rows
-    return dict(preset=a.preset, nproc=a.nproc, length_args=a.length_args, runs=found)
+    return result
 
 
 def run_stage(name: str, r: Runner, done: dict) -> dict:
@@ -437,7 +496,7 @@ def write_report(out: pathlib.Path) -> str:
         meta = d["meta"]
         lines += [f"Stage `{name}`: {meta['date']}, {meta['device']}, {meta['versions']}, {meta['seconds']:.0f} s;", ""]
         lines += [f"    {command}" for command in meta["commands"]] + [""]
-        lines += REPORTS[name](d) + [""]
+        lines += ([f"### Stage `{name}` failed: `{d['failed']}`"] if "failed" in d else REPORTS[name](d)) + [""]
     text = "\n".join(lines)
     (out / "distributed.md").write_text(text)
     return text
@@ -446,7 +505,7 @@ def write_report(out: pathlib.Path) -> str:
 # ------------------------------------------------------------------------------------------ main
 
 
-def meta(r: Runner, started: float) -> dict:
+def meta(r: Runner) -> dict:
     from efla.experiments.harness import versions
 
     import torch
@@ -455,7 +514,7 @@ def meta(r: Runner, started: float) -> dict:
     device = f"{torch.cuda.device_count()} x {found['cuda_device']}" if found["cuda_device"] else f"CPU ({os.cpu_count()} cores)"
     shown = ", ".join(f"{k} {v}" for k, v in found.items() if k not in ("cuda_device", "machine", "python"))
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return dict(date=date, device=device, versions=shown, seconds=time.monotonic() - started, commands=list(r.commands))
+    return dict(date=date, device=device, versions=shown, seconds=time.monotonic() - r.started, commands=list(r.commands))
 
 
 def parse(argv=None):
@@ -465,7 +524,7 @@ def parse(argv=None):
     p.add_argument("--work", default=None, help="the runs' logs and directories (default: a new temporary directory)")
     p.add_argument("--keep-runs", action="store_true", help="keep each run's directory (checkpoints, model)")
     p.add_argument("--stages", default="ddp,resume,cp", help=f"comma-separated of {', '.join(STAGES)}")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=2, help="ranks (GPUs) of the runs on several; at least 2")
     p.add_argument("--preset", default="340m-efla")
     p.add_argument("--fsdp-preset", default="1.3b-efla")
     p.add_argument("--seq-len", type=int, default=2048)
@@ -486,7 +545,7 @@ def parse(argv=None):
     p.add_argument("--tokenizer-chars", type=int, default=20_000_000, help="characters of --data the BPE is trained on")
     p.add_argument("--train-args", default="", help="more options of every efla train run, e.g. '--threads 1'")
     p.add_argument("--run-timeout", type=float, default=600.0, help="seconds a run may take")
-    p.add_argument("--budget", type=float, default=None, help="seconds after which no further stage starts")
+    p.add_argument("--budget", type=float, default=None, help="seconds for all the runs: no run starts or lasts past it")
     a = p.parse_args(argv)
     a.stages = [s for s in a.stages.split(",") if s]
     if a.stages and not a.data:
@@ -494,9 +553,14 @@ def parse(argv=None):
     unknown = [s for s in a.stages if s not in STAGES]
     if unknown:
         p.error(f"unknown stage(s) {', '.join(unknown)} (--stages: {', '.join(STAGES)})")
+    if a.nproc < 2:
+        p.error(f"--nproc: expected at least 2 ranks, got {a.nproc}")
     a.lengths = [int(x) for x in a.lengths.split(",") if x]
-    if a.stages and not a.work:
-        a.work = tempfile.mkdtemp(prefix="gpu_distributed-")
+    # the runs start in the repository: every path as the caller meant it
+    a.data = [x if x.startswith("hf:") else os.path.abspath(x) for x in a.data or []]
+    a.out = os.path.abspath(a.out)
+    if a.stages:
+        a.work = os.path.abspath(a.work) if a.work else tempfile.mkdtemp(prefix="gpu_distributed-")
     return a
 
 
@@ -510,16 +574,18 @@ def main(argv=None) -> int:
         print(write_report(out), flush=True)
         return 0
     print(f"gpu_distributed: runs in {a.work}", flush=True)
+    signal.signal(signal.SIGTERM, stop_everything)
+    deadline = None if a.budget is None else begun + a.budget
     for name in a.stages:
-        if a.budget is not None and time.monotonic() - begun > a.budget:
+        if deadline is not None and time.monotonic() >= deadline:
             print(f"gpu_distributed: stage {name} not started (--budget {a.budget:.0f} s)", flush=True)
             continue
-        r, started = Runner(a), time.monotonic()
-        result = run_stage(name, r, done)
-        result["meta"] = meta(r, started)
-        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-        done[name] = result
-        print(write_report(out), flush=True)
+        r = Runner(a, name, deadline)
+        try:
+            done[name] = run_stage(name, r, done)
+        except Exception as e:  # one stage's fault must not cost the stages after it
+            done[name] = dict(failed=f"{type(e).__name__}: {e}"[:300])
+        r.save(done[name])
     return 0
 
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .context_parallel import ContextParallel, context_parallel_scope, shard, shard_layout
 
@@ -81,17 +80,21 @@ def context_parallel_lm_loss(model, batch: dict, cp: ContextParallelTraining) ->
 
     ``batch`` is the whole micro-batch (``input_ids``, optional ``labels`` and ``cu_seqlens``), the
     same on every rank of the group; the model runs this rank's part of every sequence. Returns the
-    cross-entropy (float32, or float64 for float64 logits) summed over the part's predictions divided
-    by the micro-batch's predictions, so the group's losses add up to the micro-batch's mean loss.
+    model's own cross-entropy (fused on the GPU: no float32 copy of the logits) summed over the part's
+    predictions divided by the micro-batch's predictions, so the group's losses add up to the
+    micro-batch's mean loss.
     """
     ids = batch["input_ids"]
     cu_seqlens = batch.get("cu_seqlens")
     target = next_token_targets(batch.get("labels", ids), cu_seqlens)
     layout = shard_layout(ids.shape[1], cp.size, cp.rank, cu_seqlens)
     with context_parallel_scope(layout, cp.group) as context:
-        logits = model(input_ids=shard(ids, layout), cu_seqlens=layout.local_cu_seqlens(ids.device), use_cache=False).logits
+        loss = model(
+            input_ids=shard(ids, layout),
+            cu_seqlens=layout.local_cu_seqlens(ids.device),
+            shift_labels=shard(target, layout),
+            num_items_in_batch=(target != IGNORE_INDEX).sum().clamp_min(1),
+            use_cache=False,
+        ).loss
     _check_routed(context, model)
-    part = shard(target, layout)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    summed = F.cross_entropy(logits.flatten(0, 1), part.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-    return summed / (target != IGNORE_INDEX).sum().clamp_min(1)
+    return loss

@@ -440,8 +440,9 @@ class EFLAForCausalLM(EFLAPreTrainedModel, GenerationMixin):
                 # less, as in fla's models): the returned logits are valid until backward
                 loss = _fused_cross_entropy(fused, logits, target, reduction, inplace_backward=training_step)
             else:
+                wide = torch.promote_types(logits.dtype, torch.float32)  # float64 logits keep float64
                 loss = F.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=-100, reduction=reduction
+                    logits.reshape(-1, logits.shape[-1]).to(wide), target.reshape(-1), ignore_index=-100, reduction=reduction
                 )
         if num_items_in_batch is not None:
             loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device, dtype=loss.dtype)

@@ -32,7 +32,8 @@ def rehearsal(tmp_path_factory):
         *("--seq-len", "32", "--batch-tokens", "256", "--micro-batch-size", "2", "--steps", str(STEPS)),
         *("--save-every", "2", "--kill-at", str(KILL_AT), "--fsdp-steps", "2", "--val-sequences", "4"),
         *("--cp-tokens", "192", "--cp-dtype", "float32", "--cp-args", "--heads 2 --head-dim 16 --value-dim 16"),
-        *("--lengths", "64", "--length-steps", "2", "--vocab-size", "300", "--train-args", "--threads 1 --lr 3e-3"),
+        # the second length is past the corpus: a run that fails, as the longest stage's last one does
+        *("--lengths", "64,10000000", "--length-steps", "2", "--vocab-size", "300", "--train-args", "--threads 1 --lr 3e-3"),
         *("--run-timeout", "240"),
     ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=str(REPO))
@@ -72,7 +73,10 @@ def test_fsdp_context_parallel_and_longest_stages_record_their_runs(rehearsal):
     }
     assert max(c["max_relative_error"]["split_vs_single"] for c in cases) < 1e-5
     longest = results["longest"]["runs"]
-    assert [row["ok"] for row in longest["1"] + longest["2"]] == [True, True]
+    assert [row["ok"] for row in longest["1"] + longest["2"]] == [True, False, True, False]
+    failed = longest["2"][1]
+    assert failed["error"].startswith("efla train:") and "--seq-len" in failed["error"], failed
+    assert failed["error"] in failed["log_tail"][-1]
     assert "--context-parallel 2" in results["longest"]["meta"]["commands"][-1]
     for heading in ("### FSDP2", "### Context parallelism", "### The longest sequence"):
         assert heading in report
