@@ -422,8 +422,9 @@ class EFLAForCausalLM(EFLAPreTrainedModel, GenerationMixin):
     def _logits_and_loss(self, hidden_states, target, num_items_in_batch):
         """``(logits or None, loss)``. On the GPU (flash-linear-attention installed) a training step
         with ``config.fuse_linear_cross_entropy`` never materialises the logits (returns ``None``
-        for them); otherwise the loss is a fused (GPU) or float32 (CPU) cross-entropy of the logits,
-        and on the GPU a training step's backward overwrites the returned logits with their gradient.
+        for them); otherwise the loss is a fused (GPU) or float32 (CPU; float64 for a float64 model)
+        cross-entropy of the logits, and on the GPU a training step's backward overwrites the returned
+        logits with their gradient.
         ``num_items_in_batch`` switches to a sum divided by it (gradient accumulation)."""
         reduction = "mean" if num_items_in_batch is None else "sum"
         fused = kernels_for(hidden_states) if hidden_states.is_cuda else None  # fla's losses are CUDA-only
