@@ -111,7 +111,12 @@ class Runner:
         process = self.start(command, log)
         return finish(process, self.time_left())
 
-    def record(self, out: pathlib.Path, rc: int, log: pathlib.Path) -> dict:
+    def train(self, name: str, nproc: int, preset: str, *extra: str) -> dict:
+        """One ``efla train`` run into ``WORK/<name>`` (its output in ``WORK/<name>.log``), recorded."""
+        out, log = self.work / name, self.work / f"{name}.log"
+        return self.record(out, self.run(self.train_command(nproc, out, preset, *extra), log), log)
+
+    def record(self, out: pathlib.Path, rc: int | None, log: pathlib.Path) -> dict:
         """What a finished run logged; its directory (checkpoints of gigabytes at 340M) then goes
         unless ``--keep-runs``."""
         record = run_record(out, rc, log)
@@ -267,11 +272,7 @@ def batch_args(a, steps: int) -> list[str]:
 
 def stage_ddp(r: Runner) -> dict:
     a = r.a
-    runs = {}
-    for nproc in (1, a.nproc):
-        out = r.work / f"ddp-{nproc}"
-        rc = r.run(r.train_command(nproc, out, a.preset, *batch_args(a, a.steps)), r.work / f"ddp-{nproc}.log")
-        runs[str(nproc)] = r.record(out, rc, r.work / f"ddp-{nproc}.log")
+    runs = {str(nproc): r.train(f"ddp-{nproc}", nproc, a.preset, *batch_args(a, a.steps)) for nproc in (1, a.nproc)}
     return dict(preset=a.preset, seq_len=a.seq_len, batch_tokens=a.batch_tokens, nproc=a.nproc, runs=runs)
 
 
@@ -319,15 +320,8 @@ def kill_a_rank(r: Runner, command: list[str], out: pathlib.Path) -> tuple[int |
 
 def stage_fsdp(r: Runner) -> dict:
     a = r.a
-    out = r.work / "fsdp"
-    rc = r.run(r.train_command(a.nproc, out, a.fsdp_preset, *batch_args(a, a.fsdp_steps), "--fsdp"), r.work / "fsdp.log")
-    return dict(
-        preset=a.fsdp_preset,
-        nproc=a.nproc,
-        seq_len=a.seq_len,
-        batch_tokens=a.batch_tokens,
-        run=r.record(out, rc, r.work / "fsdp.log"),
-    )
+    run = r.train("fsdp", a.nproc, a.fsdp_preset, *batch_args(a, a.fsdp_steps), "--fsdp")
+    return dict(preset=a.fsdp_preset, nproc=a.nproc, seq_len=a.seq_len, batch_tokens=a.batch_tokens, run=run)
 
 
 def stage_cp(r: Runner) -> dict:
@@ -349,14 +343,12 @@ def stage_longest(r: Runner) -> dict:
     for nproc, split in ((1, []), (a.nproc, ["--context-parallel", str(a.nproc)])):
         rows = found[str(nproc)] = []
         for length in a.lengths:
-            out = r.work / f"longest-{nproc}-{length}"
             # one sequence a step: on one GPU, or split over the group of all of them
             args = ["--seq-len", str(length), "--batch-tokens", str(length), "--micro-batch-size", "1"]
             args += ["--max-steps", str(a.length_steps), "--val-sequences", "0", *a.length_args.split(), *split]
-            rc = r.run(r.train_command(nproc, out, a.preset, *args), r.work / f"longest-{nproc}-{length}.log")
-            rows.append(dict(seq_len=length, **r.record(out, rc, r.work / f"longest-{nproc}-{length}.log")))
+            rows.append(dict(seq_len=length, **r.train(f"longest-{nproc}-{length}", nproc, a.preset, *args)))
             r.save(result)  # a call stopped at its limit keeps the lengths done
-            if rc != 0:
+            if not rows[-1]["ok"]:
                 break
     return result
 
