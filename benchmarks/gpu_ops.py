@@ -236,6 +236,22 @@ VARIANTS = {
 }
 
 
+def variant_table_lines(variant_rows: dict) -> list[str]:
+    lines = []
+    for name, rows in variant_rows.items():
+        lines += ["", f"{VARIANTS[name][0]} (timed in the same rounds as the first table; ratios to its fla columns):", ""]
+        lines.append("| [B, T, H] | EFLA fwd | vs DeltaNet | EFLA fwd+bwd | vs DeltaNet | Gated EFLA fwd | vs GDN | Gated EFLA fwd+bwd |")
+        lines.append("|" + " --- |" * 8)
+        lines += rows
+    return lines
+
+
+def write_lines(lines: list[str], name: str) -> None:
+    if RESULT_FILE and lines:
+        with open(os.path.join(os.path.dirname(RESULT_FILE[0]), name), "w") as fh:
+            fh.write("\n".join(LINES[:8] + lines) + "\n")
+
+
 def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),), variants=tuple(VARIANTS)):
     dims_text = "K = V = 128" if dims == ((128, 128),) else "head dims K, V as given"
     emit(
@@ -334,14 +350,10 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),), variants=tuple(VARIA
             )
         fwd = fwdbwd = fwd_ok = fb_ok = None  # free this shape's tensors before the next
         torch.cuda.empty_cache()
-    for name, rows in variant_rows.items():
-        emit("")
-        emit(f"{VARIANTS[name][0]} (timed in the same rounds as the first table; ratios to its fla columns):")
-        emit("")
-        emit("| [B, T, H] | EFLA fwd | vs DeltaNet | EFLA fwd+bwd | vs DeltaNet | Gated EFLA fwd | vs GDN | Gated EFLA fwd+bwd |")
-        emit("|" + " --- |" * 8)
-        for row in rows:
-            emit(row)
+        # a call cut short at its time limit still brings back every shape finished so far
+        write_lines(variant_table_lines(variant_rows), "variants_so_far.md")
+    for line in variant_table_lines(variant_rows):
+        emit(line)
     emit("")
     for n in dict.fromkeys(notes):
         emit(f"- note: {n}")

@@ -7,7 +7,7 @@
 #   LIMIT=300 bash scripts/device.sh ops
 #
 # Phases:
-#   tests     the GPU tests (pytest -m gpu)
+#   tests     the GPU tests (pytest -m gpu; PYTEST_K picks some)
 #   optests   the GPU tests of the ops alone (tests/ops, pytest -m gpu; PYTEST_K picks some)
 #   gentests  the generation and serving GPU tests only (tokens against transformers, no allocation
 #             after capture, 8K tokens at the memory of 128, the scheduler on the GPU); PYTEST_K picks
@@ -51,7 +51,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 
 run_phase() {
   case $1 in
-    tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
+    tests) python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests ;;
     gentests) python3 -m pytest -q -rfE -p no:cacheprovider --durations=0 ${PYTEST_K:+-k "$PYTEST_K"} \
                 tests/serving/test_scheduler_gpu.py tests/generation/test_generate_gpu.py ;;
     optests) python3 -m pytest -q -rfE -m gpu -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests/ops ;;
@@ -70,7 +70,8 @@ export OUT
 export -f run_phase
 for phase in "$@"; do
   echo "== $phase at ${SECONDS}s"
-  timeout "$LIMIT" bash -c 'run_phase "$0"' "$phase" 2>&1 | grep -v Warning | tail -60
+  # SIGINT first: pytest then still prints which tests failed and how far it got
+  timeout -s INT -k 20 "$LIMIT" bash -c 'run_phase "$0"' "$phase" 2>&1 | grep -v Warning | tail -60
 done
 # the tuning results alone are small and spare the next machine the timing of every setting (only the
 # chosen one compiles there): unpack triton-autotune.tar.gz into .triton-cache/ and carry it
