@@ -500,7 +500,7 @@ def write_report(out: pathlib.Path) -> str:
 
 
 def meta(r: Runner) -> dict:
-    from efla.experiments.harness import versions
+    from efla.records import versions
 
     import torch
 

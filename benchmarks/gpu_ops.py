@@ -240,7 +240,9 @@ def variant_table_lines(variant_rows: dict) -> list[str]:
     lines = []
     for name, rows in variant_rows.items():
         lines += ["", f"{VARIANTS[name][0]} (timed in the same rounds as the first table; ratios to its fla columns):", ""]
-        lines.append("| [B, T, H] | EFLA fwd | vs DeltaNet | EFLA fwd+bwd | vs DeltaNet | Gated EFLA fwd | vs GDN | Gated EFLA fwd+bwd |")
+        lines.append(
+            "| [B, T, H] | EFLA fwd | vs DeltaNet | EFLA fwd+bwd | vs DeltaNet | Gated EFLA fwd | vs GDN | Gated EFLA fwd+bwd |"
+        )
         lines.append("|" + " --- |" * 8)
         lines += rows
     return lines

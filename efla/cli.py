@@ -13,10 +13,15 @@ import sys
 import warnings
 
 from efla.errors import CheckpointError, RunWarning
-from efla.experiments.harness import command_line
+from efla.records import command_line
 
-# the order of ``efla --help``: the tour first, then the experiments, then the model tools
-COMMAND_MODULES = ("demo", "robustness", "convert", "eval", "generate", "serve", "mad", "train")
+# the library's commands, in the order of ``efla --help``; the lab's (``efla demo``, ``efla mad``, ...)
+# follow them, found through the ``efla.commands`` entry points so that the library never imports the lab
+COMMAND_MODULES = ("train", "eval", "generate", "serve", "convert")
+COMMAND_ENTRY_POINTS = "efla.commands"
+# what a lab command needs beyond the library, and how to install it
+LAB_MODULES = ("matplotlib", "sklearn", "rich")
+LAB_EXTRA_HINT = "pip install 'efla[lab]'"
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -102,7 +107,7 @@ def installed_version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(
         prog="efla",
-        description="Exact Flow Linear Attention: ops, models and experiments.",
+        description="Exact Flow Linear Attention: train, evaluate, generate with and serve EFLA models; the paper's experiments.",
         epilog="Errors are reported in one line; EFLA_DEBUG=1 or --debug shows the traceback.",
     )
     p.add_argument(
@@ -111,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=SubcommandParser)
     for name in COMMAND_MODULES:
         importlib.import_module(f"efla.commands.{name}").add_parser(sub)
+    for entry_point in importlib.metadata.entry_points(group=COMMAND_ENTRY_POINTS):
+        entry_point.load()(sub)
     return p
 
 
@@ -141,6 +148,8 @@ def exit_status_and_message(error: BaseException) -> tuple[int, str]:
     """Exit status (2: the command cannot run as given, 1: the work failed) and the one-line message.
     A damaged checkpoint counts as a wrong input (2): the run did not start."""
     text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, ModuleNotFoundError) and error.name in LAB_MODULES:
+        return 1, f"{text} (the lab's commands need its extra: {LAB_EXTRA_HINT})"
     if isinstance(error, (*_USAGE_ERRORS, CheckpointError)):
         return 2, text
     if isinstance(error, _RUN_FAILURES):

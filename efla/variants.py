@@ -17,7 +17,6 @@ class Variant:
     op_name: str
     preset_suffix: str
     label: str
-    colour: str
 
     @property
     def update_rule(self) -> str:
@@ -56,10 +55,10 @@ class Variant:
         raise ValueError(f"unknown update rule {name!r}; expected one of {known}")
 
 
-EFLA = Variant(True, False, "efla", "efla", "EFLA", "tab:red")
-EULER = Variant(False, False, "delta_rule", "deltanet", "DeltaNet", "tab:blue")
-GATED_EFLA = Variant(True, True, "gated_efla", "gated-efla", "Gated EFLA", "tab:orange")
-GATED_EULER = Variant(False, True, "gated_delta_rule", "gated-deltanet", "Gated DeltaNet", "tab:cyan")
+EFLA = Variant(True, False, "efla", "efla", "EFLA")
+EULER = Variant(False, False, "delta_rule", "deltanet", "DeltaNet")
+GATED_EFLA = Variant(True, True, "gated_efla", "gated-efla", "Gated EFLA")
+GATED_EULER = Variant(False, True, "gated_delta_rule", "gated-deltanet", "Gated DeltaNet")
 VARIANTS = (EFLA, EULER, GATED_EFLA, GATED_EULER)
 EXPERIMENT_KEYS = tuple(v.key for v in VARIANTS)  # "exact", "euler", "gated-exact", "gated-euler"
 
@@ -73,8 +72,3 @@ def label(name: str, default: str | None = None) -> str:
         if default is None:
             raise
         return default
-
-
-def colour(name: str) -> str:
-    """The plot colour of a rule under any of its spellings."""
-    return Variant.parse(name).colour

@@ -17,8 +17,8 @@ import pathlib
 import statistics
 from collections import defaultdict
 
-from efla.experiments.harness import read_records
-from efla.experiments.seeds import gap_in_standard_errors, sample_std
+from efla_lab.harness import read_records
+from efla_lab.seeds import gap_in_standard_errors, sample_std
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results"
 

@@ -16,7 +16,7 @@ import json
 import pathlib
 import sys
 
-from efla.experiments.robustness.report import write_lr_sweep_outputs, write_robustness_outputs
+from efla_lab.robustness.report import write_lr_sweep_outputs, write_robustness_outputs
 
 RECORD = {"robustness": ("results.json", "runs"), "lr-sweep": ("lr_sweep.json", "rows")}
 PER_PART = {"seeds", "rules", "command", "aggregate"}  # what may differ between parts

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 
-from efla.experiments import harness
+from efla_lab import harness
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = os.path.join(REPO, "docs", "results", "mad", "baseline-grid")

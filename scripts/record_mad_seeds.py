@@ -14,10 +14,11 @@ import glob
 import json
 import os
 
-from efla.experiments import harness
-from efla.experiments.seeds import paired_differences, spread
-from efla.experiments.mad.report import CSV_FIELDS, csv_row
-from efla.variants import colour, label
+from efla_lab import harness
+from efla_lab.seeds import paired_differences, spread
+from efla_lab.mad.report import CSV_FIELDS, csv_row
+from efla.variants import label
+from efla_lab.style import colour
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = os.path.join(REPO, "docs", "results", "mad", "fuzzy-recall-seeds")

@@ -149,7 +149,7 @@ def test_truncated_mnist_gz_is_named(tmp_path, capsys):
 
 
 def test_failures_are_one_line_with_status_1_and_debug_shows_the_traceback(tmp_path, monkeypatch, capsys):
-    import efla.experiments.demo as demo
+    import efla_lab.demo as demo
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device", str(tmp_path / "demo.json"))
@@ -175,7 +175,7 @@ def test_failures_are_one_line_with_status_1_and_debug_shows_the_traceback(tmp_p
 
 
 def test_demo_threads_follow_the_load():
-    from efla.experiments.demo import threads_for_load
+    from efla_lab.demo import threads_for_load
 
     assert threads_for_load(2, 0.05) == 2
     assert threads_for_load(2, 1.2) == 1
@@ -187,7 +187,7 @@ def test_demo_threads_follow_the_load():
 def test_current_load_sees_a_busy_core_at_once():
     import subprocess
 
-    from efla.experiments.demo import current_load
+    from efla_lab.demo import current_load
 
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -199,7 +199,7 @@ def test_current_load_sees_a_busy_core_at_once():
 
 
 def test_current_load_falls_back_to_the_load_average(monkeypatch):
-    import efla.experiments.demo as demo
+    import efla_lab.demo as demo
 
     monkeypatch.setattr(demo, "_cpu_times", lambda: None)
     monkeypatch.setattr(demo.os, "getloadavg", lambda: (1.5, 1.0, 0.5))
@@ -207,8 +207,8 @@ def test_current_load_falls_back_to_the_load_average(monkeypatch):
 
 
 def test_demo_estimates_the_time_left_from_finished_parts():
-    import efla.experiments.demo as demo
-    from efla.experiments.demo import PART_SHARE, projected_rest
+    import efla_lab.demo as demo
+    from efla_lab.demo import PART_SHARE, projected_rest
 
     assert sum(PART_SHARE.values()) == pytest.approx(1.0)
     # a pure function of the parts finished and an elapsed span given here: no clock is read
@@ -221,7 +221,7 @@ def test_demo_estimates_the_time_left_from_finished_parts():
 
 
 def test_demo_states_one_measured_time_in_readme_help_and_banner(tmp_path, capsys, monkeypatch):
-    import efla.experiments.demo as demo
+    import efla_lab.demo as demo
     from efla.cli import build_parser
 
     stated = f"about {demo.MEASURED_SECONDS} s on an idle 2-core CPU"
@@ -251,7 +251,7 @@ def _readme_demo_lines() -> str:
 
 
 def test_interrupted_demo_keeps_the_parts_it_finished(tmp_path, capsys, monkeypatch):
-    import efla.experiments.demo as demo
+    import efla_lab.demo as demo
 
     monkeypatch.setattr(demo, "run_mad_demo_task", _interrupt)
     assert main(["demo", "--epochs", "1", "--threads", "1", "--out", str(tmp_path)]) == 130

@@ -83,7 +83,7 @@ def test_a_row_that_stops_early_counts_no_padding(model_dir, loaded, monkeypatch
     stop = first[2]
     if stop in first[:2] or stop in second:
         pytest.skip("the chosen stop token also occurs elsewhere")
-    monkeypatch.setattr(command, "_stop_tokens", lambda model, tokenizer: [stop])
+    monkeypatch.setattr(command, "stop_tokens_of", lambda model, tokenizer: [stop])
     assert main(["generate", str(model_dir), *PROMPTS[:2], "--max-new-tokens", "6", "--json"]) == 0
     rows = _json_lines(capsys.readouterr().out)
     tokenizer = loaded[1]

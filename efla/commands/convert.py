@@ -5,27 +5,25 @@ from __future__ import annotations
 
 def cmd_convert(args) -> int:
     import torch
-    from rich.console import Console
 
-    from efla.experiments import arg_checks as check
+    from efla import arg_checks as check
     from efla.models.convert import convert_fla_checkpoint
 
     check.existing_dir(args.src, "SRC")
     check.output_dir(args.dst, "DST")
     dtype = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     rep = convert_fla_checkpoint(args.src, args.dst, update_rule=args.update_rule, dtype=dtype)
-    con = Console()
-    con.print(
-        f"Converted {rep['model_type']} checkpoint {rep['src']} -> {rep['dst']} as [bold]{rep['variant']}[/bold]: "
+    print(
+        f"Converted {rep['model_type']} checkpoint {rep['src']} -> {rep['dst']} as {rep['variant']}: "
         f"{rep['tensors']} tensors, {rep['parameters']:,} parameters."
     )
     if rep["attention_layers"]:
-        con.print(f"Softmax-attention layers (unchanged by --update-rule): {rep['attention_layers']}")
+        print(f"Softmax-attention layers (unchanged by --update-rule): {rep['attention_layers']}")
     if rep["ignored_config_fields"]:
-        con.print("Config fields without effect on the weights (ignored): " + ", ".join(rep["ignored_config_fields"]))
+        print("Config fields without effect on the weights (ignored): " + ", ".join(rep["ignored_config_fields"]))
     if rep["copied_files"]:
-        con.print("Copied: " + ", ".join(rep["copied_files"]))
-    con.print(
+        print("Copied: " + ", ".join(rep["copied_files"]))
+    print(
         "Load it with: import efla; from transformers import AutoModelForCausalLM; "
         f"AutoModelForCausalLM.from_pretrained({rep['dst']!r})"
     )

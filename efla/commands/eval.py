@@ -1,24 +1,18 @@
-"""``efla eval`` (one model: WikiText, LAMBADA, lm-evaluation-harness) and ``efla compare`` (several
-models in the paper's Table 1 layout). Argument parsing and printing only; the work is in
-:mod:`efla.experiments.lm.evaluate`."""
+"""``efla eval``: one model's WikiText perplexity, LAMBADA and lm-evaluation-harness tasks. Argument
+parsing and printing only; the work is in :mod:`efla.evaluation`. The lab's ``efla compare`` reuses
+its options and printing."""
 
 from __future__ import annotations
 
-import json
 import os
 
-from rich.console import Console
-from rich.table import Table
-
 from efla.errors import UsageError
-from efla.experiments.harness import progress_factory
-
-console = Console()
+from efla.records import progress_factory
 
 
-def _options(args):
+def eval_options(args):
     from efla.data.eval_text import default_data_file
-    from efla.experiments.lm.evaluate import EvalOptions
+    from efla.evaluation import EvalOptions
 
     wikitext, lambada = args.wikitext, args.lambada
     harness = [t.strip() for t in args.harness.split(",") if t.strip()] if args.harness else None
@@ -29,7 +23,7 @@ def _options(args):
                 "nothing to evaluate: no default data found under $EFLA_DATA_DIR or ../shared/data "
                 "(--wikitext FILE, --lambada FILE or --harness TASKS)"
             )
-        console.print(f"No data given: using wikitext={wikitext}, lambada={lambada}")
+        print(f"No data given: using wikitext={wikitext}, lambada={lambada}")
     if wikitext and wikitext.lower() == "none":
         wikitext = None
     if lambada and lambada.lower() == "none":
@@ -55,7 +49,7 @@ def _options(args):
 
 def _check_eval_options(args, wikitext: str | None, lambada: str | None) -> None:
     from efla.data.eval_text import load_lambada, load_text
-    from efla.experiments import arg_checks as check
+    from efla import arg_checks as check
 
     check.at_least(args.context, 2, "--context")
     check.at_least(args.stride, 1, "--stride")
@@ -78,24 +72,38 @@ def _check_eval_options(args, wikitext: str | None, lambada: str | None) -> None
         check.output_dir(args.out, "--out")
 
 
-def _setup_threads(args) -> None:
+def setup_threads(args) -> None:
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
 
 
-def _print_record(rec: dict) -> None:
+class _TextTable:
+    """Rows of cells printed in aligned columns (``right``: the columns aligned right)."""
+
+    def __init__(self, columns: list[str], right: set[int]):
+        self.rows = [columns]
+        self.right = right
+
+    def add_row(self, *cells: str) -> None:
+        self.rows.append([str(c) for c in cells])
+
+    def text(self) -> str:
+        widths = [max(len(row[i]) for row in self.rows) for i in range(len(self.rows[0]))]
+        cell = lambda i, c: c.rjust(widths[i]) if i in self.right else c.ljust(widths[i])  # noqa: E731
+        lines = ["  ".join(cell(i, c) for i, c in enumerate(row)).rstrip() for row in self.rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def print_record(rec: dict) -> None:
+    """One model's evaluation as a plain-text table on standard output."""
     m = rec["model"]
-    tab = Table(
-        title=f"{m['name']}: {m['label']} ({m['parameters'] / 1e6:.2f}M parameters"
-        + (f", seed {m['seed']}" if m["seed"] is not None else "")
-        + ")"
+    title = f"{m['name']}: {m['label']} ({m['parameters'] / 1e6:.2f}M parameters" + (
+        f", seed {m['seed']})" if m["seed"] is not None else ")"
     )
-    tab.add_column("benchmark")
-    tab.add_column("metric")
-    tab.add_column("value", justify="right")
-    tab.add_column("details")
+    tab = _TextTable(["benchmark", "metric", "value", "details"], right={2})
     if "wikitext" in rec:
         w = rec["wikitext"]
         det = (
@@ -114,71 +122,27 @@ def _print_record(rec: dict) -> None:
         for k, v in vals.items():
             if not k.endswith("_stderr"):
                 tab.add_row(f"lm-eval {task}", k, f"{v:.4f}", "")
-    console.print(tab)
+    print(title)
+    print(tab.text())
 
 
 def cmd_eval(args) -> int:
-    from efla.experiments.lm.evaluate import check_model_dir, evaluate_model, write_json
+    from efla.evaluation import check_model_dir, evaluate_model, write_json
 
     check_model_dir(args.model)
-    _setup_threads(args)
-    opts = _options(args)
+    setup_threads(args)
+    opts = eval_options(args)
     out = args.out or os.path.join("results", "eval", os.path.basename(os.path.normpath(args.model)))
     rec = evaluate_model(args.model, opts, progress_factory=progress_factory())
     rec["command"] = args.command_line
-    _print_record(rec)
+    print_record(rec)
     path = os.path.join(out, "eval.json")
     write_json(path, rec)
-    console.print(f"Wrote {path} ({rec['seconds']:.1f} s)")
+    print(f"Wrote {path} ({rec['seconds']:.1f} s)")
     return 0
 
 
-def cmd_compare(args) -> int:
-    from efla.experiments.lm.compare import compare
-    from efla.experiments.lm.evaluate import check_model_dir, evaluate_model, write_json, write_text
-
-    _setup_threads(args)
-    sources = list(args.models or []) + list(args.models_opt or [])
-    if not sources:
-        raise UsageError("give model directories or eval.json files (MODELS)")
-    for src in sources:
-        if not (src.endswith(".json") and os.path.isfile(src)):
-            check_model_dir(src, "MODELS")
-    records = []
-    opts = None
-    for src in sources:
-        if src.endswith(".json") and os.path.isfile(src):
-            with open(src) as f:
-                obj = json.load(f)
-            recs = obj.get("records", [obj])  # an earlier `efla compare` output, or one model
-            records.extend(recs)
-            console.print(f"{src}: using {len(recs)} recorded evaluation(s)")
-            continue
-        opts = opts or _options(args)
-        name = os.path.basename(os.path.normpath(src))
-        cached = os.path.join(args.out, "models", name, "eval.json")
-        if args.reuse and os.path.isfile(cached):
-            with open(cached) as f:
-                rec = json.load(f)
-            console.print(f"{src}: reusing {cached}")
-        else:
-            console.print(f"Evaluating {src} ...")
-            rec = evaluate_model(src, opts, progress_factory=progress_factory())
-            rec["command"] = args.command_line
-            write_json(cached, rec)
-        _print_record(rec)
-        records.append(rec)
-    md, summary = compare(records)
-    cmd = args.command_line
-    md = f"# Language-model evaluation\n\nCommand: `{cmd}`\n\n" + md
-    write_text(os.path.join(args.out, "table.md"), md)
-    write_json(os.path.join(args.out, "eval.json"), dict(summary, command=cmd, records=records))
-    console.print(md)
-    console.print(f"Wrote {os.path.join(args.out, 'table.md')} and {os.path.join(args.out, 'eval.json')}")
-    return 0
-
-
-def _add_eval_options(p) -> None:
+def add_eval_options(p) -> None:
     p.add_argument(
         "--wikitext",
         default=None,
@@ -240,19 +204,5 @@ def add_parser(sub) -> None:
     )
     e.add_argument("--model", required=True, help="model directory (config, weights and tokenizer)")
     e.add_argument("--out", default=None, help="output directory (default: results/eval/<model dir name>)")
-    _add_eval_options(e)
+    add_eval_options(e)
     e.set_defaults(func=cmd_eval)
-
-    c = sub.add_parser(
-        "compare",
-        help="evaluate several models; one Markdown table in the paper's Table 1 layout",
-        description="Evaluate model directories (or read eval.json files) and write table.md and "
-        "eval.json: per-variant mean and spread over seeds, per-model rows, "
-        "EFLA-vs-DeltaNet differences, and the paper's Table 1 for reference.",
-    )
-    c.add_argument("models", nargs="*", help="model directories or eval.json files")
-    c.add_argument("--models", dest="models_opt", nargs="+", default=None, help="same as the positional arguments")
-    c.add_argument("--out", default=os.path.join("results", "compare"), help="output directory")
-    c.add_argument("--reuse", action="store_true", help="reuse <out>/models/<name>/eval.json when present")
-    _add_eval_options(c)
-    c.set_defaults(func=cmd_compare)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
+from efla.commands.saved_model import add_model_options, check_model_dir, checked_device_and_dtype, load_model, stop_tokens_of
 from efla.errors import UsageError
 
 _EPILOG = """\
@@ -20,38 +20,9 @@ A PROMPT that starts with '-' goes after `--`.
 """
 
 
-# -- checks made before anything is loaded ---------------------------------------------------------
-
-
-def _check_model_dir(path: str) -> None:
-    """A saved efla model: config.json with model_type 'efla', safetensors weights, tokenizer files."""
-    from efla.experiments import arg_checks as check
-
-    check.existing_dir(path, "MODEL_DIR")
-    names = set(os.listdir(path))
-    config = os.path.join(path, "config.json")
-    if "config.json" not in names:
-        raise UsageError(f"{path} is not a model directory: no config.json (MODEL_DIR)")
-    try:
-        with open(config, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise UsageError(f"{config}: not a readable JSON config ({' '.join(str(error).split())}) (MODEL_DIR)") from None
-    model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
-    if model_type != "efla":
-        raise UsageError(
-            f"{config}: model_type {model_type!r} is not an efla model (expected 'efla'; "
-            "`efla convert` turns fla DeltaNet checkpoints into one) (MODEL_DIR)"
-        )
-    if not any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names):
-        raise UsageError(f"{path} has a config.json but no safetensors weights (*.safetensors) (MODEL_DIR)")
-    if not names & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"}:
-        raise UsageError(f"{path} has no tokenizer files (tokenizer.json or tokenizer_config.json) (MODEL_DIR)")
-
-
 def _read_prompts_file(path: str) -> list[str]:
     """One prompt per line (blank lines skipped); a byte that is not UTF-8 is named with its line."""
-    from efla.experiments import arg_checks as check
+    from efla import arg_checks as check
 
     check.existing_file(path, "--prompts-file")
     try:
@@ -75,35 +46,8 @@ def _read_prompts_file(path: str) -> list[str]:
     return prompts
 
 
-def _check_device(name: str) -> str:
-    """The device to run on (``auto``: cuda if available, else cpu)."""
-    import torch
-
-    from efla.experiments import arg_checks as check
-
-    check.device(name)
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    kind, _, index = name.partition(":")
-    if index and (kind != "cuda" or not index.isdigit()):
-        raise UsageError(f"unknown device {name!r}; expected auto, cpu, cuda or cuda:N (--device)")
-    if index and int(index) >= torch.cuda.device_count():
-        raise UsageError(f"{name} requested but there are {torch.cuda.device_count()} CUDA devices (--device)")
-    return name
-
-
-def _check_dtype(name: str, device: str):
-    import torch
-
-    if name == "auto":
-        name = "bfloat16" if device.startswith("cuda") else "float32"
-    if name == "float16" and not device.startswith("cuda"):
-        raise UsageError("float16 needs a CUDA device; on the CPU use float32 or bfloat16 (--dtype)")
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 def _check_options(args) -> None:
-    from efla.experiments import arg_checks as check
+    from efla import arg_checks as check
 
     check.at_least(args.max_new_tokens, 1, "--max-new-tokens")
     check.at_least(args.temperature, 0, "--temperature")
@@ -114,33 +58,6 @@ def _check_options(args) -> None:
 
 
 # -- loading and generating ------------------------------------------------------------------------
-
-
-def _load(path: str, device: str, dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    import efla  # noqa: F401  (registers the efla model type with transformers)
-
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # no "Loading weights" bar on stderr: the output is the text
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-    return model.to(device).eval(), tokenizer
-
-
-def _stop_tokens(model, tokenizer) -> list[int]:
-    """The tokenizer's eos, else the model's generation_config eos (none: generate to the length)."""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
 
 
 def _decode(tokenizer, ids: list[int]) -> str:
@@ -268,10 +185,9 @@ def _json_lines(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args) -
 
 
 def cmd_generate(args) -> int:
-    _check_model_dir(args.model_dir)
+    check_model_dir(args.model_dir)
     _check_options(args)
-    device = _check_device(args.device)
-    dtype = _check_dtype(args.dtype, device)
+    device, dtype = checked_device_and_dtype(args)
     prompts = list(args.prompts or [])
     if args.prompts_file is not None:
         prompts += _read_prompts_file(args.prompts_file)
@@ -280,9 +196,9 @@ def cmd_generate(args) -> int:
             raise UsageError(f"no prompt given: {args.prompts_file} has no prompt lines (--prompts-file)")
         raise UsageError("no prompt given (PROMPT or --prompts-file)")
 
-    model, tokenizer = _load(args.model_dir, device, dtype)
+    model, tokenizer = load_model(args.model_dir, device, dtype)
     encoded = _encode(tokenizer, prompts)
-    stop_tokens = _stop_tokens(model, tokenizer)
+    stop_tokens = stop_tokens_of(model, tokenizer)
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = stop_tokens[0] if stop_tokens else 0
@@ -304,7 +220,7 @@ def add_parser(sub) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (config.json, *.safetensors, tokenizer)")
+    add_model_options(p)
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts (each continued on its own)")
     p.add_argument(
         "--prompts-file",
@@ -331,13 +247,6 @@ def add_parser(sub) -> None:
         help="sample from the smallest set of tokens with probability >= P, 0 < P <= 1 (1: off)",
     )
     p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (same seed, same output)")
-    p.add_argument("--device", default="auto", metavar="D", help="auto (cuda if available), cpu, cuda or cuda:N")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto: bfloat16 on CUDA, float32 on the CPU (float16 needs CUDA)",
-    )
     p.add_argument(
         "--json", action="store_true", help="one JSON object per prompt per line: prompt, text, new_tokens, finish_reason"
     )

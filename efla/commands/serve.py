@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 
+from efla.commands.saved_model import add_model_options
 from efla.errors import UsageError
 
 _EPILOG = """\
@@ -33,7 +34,7 @@ def _check_libraries() -> None:
 
 
 def _check_options(args) -> None:
-    from efla.experiments import arg_checks as check
+    from efla import arg_checks as check
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"expected a port in 0..65535 (0: any free port), got {args.port} (--port)")
@@ -76,9 +77,9 @@ def _check_tokenizer(tokenizer, path: str) -> None:
 def _scheduler(model, tokenizer, args):
     from efla.serving import PrefixCache, Scheduler
 
-    from .generate import _stop_tokens
+    from efla.commands.saved_model import stop_tokens_of
 
-    stop_tokens = _stop_tokens(model, tokenizer)
+    stop_tokens = stop_tokens_of(model, tokenizer)
     cache = PrefixCache(block=args.prefix_block, max_bytes=args.prefix_cache_mb << 20) if args.prefix_cache_mb else None
     max_context = args.max_context or int(getattr(model.config, "max_position_embeddings", 0) or 2048)
     return Scheduler(
@@ -112,16 +113,15 @@ def _serve(app, sock: socket.socket, scheduler, args) -> None:
 
 
 def cmd_serve(args) -> int:
-    from .generate import _check_device, _check_dtype, _check_model_dir, _load
+    from efla.commands.saved_model import check_model_dir, checked_device_and_dtype, load_model
 
     _check_libraries()
-    _check_model_dir(args.model_dir)
+    check_model_dir(args.model_dir)
     _check_options(args)
-    device = _check_device(args.device)
-    dtype = _check_dtype(args.dtype, device)
+    device, dtype = checked_device_and_dtype(args)
     sock = _listen(args.host, args.port)
     try:
-        model, tokenizer = _load(args.model_dir, device, dtype)
+        model, tokenizer = load_model(args.model_dir, device, dtype)
         _check_tokenizer(tokenizer, args.model_dir)
         scheduler = _scheduler(model, tokenizer, args)
         scheduler.start()
@@ -154,16 +154,9 @@ def add_parser(sub) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (config.json, *.safetensors, tokenizer)")
+    add_model_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0: any free port)")
-    p.add_argument("--device", default="auto", metavar="D", help="auto (cuda if available), cpu, cuda or cuda:N")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto: bfloat16 on CUDA, float32 on the CPU (float16 needs CUDA)",
-    )
     p.add_argument(
         "--max-batch", type=int, default=64, metavar="N", help="state slots: requests decoding at once (default: %(default)s)"
     )

@@ -1,11 +1,9 @@
-"""``efla train`` (language-model training; efla.experiments.lm.train) and ``efla lm-report``
-(losses JSON/CSV, loss-curve PNG and summary.md of several runs)."""
+"""``efla train``: language-model training (the work is in :mod:`efla.training.trainer`)."""
 
 from __future__ import annotations
 
 import argparse
 import functools
-import pathlib
 import sys
 
 _EPILOG = """\
@@ -21,7 +19,7 @@ The output directory is a Hugging Face model directory (config.json, model.safet
 
 
 def add_parser(subparsers) -> None:
-    from efla.experiments.lm.config import TrainConfig
+    from efla.training.config import TrainConfig
 
     d = TrainConfig()
     p = subparsers.add_parser(
@@ -179,32 +177,10 @@ def add_parser(subparsers) -> None:
     _record_given_options(p)
     p.set_defaults(func=cmd_train, given_options=())
 
-    r = subparsers.add_parser(
-        "lm-report",
-        help="losses JSON/CSV, loss-curve PNG and summary.md of `efla train` runs",
-        description="Read finished `efla train` run directories (or a record's runs.jsonl) "
-        "and write their losses "
-        "(lm_losses.json/.csv), the loss curves (lm_loss_curves.png) and a summary "
-        "table per variant (summary.md).",
-    )
-    r.add_argument(
-        "--runs",
-        nargs="+",
-        required=True,
-        help="run directories (OUT of efla train), or a recorded experiment's runs.jsonl (a run per line)",
-    )
-    r.add_argument("--out", required=True, help="where to write lm_losses.json/.csv, lm_loss_curves.png, summary.md")
-    r.add_argument("--title", default="Language modelling", help="heading of summary.md (default: %(default)s)")
-    r.add_argument("--notes", default=None, help="a markdown file appended to summary.md (commands, remarks)")
-    r.set_defaults(func=cmd_lm_report)
-
 
 def cmd_train(args) -> int:
-    from rich.console import Console
+    from efla.training.trainer import TrainConfig, main_ddp_cleanup, train
 
-    from efla.experiments.lm.train import TrainConfig, main_ddp_cleanup, train
-
-    console = Console(stderr=True)
     cfg = TrainConfig(**_given_options(args))
     if args.config_file:
         cfg.preset = None
@@ -216,12 +192,13 @@ def cmd_train(args) -> int:
     main_ddp_cleanup(finished=True)
     if "final_loss" in res:
         vl = res["val_loss"]
-        console.print(
+        print(
             f"{res['steps']} steps, {res['tokens']:,} tokens; final loss {res['final_loss']:.4f}"
             + (f", validation loss {vl:.4f}" if vl is not None else "")
             + (f"; {res['tokens_per_s']:,.0f} tokens/s after warm-up" if res["tokens_per_s"] else "; nothing left to train")
             + _peak_memory_text(res.get("peak_memory_gib_per_gpu"))
-            + f". Model directory: [bold]{res['out']}[/bold]"
+            + f". Model directory: {res['out']}",
+            file=sys.stderr,
         )
     return 0
 
@@ -266,7 +243,7 @@ def _given_options(args) -> dict:
     import os
 
     from efla.errors import UsageError
-    from efla.experiments.lm.config import TrainConfig, check_resume_unchanged, stored_train_args
+    from efla.training.config import TrainConfig, check_resume_unchanged, stored_train_args
 
     fields = TrainConfig.__dataclass_fields__
     resuming = args.resume or args.resume_or_start or args.resume_from
@@ -298,20 +275,3 @@ def _run_length(explicit: dict) -> dict:
     if "max_tokens" in explicit and "max_steps" not in explicit:
         return dict(explicit, max_steps=None)
     return explicit
-
-
-def cmd_lm_report(args) -> int:
-    from efla.experiments import arg_checks as check
-    from efla.experiments.lm.report import write_lm_report
-
-    for run in args.runs:
-        if run.endswith(".jsonl"):
-            check.existing_file(run, "--runs")
-        else:
-            check.existing_dir(run, "--runs")
-    check.existing_file(args.notes, "--notes")
-    check.output_dir(args.out)
-    notes = pathlib.Path(args.notes).read_text() if args.notes else ""
-    files = write_lm_report(args.runs, args.out, title=args.title, notes=notes, command_line=args.command_line)
-    print("Wrote: " + ", ".join(files))
-    return 0

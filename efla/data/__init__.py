@@ -1,5 +1,2 @@
-"""Data loaders: MNIST idx / embedded digits (sequences of pixels)."""
-
-from .pixels import PixelData, find_mnist_dir, load_digits_sequences, load_mnist_sequences, load_pixel_data
-
-__all__ = ["PixelData", "find_mnist_dir", "load_digits_sequences", "load_mnist_sequences", "load_pixel_data"]
+"""Text data for training and evaluation: documents and packed token streams (text.py), the BPE
+tokenizer (tokenizer.py), WikiText and LAMBADA (eval_text.py) and where ``../shared/data`` is (shared.py)."""

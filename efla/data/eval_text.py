@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from .shared import find_shared
+from efla.data.shared import find_shared
 
 __all__ = ["load_text", "load_lambada", "default_data_file"]
 

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from efla.cli import build_parser
 from efla.data.text import read_documents
 from efla.data.tokenizer import train_bpe_tokenizer
-from efla.experiments.lm.train import TrainConfig, main_ddp_cleanup, train
+from efla.training.trainer import TrainConfig, main_ddp_cleanup, train
 
 from .layer_hook import token_mixers_routed
 from .spawn import run_in_processes

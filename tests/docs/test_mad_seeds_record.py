@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from efla.experiments.harness import recorded
+from efla.records import recorded
 
 RECORD = pathlib.Path(__file__).resolve().parents[2] / "docs/results/mad/fuzzy-recall-seeds"
 

@@ -187,7 +187,7 @@ def test_context_parallel_refuses_attention_layers():
 
 def test_train_refuses_context_parallelism_for_hybrid_models(tmp_path):
     from efla.errors import UsageError
-    from efla.experiments.lm.train import TrainConfig, check_train_config
+    from efla.training.trainer import TrainConfig, check_train_config
 
     (tmp_path / "a.txt").write_text("some text\n")
     cfg = TrainConfig(data=[str(tmp_path)], out=str(tmp_path / "out"), preset="tiny-hybrid-efla", context_parallel=2)
