@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 import torch.distributed as dist
 
-from efla import ops
+from efla import environment, ops
 from efla.distributed import context_parallel, shard, shard_layout
 
 
@@ -141,7 +140,7 @@ def main() -> None:
     a = p.parse_args()
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(environment.get("LOCAL_RANK"))
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     for rule in a.rules:

@@ -75,7 +75,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import efla.layers.decode as decode
+import efla.layers.single_step as decode
 from efla.generation import generate, release
 from efla.generation.engine import bucket_size, engine_for
 from efla.layers.modules import mlp_intermediate_size

@@ -34,7 +34,7 @@ under the profiler), to see where two models differ. ``--host-profile`` runs one
 
 A second stage (``--loss-curve``) trains a preset for a few steps on real tokens twice from the same
 initialisation, once with the fused GPU modules and once with the PyTorch modules
-(``efla.layers.fused.disabled()``), and reports the two loss curves.
+(``efla.layers.fla_kernels.disabled()``), and reports the two loss curves.
 
 Usage (GPU machine): ``python benchmarks/gpu_model.py --sizes 340m --shapes 2048x8,4096x4 --out DIR``.
 Prints Markdown tables and writes ``DIR/gpu_model.json`` and ``DIR/gpu_model.md``.
@@ -57,9 +57,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from efla.layers import fused
+from efla import environment
+from efla.layers import fla_kernels as fused
 from efla.models import EFLAForCausalLM, get_preset_config
-from gpu_ops import environment
 
 GIB = 2**30
 OURS = ("efla", "efla+triton", "efla+flce", "deltanet", "gated-efla", "gated-deltanet")
@@ -164,10 +164,10 @@ def error_line(e: BaseException) -> str:
 
 
 def step_environment(kind: str):
-    """The variables a model's suffixes set while it steps (the ops read them at every call):
+    """The switches a model's suffixes set while it steps (``efla.environment.override``):
     ``+nokeycheck`` ``EFLA_CHECK_KEYS=0``, ``+triton`` ``EFLA_DIRECT_LAUNCH=0``, ``+tuned``
     ``EFLA_STATE_TUNING=1``, ``+fusedfwd`` ``EFLA_FUSED_FORWARD=1``, ``+split4`` ``EFLA_SPLIT_STATE=4``."""
-    return environment(dict(env for suffix, env in STEP_ENVIRONMENT.items() if suffix in kind))
+    return environment.override(**dict(env for suffix, env in STEP_ENVIRONMENT.items() if suffix in kind))
 
 
 def train_step(model, opt, ids) -> tuple[float, int, float]:

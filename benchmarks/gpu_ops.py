@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import contextlib
 import os
 import statistics
 import sys
@@ -35,6 +34,7 @@ import torch.nn.functional as Fn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import efla.ops as ops
+from efla import environment
 from efla.variants import Variant
 
 T0 = time.time()
@@ -180,26 +180,11 @@ def try_call(f):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
-@contextlib.contextmanager
-def environment(settings: dict):
-    """``os.environ`` with ``settings`` for the block (the ops read their switches at every call)."""
-    before = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
-
-
 def with_settings(f, settings: dict):
-    """``f`` run with ``settings`` in ``os.environ``."""
+    """``f`` run with ``settings``, efla's switches by name (``efla.environment.override``)."""
 
     def run():
-        with environment(settings):
+        with environment.override(**settings):
             return f()
 
     return run

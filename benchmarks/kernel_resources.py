@@ -9,7 +9,7 @@ scalar chain). A proxy to choose settings between GPU visits; speed itself is me
 Then the shared memory each setting of the gated ``dqkwg`` kernel needs at several head sizes,
 against the H200's limit per block: a setting above it cannot launch there (the autotuner skips it);
 and registers, spills and shared memory of every setting the fused forward's kernel tunes over
-(``efla.ops.cuda.fused_forward``; ``w``/``u`` read, or formed from ``A``), plain and gated, at
+(``efla.ops.cuda.experimental.fused_forward``; ``w``/``u`` read, or formed from ``A``), plain and gated, at
 K = V = 64, 128 and 256.
 
 Usage: ``python benchmarks/kernel_resources.py`` (needs triton with its NVIDIA backend; no GPU).
@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from efla.ops.cuda import fused_forward as ff
+from efla.ops.cuda.experimental import fused_forward as ff
 from efla.ops.cuda import kernels as kn
 
 H200_SHARED_BYTES = 232448  # shared memory per block on sm_90 (opt-in maximum)

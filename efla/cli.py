@@ -8,10 +8,10 @@ import contextlib
 import importlib
 import importlib.metadata
 import itertools
-import os
 import sys
 import warnings
 
+from efla import environment
 from efla.errors import CheckpointError, RunWarning
 from efla.records import command_line
 
@@ -137,7 +137,7 @@ def _subparsers(parser) -> list:
 
 
 def _debug_wanted(args) -> bool:
-    return bool(getattr(args, "debug", False)) or os.environ.get("EFLA_DEBUG", "") not in ("", "0")
+    return bool(getattr(args, "debug", False)) or environment.get("EFLA_DEBUG")
 
 
 _USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)  # UsageError is a ValueError
@@ -171,6 +171,7 @@ def _one_line_warnings(command: str, show_others):
 
 
 def main(argv=None) -> int:
+    environment.reload()  # each command reads the environment as it is when the command starts
     parser = build_parser()
     _add_debug_option(parser)
     args = parser.parse_args(argv)

@@ -1,5 +1,10 @@
+import contextlib
+import os
+
 import pytest
 import torch
+
+from efla import environment
 
 
 @pytest.fixture(autouse=True)
@@ -12,14 +17,28 @@ def _single_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(autouse=True)
+def _environment_read_afresh():
+    """efla keeps each environment variable as first read: every test starts from the environment
+    as it is (a ``monkeypatch.setenv`` before the variable's first read in the test counts; within a
+    test, switch values with ``environment.override`` or the ``switches`` fixture)."""
+    environment.reload()
+
+
+@pytest.fixture
+def switches():
+    """``switches(EFLA_X=value, ...)``: ``efla.environment.override`` until the test ends."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **values: stack.enter_context(environment.override(**values))
+
+
 def pytest_configure(config):
     """``EFLA_TEST_FIRST_CONFIG=1``: every autotuned Triton kernel runs its first launch setting
     without benchmarking the others. The GPU tests check results, which every setting must get
     right, and autotuning each new head dim, head count and kernel costs minutes per case on a fresh
-    machine. (Timings must not share this process's Triton cache: give it its own TRITON_CACHE_DIR.)"""
-    import os
-
-    if os.environ.get("EFLA_TEST_FIRST_CONFIG") == "1":
+    machine. (Timings must not share this process's Triton cache: give it its own TRITON_CACHE_DIR.)
+    A switch of the test suite's, not efla's: spelled as efla's switches are (``efla.environment``)."""
+    if environment.parse_switch("EFLA_TEST_FIRST_CONFIG", os.environ.get("EFLA_TEST_FIRST_CONFIG", "")):
         try:
             import triton.runtime.autotuner as autotuner
         except ImportError:

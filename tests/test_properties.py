@@ -10,8 +10,6 @@ On a GPU the ops are also run (fixed head dims) with value checks on, which is o
 from __future__ import annotations
 
 import functools
-import os
-from unittest import mock
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import efla.ops as ops
+from efla import environment
 from efla.layers import EFLA, GatedEFLA
 
 PROFILE = dict(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
@@ -122,7 +121,7 @@ def _finite_or_value_error(call):
     """Run ``call`` with value checks on (on a GPU they are opt-in: each costs a sync); return its
     result when it succeeded, ``None`` when it raised ValueError."""
     try:
-        with mock.patch.dict(os.environ, {"EFLA_CHECK_VALUES": "1"}):
+        with environment.override(EFLA_CHECK_VALUES=True):
             out = call()
     except ValueError as e:
         assert str(e), "ValueError without a message"

@@ -11,15 +11,18 @@ import socket
 import sys
 
 from efla.commands.saved_model import add_model_options
+from efla import environment
 from efla.errors import UsageError
 
 _EPILOG = """\
 examples:
   efla serve runs/lm/efla-s0
   efla serve runs/lm/efla-s0 --host 0.0.0.0 --port 8080 --max-batch 256 --api-key "$KEY"
+  efla serve runs/lm/efla-s0 --chat-template chat.jinja   # a tokenizer without a chat template
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"model": "efla-s0", "prompt": "The meaning of life is", "max_tokens": 32, "temperature": 0}'
-Endpoints: POST /v1/completions (OpenAI's; top_k as an extension), GET /v1/models, GET /health (slots,
+Endpoints: POST /v1/completions and /v1/chat/completions (OpenAI's; top_k as an extension), GET
+/v1/models, POST /tokenize and /detokenize (vLLM's), GET /metrics (Prometheus), GET /health (slots,
 queue, prefix-cache hit rate). SIGTERM: stop taking requests, finish those in flight (up to
 --shutdown-timeout seconds, then cancel them), exit 0. The server writes no files.
 """
@@ -28,9 +31,12 @@ queue, prefix-cache hit rate). SIGTERM: stop taking requests, finish those in fl
 def _check_libraries() -> None:
     import importlib.util
 
-    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    needed = ("fastapi", "uvicorn", "prometheus_client", "jinja2")
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
-        raise UsageError(f"efla serve needs {' and '.join(missing)}: pip install 'efla[serve]' (fastapi, uvicorn)")
+        raise UsageError(
+            f"efla serve needs {' and '.join(missing)}: pip install 'efla[serve]' (fastapi, uvicorn, prometheus-client, jinja2)"
+        )
 
 
 def _check_options(args) -> None:
@@ -51,6 +57,29 @@ def _check_options(args) -> None:
         raise UsageError("the API key is empty (--api-key or EFLA_API_KEY)")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise UsageError("the model name is empty (--served-model-name)")
+
+
+def _read_chat_template(path: str | None) -> str | None:
+    """The chat template in ``path`` (``None``: use the tokenizer's), read before the model loads."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as file:
+            template = file.read()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise UsageError(f"cannot read the chat template {path}: {reason} (--chat-template)") from None
+    if not template.strip():
+        raise UsageError(f"the chat template {path} is empty (--chat-template)")
+    from jinja2 import Environment, TemplateSyntaxError
+
+    try:
+        Environment().parse(template)
+    except TemplateSyntaxError as error:
+        raise UsageError(
+            f"the chat template {path} is not valid Jinja: line {error.lineno}: {error.message} (--chat-template)"
+        ) from None
+    return template
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -118,6 +147,7 @@ def cmd_serve(args) -> int:
     _check_libraries()
     check_model_dir(args.model_dir)
     _check_options(args)
+    chat_template = _read_chat_template(args.chat_template)
     device, dtype = checked_device_and_dtype(args)
     sock = _listen(args.host, args.port)
     try:
@@ -128,7 +158,7 @@ def cmd_serve(args) -> int:
         from efla.serving import create_app
 
         name = args.served_model_name or os.path.basename(os.path.abspath(args.model_dir))
-        app = create_app(scheduler, tokenizer, model_name=name, api_key=args.api_key)
+        app = create_app(scheduler, tokenizer, model_name=name, api_key=args.api_key, chat_template=chat_template)
         host, port = sock.getsockname()[:2]
         cache = f"prefix cache {args.prefix_cache_mb} MB" if scheduler.prefix_cache is not None else "no prefix cache"
         print(
@@ -147,7 +177,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "serve",
         help="serve a saved efla model over an OpenAI-compatible HTTP API (continuous batching)",
-        description="Load a model directory (config, safetensors weights, tokenizer) and serve OpenAI's completions "
+        description="Load a model directory (config, safetensors weights, tokenizer) and serve OpenAI's completions and chat "
         "API: requests share the model step by step in a pool of --max-batch state slots (continuous "
         "batching), prompts are prefilled in chunks between decoding steps, and states after recent "
         "prompt prefixes are reused. Needs pip install 'efla[serve]'.",
@@ -172,9 +202,15 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("EFLA_API_KEY") or None,
+        default=environment.get("EFLA_API_KEY"),
         metavar="KEY",
         help="require 'Authorization: Bearer KEY' on /v1 (default: $EFLA_API_KEY, else no key)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template for /v1/chat/completions (default: the tokenizer's own, if it has one)",
     )
     p.add_argument(
         "--max-context",

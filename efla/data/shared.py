@@ -6,13 +6,16 @@ from __future__ import annotations
 import os
 import pathlib
 
+from efla import environment
+
 __all__ = ["shared_data_dirs", "find_shared"]
 
 
 def shared_data_dirs() -> list[pathlib.Path]:
     """The folders searched for shared data, in order."""
     repository = pathlib.Path(__file__).resolve().parents[2]
-    dirs = [os.environ.get("EFLA_DATA_DIR"), pathlib.Path.cwd().parent / "shared" / "data", repository.parent / "shared" / "data"]
+    beside_cwd, beside_repository = pathlib.Path.cwd().parent / "shared" / "data", repository.parent / "shared" / "data"
+    dirs = [environment.get("EFLA_DATA_DIR"), beside_cwd, beside_repository]
     return [pathlib.Path(os.path.normpath(d)) for d in dirs if d]
 
 

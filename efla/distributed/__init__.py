@@ -30,7 +30,7 @@ from .context_parallel import (
     shard,
     shard_layout,
 )
-from .training import ContextParallelTraining, context_parallel_lm_loss, next_token_targets, setup_context_parallel
+from .context_parallel_lm import ContextParallelTraining, context_parallel_lm_loss, next_token_targets, setup_context_parallel
 
 __all__ = [
     "ContextParallel",

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from efla.cuda_graphs import capture
-from efla.layers.decode import refresh_stacked_weights
+from efla.layers.single_step import refresh_stacked_weights
 from efla.models.cache import EFLACache
 from efla.ops.validate import unchecked_values
 

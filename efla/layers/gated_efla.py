@@ -8,33 +8,16 @@ checkpoints load one-to-one.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from efla.distributed.context_parallel import (
-    context_parallel_aware,
-    context_parallel_conv_states,
-    context_parallel_inactive,
-)
-from efla.ops import DecodeSpec, chunk_gated_delta_rule, chunk_gated_efla, recurrent_gated_delta_rule, recurrent_gated_efla
+from efla.distributed.context_parallel import context_parallel_inactive
+from efla.ops import chunk_gated_delta_rule, chunk_gated_efla, recurrent_gated_delta_rule, recurrent_gated_efla
 
-from ._common import (
-    check_hidden_states,
-    check_num_v_heads,
-    check_update_rule,
-    empty_recurrent_state,
-    get_layer_state,
-    padding_mask,
-    per_value_head,
-    project,
-    stiffness_stats,
-)
-from .decode import decode_pool, fused_decode
-from .modules import RMSNorm, RMSNormGated, ShortConvolution, decay_gate, l2_normalize
+from .linear_attention import LinearAttentionLayer
+from .modules import decay_gate
 
 __all__ = ["GatedEFLA"]
 
@@ -43,7 +26,7 @@ DT_MIN, DT_MAX, DT_INIT_FLOOR = 1e-3, 1e-1, 1e-4
 A_INIT_RANGE = (0.0, 16.0)
 
 
-class GatedEFLA(nn.Module):
+class GatedEFLA(LinearAttentionLayer):
     r"""Gated Exact Flow Linear Attention layer (drop-in for flash-linear-attention's ``GatedDeltaNet``).
 
     Log gate ``g_t = -exp(A_log) * softplus(a_proj(x_t) + dt_bias) <= 0`` per value head, gate
@@ -88,6 +71,9 @@ class GatedEFLA(nn.Module):
         torch.Size([2, 10, 64])
     """
 
+    GATE_PROJECTIONS = {"a": "a_proj", "beta": "b_proj"}
+    decay_gated = True
+
     def __init__(
         self,
         hidden_size: int = 2048,
@@ -108,23 +94,24 @@ class GatedEFLA(nn.Module):
         fuse_input_projections: bool = True,
         **kwargs: Any,
     ):
-        super().__init__()
-        if mode not in ("chunk", "recurrent", "fused_recurrent"):
-            raise ValueError(f"mode: expected 'chunk' or 'recurrent', got {mode!r}")
         if num_heads < 1 or head_dim < 1:
             raise ValueError(f"num_heads, head_dim: expected >= 1, got {num_heads}, {head_dim}")
-        self.mode = "recurrent" if mode == "fused_recurrent" else mode
-        self.update_rule = check_update_rule(update_rule)
-        self.hidden_size = hidden_size
+        super().__init__(
+            mode=mode,
+            update_rule=update_rule,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            num_v_heads=num_v_heads,
+            use_gate=use_gate,
+            use_short_conv=use_short_conv,
+            conv_size=conv_size,
+            conv_bias=conv_bias,
+            allow_neg_eigval=allow_neg_eigval,
+            layer_idx=layer_idx,
+            fuse_input_projections=fuse_input_projections,
+        )
         self.expand_v = expand_v
         self.head_dim = head_dim
-        self.num_heads = num_heads
-        self.num_v_heads = check_num_v_heads(num_v_heads, num_heads)
-        self.use_gate, self.use_short_conv = use_gate, use_short_conv
-        self.allow_neg_eigval = allow_neg_eigval
-        self.conv_size, self.conv_bias = conv_size, conv_bias
-        self.layer_idx = layer_idx
-
         self.head_k_dim = head_dim
         self.head_v_dim = int(head_dim * expand_v)
         if not math.isclose(head_dim * expand_v, self.head_v_dim, rel_tol=1e-5):
@@ -132,9 +119,7 @@ class GatedEFLA(nn.Module):
         self.key_dim = num_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
 
-        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self._add_qkv_projections()
         self.a_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False)
         self.b_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32))
@@ -142,32 +127,8 @@ class GatedEFLA(nn.Module):
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
         self.reset_gate_parameters()
-
-        if use_short_conv:
-            self.q_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, activation="silu")
-            self.k_conv1d = ShortConvolution(self.key_dim, conv_size, bias=conv_bias, activation="silu")
-            self.v_conv1d = ShortConvolution(self.value_dim, conv_size, bias=conv_bias, activation="silu")
-        else:
-            warnings.warn(
-                "use_short_conv=False: the short convolutions matter for quality; keep them unless you know why not.",
-                stacklevel=2,
-            )
-        if use_gate:
-            self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
-            self.o_norm = RMSNormGated(self.head_v_dim, eps=norm_eps, activation=output_gate_activation)
-        else:
-            self.o_norm = RMSNorm(self.head_v_dim, eps=norm_eps, dtype=torch.float32)
-        self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
-        self.fuse_input_projections = bool(fuse_input_projections)
-
-        self.record_stats = False
-        self.stats: dict | None = None
-
-    def extra_repr(self) -> str:
-        return (
-            f"update_rule={self.update_rule!r}, num_heads={self.num_heads}, num_v_heads={self.num_v_heads}, "
-            f"head_k_dim={self.head_k_dim}, head_v_dim={self.head_v_dim}"
-        )
+        self._add_short_convolutions()
+        self._add_output(norm_eps, gate_activation=output_gate_activation)
 
     @torch.no_grad()
     def reset_gate_parameters(self) -> None:
@@ -181,64 +142,19 @@ class GatedEFLA(nn.Module):
         dt = torch.exp(u * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN)).clamp(min=DT_INIT_FLOOR)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
-    def input_projections(self, x: torch.Tensor) -> tuple:
-        """``(q, k, v, a, b, g)`` projections of ``x`` (``g`` is ``None`` without the output gate)."""
-        layers = [self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj]
-        q, k, v, a, b = project(x, layers, self.fuse_input_projections)
-        # the output gate stays apart: as a slice of the fused product the gated norm would copy it
-        return q, k, v, a, b, (self.g_proj(x) if self.use_gate else None)
-
     def log_gate(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``g = -exp(A_log) * softplus(a_proj(x) + dt_bias)``, ``[B, T, num_v_heads]``, ``<= 0``, in
         float32 (float64 for float64 inputs): the ops keep the gate's cumulative sum in that precision."""
         return decay_gate(self.a_proj(hidden_states), self.A_log, self.dt_bias)
 
-    def prepare_qkv_beta(self, hidden_states, attention_mask=None, last_state=None, use_cache=False, cu_seqlens=None):
-        """The recurrence inputs per value head, ``q, k [B, T, HV, K]`` (each q/k head repeated for
-        its group of value heads, as the op does), ``v [B, T, HV, V]``, ``g, beta [B, T, HV]``
-        (``g`` in float32), plus the new convolution states and the padding mask."""
-        q, k, v, g, beta, conv_state, mask, _ = self._recurrence_inputs(
-            hidden_states, attention_mask, last_state, use_cache, cu_seqlens
-        )
-        k = l2_normalize(k) if self.update_rule == "euler" else k
-        q, k = per_value_head(l2_normalize(q), self.num_v_heads), per_value_head(k, self.num_v_heads)
-        return q, k, v, g, beta, conv_state, mask
-
-    def _recurrence_inputs(self, hidden_states, attention_mask, last_state, use_cache, cu_seqlens, raw_gates=False):
-        # q (and the Euler rule's k) before their L2 normalisation, which the op fuses into its kernels;
-        # last, the output gate's projection. ``raw_gates``: g and beta as the projections left them,
-        # for the op to activate (no padding mask then: a masked step needs the gate g = 0 itself)
-        B, T = hidden_states.shape[:2]
-        mask = padding_mask(attention_mask, B, T, cu_seqlens)
-        q, k, v, a, b, gate = self.input_projections(hidden_states)
-        if mask is not None:
-            q, k, v = q * mask, k * mask, v * mask
-        conv_state = (None, None, None)
-        if self.use_short_conv:
-            if last_state is not None and last_state.get("conv_state") is not None:
-                conv_state = last_state["conv_state"]
-            conv_state = context_parallel_conv_states((q, k, v), self.conv_size) or conv_state
-            conv_args = {"output_final_state": use_cache, "cu_seqlens": cu_seqlens, "mask": mask}
-            q, cq = self.q_conv1d(q, cache=conv_state[0], **conv_args)
-            k, ck = self.k_conv1d(k, cache=conv_state[1], **conv_args)
-            v, cv = self.v_conv1d(v, cache=conv_state[2], **conv_args)
-            conv_state = (cq, ck, cv)
-        else:
-            q, k, v = F.silu(q), F.silu(k), F.silu(v)
-        q = q.view(B, T, self.num_heads, self.head_k_dim)
-        k = k.view(B, T, self.num_heads, self.head_k_dim)
-        v = v.view(B, T, self.num_v_heads, self.head_v_dim)
+    def _coefficients(self, gates: dict, q: torch.Tensor, mask, raw_gates: bool) -> tuple:
+        """``(g, beta)``; with ``raw_gates`` (and no padding: a masked step needs the gate ``g = 0``
+        itself) as the projections left them, for the op to activate."""
         if raw_gates and mask is None:
-            return q, k, v, a, b.to(q.dtype), conv_state, mask, gate
-        beta = b.sigmoid()
-        if self.allow_neg_eigval:
-            beta = beta * 2.0
-        beta = beta.to(q.dtype)
-        g = decay_gate(a, self.A_log, self.dt_bias)
-        if mask is not None:  # k = v = 0 and gate 1: the step is the identity
-            k, v = k * mask[..., None], v * mask[..., None]
-            g = g * mask
-        return q, k, v, g, beta, conv_state, mask, gate
+            return gates["a"], gates["beta"].to(q.dtype)
+        beta = self._beta(gates["beta"], q)
+        g = decay_gate(gates["a"], self.A_log, self.dt_bias)
+        return (g if mask is None else g * mask), beta
 
     def _gates_in_op(self, hidden_states, recurrent: bool) -> bool:
         """Whether the op activates the gate and beta (the Gated EFLA chunk kernels do it in their
@@ -266,86 +182,3 @@ class GatedEFLA(nn.Module):
         if self.update_rule == "exact":
             return recurrent_gated_efla if recurrent else chunk_gated_efla
         return recurrent_gated_delta_rule if recurrent else chunk_gated_delta_rule
-
-    def decode_spec(self) -> DecodeSpec:
-        """The constants of this layer's fused decoding step (``efla.ops.fused_decode_step``)."""
-        return DecodeSpec(
-            num_heads=self.num_heads,
-            groups=self.num_v_heads // self.num_heads,
-            head_k_dim=self.head_k_dim,
-            head_v_dim=self.head_v_dim,
-            exact=self.update_rule == "exact",
-            gated=True,
-            qk_silu=True,
-            beta_scale=2.0 if self.allow_neg_eigval else 1.0,
-            k_l2=self.update_rule == "euler",
-            out_gate=self.o_norm.activation if self.use_gate else None,
-            norm_eps=self.o_norm.eps,
-            conv_size=self.conv_size,
-        )
-
-    def empty_state(self, num_slots: int, device, dtype: torch.dtype, max_length: int | None = None) -> dict:  # noqa: ARG002 (transformers' layer call; the attention layers' pool interface)
-        """This layer's decoding state for ``num_slots`` rows, zeroed (see ``EFLACache.for_model``)."""
-        return empty_recurrent_state(self, num_slots, device, dtype)
-
-    def _fused_step(self, hidden_states, pool, cache):
-        names = ["q_proj", "k_proj", "v_proj", "a_proj", "b_proj"] + (["g_proj"] if self.use_gate else [])
-        return fused_decode(self, hidden_states, cache, pool, names, {"a": "a_proj", "beta": "b_proj", "gate": "g_proj"})
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Any = None,
-        use_cache: bool | None = False,
-        output_attentions: bool | None = False,  # noqa: ARG002 (transformers' layer call; the attention layers' pool interface)
-        cu_seqlens: torch.Tensor | None = None,
-        **kwargs: Any,
-    ):
-        B, T = check_hidden_states(hidden_states, self.hidden_size, self.q_proj.weight.dtype)
-        if cu_seqlens is not None and B != 1:
-            raise ValueError(f"cu_seqlens: packed input needs batch size 1, got hidden_states {tuple(hidden_states.shape)}")
-        pool = decode_pool(self, hidden_states, attention_mask, past_key_values, use_cache, cu_seqlens)
-        if pool is not None:  # one token per row on the GPU: the fused step, the cache updated in place
-            return self._fused_step(hidden_states, pool, past_key_values), None, past_key_values
-        last_state = get_layer_state(past_key_values, self.layer_idx)
-        use_cache = bool(use_cache) and past_key_values is not None
-
-        recurrent = self.mode == "recurrent" or (T == 1 and cu_seqlens is None)
-        raw_gates = self._gates_in_op(hidden_states, recurrent)
-        q, k, v, g, beta, conv_state, mask, gate = self._recurrence_inputs(
-            hidden_states, attention_mask, last_state, use_cache, cu_seqlens, raw_gates
-        )
-        initial_state = last_state.get("recurrent_state") if last_state is not None else None
-        euler = self.update_rule == "euler"
-        op = context_parallel_aware(self._op(recurrent))
-        gate_kwargs = self._gate_kwargs() if raw_gates and mask is None else {}
-        o, state = op(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            initial_state=initial_state,
-            output_final_state=use_cache,
-            cu_seqlens=cu_seqlens,
-            use_q_l2norm_in_kernel=True,
-            use_qk_l2norm_in_kernel=euler,
-            **gate_kwargs,
-        )
-        if self.record_stats:
-            k_seen = per_value_head(l2_normalize(k) if euler else k, self.num_v_heads)
-            self.stats = stiffness_stats(k_seen, beta, g, self.update_rule)
-        if use_cache:
-            past_key_values.update_layer_state(
-                self.layer_idx, recurrent_state=state, conv_state=conv_state if self.use_short_conv else None, offset=T
-            )
-
-        if self.use_gate:
-            o = self.o_norm(o, gate.reshape(B, T, self.num_v_heads, self.head_v_dim))
-        else:
-            o = self.o_norm(o)
-        o = self.o_proj(o.reshape(B, T, self.value_dim))
-        if mask is not None:
-            o = o * mask
-        return o, None, past_key_values

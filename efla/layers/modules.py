@@ -3,7 +3,7 @@
 Each module keeps flash-linear-attention's parameter names and shapes (``weight`` / ``bias``,
 ``gate_proj`` / ``up_proj`` / ``down_proj``) so that a DeltaNet or Gated DeltaNet checkpoint
 maps onto our modules tensor by tensor. They are written in plain PyTorch (any device); on CUDA
-tensors they run flash-linear-attention's fused kernels when it is installed (``efla.layers.fused``).
+tensors they run flash-linear-attention's fused kernels when it is installed (``efla.layers.fla_kernels``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from efla.ops.normalize import l2_normalize
 
 from ._common import _bare_linear
-from .decode import stacked_projections
-from .fused import kernels_for
+from .fla_kernels import kernels_for
+from .single_step import stacked_projections
 
 __all__ = ["ShortConvolution", "RMSNorm", "RMSNormGated", "GatedMLP", "decay_gate", "l2_normalize", "mlp_intermediate_size"]
 

@@ -20,7 +20,7 @@ from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from efla.layers import EFLA, GatedEFLA, GatedMLP, RMSNorm
-from efla.layers.fused import kernels_for
+from efla.layers.fla_kernels import kernels_for
 from efla.ops import deferred_key_checks
 
 from .cache import EFLACache

@@ -31,7 +31,7 @@ from ..variants import Variant
 from .api import run as _run
 from .coefficients import efla_coefficient, gated_efla_coefficients
 from .cuda.key_checks import check_keys, deferred_key_checks
-from .decode import DecodeSpec, fused_decode_available, fused_decode_step
+from .mixer_step import DecodeSpec, fused_decode_available, fused_decode_step
 from .gates import raw_gates
 from .normalize import l2_normalize
 

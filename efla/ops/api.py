@@ -7,12 +7,12 @@ import contextlib
 import torch
 
 from ..variants import Variant
-from .chunk import chunk_generic
+from .torch_chunk import chunk_generic
 from .coefficients import coefficients
 from .cuda.key_checks import key_checks_enabled
 from .gates import RawGates, activate, check_gate_parameters
 from .normalize import l2_normalize
-from .recurrent import recurrent_generic
+from .torch_scan import recurrent_generic
 from .validate import check_key_energy, check_result, compute_dtype, host_offsets, validate, values_checked
 
 _cuda_backend = None  # False once the import failed; the module once it succeeded

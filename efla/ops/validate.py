@@ -14,13 +14,13 @@ when the chunk kernels' flags are read: ``efla.ops.cuda.key_checks``).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from dataclasses import dataclass
 
 import torch
 import torch.utils.weak
 
+from efla import environment
 from efla.errors import NonFiniteValues
 
 
@@ -79,7 +79,7 @@ def values_checked(x: torch.Tensor) -> bool:
         return False
     if not x.is_cuda:
         return True
-    return os.environ.get("EFLA_CHECK_VALUES", "0") not in ("", "0", "false", "False")
+    return environment.get("EFLA_CHECK_VALUES")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

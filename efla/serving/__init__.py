@@ -2,12 +2,14 @@
 decoding engine's pool of recurrent states.
 
 ``Scheduler`` owns the model in a background thread and batches requests step by step (chunked
-prefill, a prefix state cache, per-request seeds); ``create_app`` puts OpenAI's ``/v1/completions``
-and ``/v1/models`` and a ``/health`` report in front of it (FastAPI; ``pip install "efla[serve]"``).
+prefill, a prefix state cache, forked states for ``n`` choices, per-request seeds, log-probabilities,
+logit processors); ``create_app`` puts OpenAI's ``/v1/completions``, ``/v1/chat/completions`` and
+``/v1/models``, vLLM's ``/tokenize`` and ``/detokenize``, Prometheus ``/metrics`` and a ``/health``
+report in front of it (FastAPI; ``pip install "efla[serve]"``).
 """
 
 from .prefix_cache import PrefixCache
-from .requests import ErrorEvent, FinishEvent, QueueFull, Request, SamplingParams, ShuttingDown, TokenEvent
+from .requests import ErrorEvent, FinishEvent, QueueFull, Request, SamplingParams, ShuttingDown, TokenEvent, TokenLogprob
 from .scheduler import Scheduler, prefill_defaults
 
 __all__ = [
@@ -15,6 +17,7 @@ __all__ = [
     "SamplingParams",
     "Request",
     "TokenEvent",
+    "TokenLogprob",
     "FinishEvent",
     "ErrorEvent",
     "QueueFull",

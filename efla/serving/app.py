@@ -1,49 +1,60 @@
-"""``create_app``: OpenAI's ``/v1/completions`` and ``/v1/models`` and a ``/health`` report, on FastAPI,
-in front of a ``Scheduler``.
+"""``create_app``: OpenAI's ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``, vLLM's
+``/tokenize`` and ``/detokenize``, Prometheus ``/metrics`` and a ``/health`` report, on FastAPI, in
+front of a ``Scheduler``.
 
-Handlers tokenize, check and submit; the scheduler's thread hands each request's events to the
-handler's event loop (``call_soon_threadsafe``). A streamed completion is server-sent events, one
-per piece of text, ending with ``data: [DONE]``. A client that goes away (a closed stream, or a
-dropped connection while a plain request waits) cancels its requests, whose slots the scheduler
-frees at its next step. With an API key, every ``/v1`` route needs ``Authorization: Bearer KEY``;
-``/health`` stays open for probes. The server writes no files.
+Handlers tokenize (chat messages through the tokenizer's chat template, or the one the server was
+given), check and submit a ``Run``; streamed responses are server-sent events ending with
+``data: [DONE]``. With an API key, every ``/v1`` route and the tokenizer routes need
+``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open for probes and scrapers. The
+server writes no files.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import secrets
 import time
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .chat import render_chat
+from .responses import ChatResponse, CompletionResponse
+from .metrics import Metrics
 from .protocol import (
     DEFAULTS_ONLY,
     APIError,
+    ChatCompletionRequest,
     CompletionRequest,
-    choice,
-    completion_object,
+    DetokenizeRequest,
+    TokenizeRequest,
     error_body,
+    model_card,
     model_list,
-    new_completion_id,
-    usage,
 )
-from .requests import ErrorEvent, FinishEvent, QueueFull, SamplingParams, ShuttingDown
+from .requests import SamplingParams
+from .runs import Run
 from .scheduler import Scheduler
 
 __all__ = ["create_app"]
 
 
-def create_app(scheduler: Scheduler, tokenizer, *, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(
+    scheduler: Scheduler,
+    tokenizer,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+) -> FastAPI:
     """The HTTP app serving ``scheduler``'s model as ``model_name``; it starts the scheduler and, when
-    the server shuts down, ends what is still queued or running and stops it."""
+    the server shuts down, ends what is still queued or running and stops it. ``chat_template``: a
+    Jinja chat template used instead of the tokenizer's own."""
     created = int(time.time())
+    metrics = Metrics(scheduler)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -53,28 +64,79 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str, api_key: str
 
     app = FastAPI(title="efla", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_key_check(api_key))])
+    keyed = [Depends(_key_check(api_key))]
+    v1 = APIRouter(prefix="/v1", dependencies=keyed)
+    tokenizer_routes = APIRouter(dependencies=keyed)
 
-    @v1.get("/models")
-    async def models():
-        return model_list(model_name, created)
-
-    @v1.post("/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        if body.model != model_name:
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
             raise APIError(
                 404,
-                f"The model '{body.model}' does not exist; this server serves '{model_name}'",
+                f"The model '{name}' does not exist; this server serves '{model_name}'",
                 param="model",
                 code="model_not_found",
             )
+
+    @v1.get("/models")
+    async def models():
+        return model_list(model_name, created, scheduler.max_context)
+
+    @v1.get("/models/{model:path}")
+    async def model(model: str):
+        check_model(model)
+        return model_card(model_name, created, scheduler.max_context)
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
         prompts = await run_in_threadpool(_encode, tokenizer, body.prompts)
-        _check_lengths(prompts, body.max_tokens, scheduler.max_context)
-        completion = _Completion(scheduler, model_name, prompts, _sampling(body))
+        _check_lengths(prompts, body.max_tokens, scheduler.max_context, "prompt", "max_tokens")
+        generated = body.best_of or body.n
+        if generated > scheduler.max_batch:
+            field = "best_of" if body.best_of else "n"
+            message = f"{field}: at most {scheduler.max_batch} choices (this server's slots), got {generated}"
+            raise APIError(400, message, param=field)
+        run = Run(scheduler, prompts, _completion_sampling(body, ranked=generated > body.n), generated, metrics)
+        response = CompletionResponse(run, body, tokenizer, model_name, prompts)
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(completion.stream(request, include_usage), media_type="text/event-stream")
-        return await completion.result(request)
+            return StreamingResponse(response.stream(request), media_type="text/event-stream")
+        return await response.result(request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        prompt = await run_in_threadpool(render_chat, tokenizer, body.messages, chat_template, True)
+        limit_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        limit = body.token_limit if body.token_limit is not None else max(scheduler.max_context - len(prompt), 1)
+        _check_lengths([prompt], limit, scheduler.max_context, "messages", limit_name)
+        run = Run(scheduler, [prompt], _chat_sampling(body, limit), body.n, metrics)
+        response = ChatResponse(run, body, tokenizer, model_name)
+        if body.stream:
+            return StreamingResponse(response.stream(request), media_type="text/event-stream")
+        return await response.result(request)
+
+    @tokenizer_routes.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        if body.messages is not None:
+            ids = await run_in_threadpool(
+                render_chat, tokenizer, body.messages, chat_template, body.add_generation_prompt, body.add_special_tokens
+            )
+        else:
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = list(tokenizer(body.prompt, add_special_tokens=add_special)["input_ids"])
+        return {"tokens": ids, "count": len(ids), "max_model_len": scheduler.max_context}
+
+    @tokenizer_routes.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        if any(not 0 <= t < scheduler.vocab for t in body.tokens):
+            raise APIError(400, f"tokens: token ids must be in [0, {scheduler.vocab})", param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/health")
     async def health():
@@ -84,6 +146,7 @@ def create_app(scheduler: Scheduler, tokenizer, *, model_name: str, api_key: str
         )
 
     app.include_router(v1)
+    app.include_router(tokenizer_routes)
     return app
 
 
@@ -100,32 +163,35 @@ def _key_check(api_key: str | None):
     return check
 
 
-def _encode(tokenizer, prompts: list[str]) -> list[list[int]]:
-    return [list(ids) for ids in tokenizer(prompts)["input_ids"]]
+def _encode(tokenizer, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Token ids of each prompt (a string is tokenized, token ids pass as they are)."""
+    return [list(tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts]
 
 
-def _check_lengths(prompts: list[list[int]], max_tokens: int, max_context: int) -> None:
+def _check_lengths(prompts: list[list[int]], max_tokens: int, max_context: int, prompt_field: str, limit_field: str) -> None:
     for ids in prompts:
         if not ids:
-            raise APIError(400, "prompt: a prompt encodes to no tokens", param="prompt")
+            raise APIError(400, f"{prompt_field}: a prompt encodes to no tokens", param=prompt_field)
         if len(ids) >= max_context:
             raise APIError(
                 400,
-                f"prompt: {len(ids)} tokens, but this server's context is {max_context} tokens (prompt and completion)",
-                param="prompt",
+                f"{prompt_field}: {len(ids)} tokens, but this server's context is {max_context} tokens (prompt and completion)",
+                param=prompt_field,
                 code="context_length_exceeded",
             )
         if len(ids) + max_tokens > max_context:
             raise APIError(
                 400,
-                f"max_tokens: the prompt's {len(ids)} tokens and max_tokens = {max_tokens} exceed "
+                f"{limit_field}: the prompt's {len(ids)} tokens and {limit_field} = {max_tokens} exceed "
                 f"this server's context of {max_context} tokens",
-                param="max_tokens",
+                param=limit_field,
                 code="context_length_exceeded",
             )
 
 
-def _sampling(body: CompletionRequest) -> SamplingParams:
+def _completion_sampling(body: CompletionRequest, ranked: bool) -> SamplingParams:
+    """``ranked``: best_of > n, whose choices are ranked by their log-probabilities."""
+    logprobs = body.logprobs if body.logprobs is not None or not ranked else 0
     return SamplingParams(
         max_tokens=body.max_tokens,
         temperature=body.temperature,
@@ -133,103 +199,36 @@ def _sampling(body: CompletionRequest) -> SamplingParams:
         top_p=body.top_p,
         seed=body.seed,
         stop=body.stop_strings,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        **_processors(body),
+        logprobs=logprobs,
+        prompt_logprobs=body.logprobs if body.echo else None,
     )
 
 
-class _Completion:
-    """One ``/v1/completions`` call: its requests in the scheduler and their events."""
-
-    def __init__(self, scheduler: Scheduler, model_name: str, prompts: list[list[int]], params: SamplingParams):
-        self.scheduler, self.model_name = scheduler, model_name
-        self.id = new_completion_id()
-        self.events: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-
-        def on_event(request, event) -> None:  # called in the scheduler's thread
-            # RuntimeError: the event loop has closed, nobody waits for this request any more
-            with suppress(RuntimeError):
-                loop.call_soon_threadsafe(self.events.put_nowait, (request.index, event))
-
-        try:
-            self.requests = scheduler.submit(prompts, params, on_event)
-        except QueueFull as error:
-            raise APIError(429, f"The server is busy: {error}; retry later", type="rate_limit_error", code="queue_full") from None
-        except ShuttingDown as error:
-            raise APIError(503, f"{error}; retry on another server", type="server_error", code="shutting_down") from None
-        except ValueError as error:
-            raise APIError(400, str(error), param=str(error).split(":")[0]) from None
-
-    async def _events(self):
-        """``(index, event)`` until every request has finished or failed; cancels the unfinished ones
-        if the consumer stops early (the client went away)."""
-        open_requests = len(self.requests)
-        try:
-            while open_requests:
-                index, event = await self.events.get()
-                if isinstance(event, (FinishEvent, ErrorEvent)):
-                    open_requests -= 1
-                yield index, event
-        finally:
-            if open_requests:
-                self.scheduler.cancel(self.requests)
-
-    async def stream(self, request: Request, include_usage: bool):
-        watcher = self._cancel_on_disconnect(request)
-        try:
-            prompt_tokens = completion_tokens = 0
-            async for index, event in self._events():
-                if isinstance(event, ErrorEvent):
-                    yield _sse(error_body(event.message, "server_error"))
-                    break
-                finish = event.reason if isinstance(event, FinishEvent) else None
-                if event.text or finish:
-                    yield _sse(completion_object(self.id, self.model_name, [choice(index, event.text, finish)], None))
-                if finish:
-                    prompt_tokens += event.prompt_tokens
-                    completion_tokens += event.completion_tokens
-            else:
-                if include_usage:
-                    yield _sse(completion_object(self.id, self.model_name, [], usage(prompt_tokens, completion_tokens)))
-            yield "data: [DONE]\n\n"
-        finally:
-            watcher.cancel()
-
-    async def result(self, request: Request):
-        watcher = self._cancel_on_disconnect(request)
-        try:
-            return await self._collect()
-        finally:
-            watcher.cancel()
-
-    def _cancel_on_disconnect(self, request: Request) -> asyncio.Task:
-        """A task that cancels the requests when the client disconnects, also while no event is due
-        (a request waiting for a slot)."""
-
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            self.scheduler.cancel(self.requests)
-
-        return asyncio.ensure_future(watch())
-
-    async def _collect(self):
-        texts, reasons = [[] for _ in self.requests], [None] * len(self.requests)
-        prompt_tokens = completion_tokens = 0
-        async for index, event in self._events():
-            if isinstance(event, ErrorEvent):
-                self.scheduler.cancel(self.requests)
-                return JSONResponse(error_body(event.message, "server_error"), status_code=500)
-            texts[index].append(event.text)
-            if isinstance(event, FinishEvent):
-                reasons[index] = event.reason
-                prompt_tokens += event.prompt_tokens
-                completion_tokens += event.completion_tokens
-        choices = [choice(i, "".join(t), r) for i, (t, r) in enumerate(zip(texts, reasons))]
-        return completion_object(self.id, self.model_name, choices, usage(prompt_tokens, completion_tokens))
+def _processors(body: CompletionRequest | ChatCompletionRequest) -> dict:
+    return {
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "logit_bias": body.logit_bias_pairs,
+        "min_tokens": body.min_tokens,
+        "ignore_eos": body.ignore_eos,
+    }
 
 
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+def _chat_sampling(body: ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_k=max(body.top_k, 0),
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=body.stop_strings,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        **_processors(body),
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+    )
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -243,9 +242,12 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(message, param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, error: StarletteHTTPException):
+    async def http_error(request: Request, error: StarletteHTTPException):
+        message = str(error.detail)
+        if error.status_code in (404, 405):
+            message = f"Invalid URL ({request.method} {request.url.path}): {message.lower()} on this server"
         return JSONResponse(
-            error_body(str(error.detail), code=str(error.status_code)),
+            error_body(message, code=str(error.status_code)),
             status_code=error.status_code,
             headers=getattr(error, "headers", None),
         )
@@ -256,8 +258,12 @@ def _validation_message(errors) -> tuple[str, str | None]:
     first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request", "type": ""}
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     kind = first.get("type", "")
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")
     if kind == "json_invalid":
         return "the request body is not valid JSON", None
+    if not loc and kind == "value_error":  # a check across fields: its message starts with the field
+        param = message.split(":")[0]
+        return message, param if param.isidentifier() else None
     if not loc:
         return "the request body must be a JSON object of the request's fields", None
     param = loc[0]
@@ -265,9 +271,13 @@ def _validation_message(errors) -> tuple[str, str | None]:
         return f"{param}: not supported by this server beyond its default", param
     if kind == "extra_forbidden":
         return f"{param}: unrecognized request argument" + (f" {loc[-1]!r}" if len(loc) > 1 else ""), param
-    if param in _STRINGS and kind.endswith("_type"):
-        return f"{param}: expected a string or a list of strings", param
-    return f"{param}: {first.get('msg', 'invalid value').removeprefix('Value error, ')}", param
+    if param in _ALTERNATIVES and kind.endswith("_type"):
+        return f"{param}: expected {_ALTERNATIVES[param]}", param
+    return f"{param}: {message}", param
 
 
-_STRINGS = ("prompt", "stop")  # fields of a string or a list of strings (pydantic reports each alternative)
+# fields of several shapes (pydantic reports each alternative)
+_ALTERNATIVES = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+}

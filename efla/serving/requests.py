@@ -9,9 +9,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .text import CompletionText
+from .completion_text import CompletionText
 
-__all__ = ["SamplingParams", "Request", "TokenEvent", "FinishEvent", "ErrorEvent", "QueueFull", "ShuttingDown"]
+__all__ = [
+    "SamplingParams",
+    "Request",
+    "TokenLogprob",
+    "TokenEvent",
+    "FinishEvent",
+    "ErrorEvent",
+    "QueueFull",
+    "ShuttingDown",
+]
 
 
 class QueueFull(RuntimeError):
@@ -30,12 +39,32 @@ class SamplingParams:
     top_p: float = 1.0  # 1: off
     seed: int | None = None  # sampling only: a generator of the request's own
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the request as the end-of-sequence token does, besides it
+    logprobs: int | None = None  # each new token's log-probability and this many top ones (None: off)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (None: off)
+    # logit processors (efla.serving.processors)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) pairs
+    min_tokens: int = 0  # new tokens before a stop token may come
+    ignore_eos: bool = False  # the end-of-sequence tokens do not end the request
+
+
+@dataclass
+class TokenLogprob:
+    """A token's log-probability and the ``top`` most likely tokens' ``(token, logprob)`` at its place."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
 class TokenEvent:
     text: str  # new text ready to show ("" while a character or a possible stop string is incomplete)
     tokens: int = 1
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the new tokens, when asked for
 
 
 @dataclass
@@ -44,6 +73,7 @@ class FinishEvent:
     reason: str  # "length", "stop" or "cancelled"
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the last token, when asked for
 
 
 @dataclass
@@ -67,5 +97,8 @@ class Request:
     block_keys: list[int] = field(default_factory=list)
     save_points: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # set before its first event, when asked for
+    fork_of: Request | None = None  # the request whose prefilled state this one starts from
+    forks: list[Request] = field(default_factory=list)  # requests starting from this one's state
     cancelled: bool = False
     done: bool = False

@@ -16,6 +16,11 @@ its end. Every iteration of the loop
 5. rebuilds the decoding batch when requests ended or joined: the bucket's rows point at their
    slots through ``bucket.slots``, so the same captured step serves any assignment.
 
+``n`` choices of one prompt are forked: the first request prefills, and the others' slots get a copy
+of its state (fixed-size for a linear-attention model) before each picks its own first token; a
+hybrid model prefills each choice on its own. A request with ``max_tokens = 0`` only scores its
+prompt (``prompt_logprobs``) and holds no slot.
+
 Requests end at ``max_tokens``, at a stop token (the tokenizer's end of sequence), at a stop string,
 or when cancelled. A seeded sampling request draws its noise from its own generator (see
 ``DecodeEngine.step``'s ``fill_noise``), so it gives the same tokens whatever runs beside it; greedy requests give
@@ -30,17 +35,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from efla.generation import DecodeEngine, choose_tokens
+from efla.generation import choose_tokens
 
+from .logprobs import ServingEngine, logprobs_of, prompt_logprobs, token_logprob
 from .prefill import ROW_TOKENS, plan_rounds, plan_rows, run_round, run_rows, to_device
 from .prefix_cache import PrefixCache
-from .requests import ErrorEvent, FinishEvent, QueueFull, Request, SamplingParams, ShuttingDown, TokenEvent
-from .states import has_attention_layers, restore_row, snapshot_row
-from .text import CompletionText
+from .processors import RowProcessors, uses_processors
+from .requests import ErrorEvent, FinishEvent, QueueFull, Request, SamplingParams, ShuttingDown, TokenEvent, TokenLogprob
+from .states import copy_row, has_attention_layers, restore_row, snapshot_row
+from .completion_text import CompletionText
 
 __all__ = ["Scheduler", "prefill_defaults"]
 
@@ -64,12 +71,28 @@ class _HostCopy:
         return self.tensor.tolist()
 
 
+class _HostLogprobs:
+    """The log-probabilities of a step's rows (``logprobs_of``'s three tensors), copied to the host."""
+
+    def __init__(self, chosen: torch.Tensor, top_values: torch.Tensor, top_ids: torch.Tensor):
+        self.copies = [_HostCopy(t) for t in (chosen, top_values, top_ids)]
+
+    def rows(self) -> list[tuple[float, list[float], list[int]]]:
+        return list(zip(*(copy.values() for copy in self.copies)))
+
+
+def _wants_logprobs(requests: list[Request]) -> bool:
+    return any(r.params.logprobs is not None for r in requests)
+
+
 @dataclass
 class _Read:
     rows: list[Request]  # the bucket's requests when the step ran
     tokens: _HostCopy
+    logprobs: _HostLogprobs | None = None  # when some row asked for them
     joined: list[Request] = field(default_factory=list)  # requests whose first token comes first
     first_tokens: _HostCopy | None = None
+    first_logprobs: _HostLogprobs | None = None
 
 
 class _PhaseClock:
@@ -147,7 +170,7 @@ class Scheduler:
         self.max_batch, self.max_queue, self.max_context = max_batch, max_queue, max_context
         self.prefill_chunk, self.prefill_every = prefill_chunk, prefill_every
         self._last_prefill_step = 0
-        self.engine = DecodeEngine(model, use_cuda_graph)
+        self.engine = ServingEngine(model, use_cuda_graph)
         self.engine.check_weights()
         self.engine.reserve(max_batch, max_context + 2)  # + 2: a finished row may step once more
         self.stop_tokens = [int(t) for t in stop_tokens]
@@ -168,10 +191,11 @@ class Scheduler:
         self._cancellations = False  # some request was cancelled since the last look
         self._free_slots = list(range(max_batch - 1, -1, -1))
         self._prefilling: list[Request] = []
+        self._forked: list[Request] = []  # holding a slot until their first request's prefill ends
         self._rows: list[Request] = []
         self._bucket = None
         self._pending: _Read | None = None
-        self._joined: tuple[list[Request], _HostCopy] | None = None
+        self._joined: tuple[list[Request], _HostCopy, _HostLogprobs | None] | None = None
         self.phase_seconds = dict.fromkeys(("decode", "deliver", "admit", "prefill", "rebuild"), 0.0)
         self.prefill_calls = 0
         self.steps = self.peak_batch = self.served = self.cancelled = self.generated = self.prompt_tokens_prefilled = 0
@@ -179,21 +203,21 @@ class Scheduler:
 
     # -- the outside: submit, cancel, start, stop, status --------------------------------------------
     def submit(
-        self, prompts: list[list[int]], params: SamplingParams, on_event: Callable[[Request, object], None]
+        self, prompts: list[list[int]], params: SamplingParams, on_event: Callable[[Request, object], None], choices: int = 1
     ) -> list[Request]:
-        """Queue one request per prompt (token ids); raises ``ValueError`` naming a wrong field,
-        ``QueueFull`` or ``ShuttingDown``."""
-        self._check(prompts, params)
-        requests = [
-            Request(
-                list(p),
-                params,
-                on_event,
-                index=i,
-                text=CompletionText(self.tokenizer, list(params.stop)) if self.tokenizer else None,
-            )
-            for i, p in enumerate(prompts)
-        ]
+        """Queue ``choices`` requests per prompt (token ids), prompt by prompt (``index``: ``prompt *
+        choices + choice``); choice ``j`` of a seeded request samples with seed ``seed + j``. Raises
+        ``ValueError`` naming a wrong field, ``QueueFull`` or ``ShuttingDown``."""
+        self._check(prompts, params, choices)
+        requests = []
+        for i, prompt in enumerate(prompts):
+            group = [self._new_request(prompt, params, on_event, i * choices + j, j) for j in range(choices)]
+            if not self.hybrid and params.max_tokens > 0:
+                first = group[0]
+                first.forks = group[1:]
+                for fork in first.forks:
+                    fork.fork_of = first
+            requests += group
         with self._cond:
             if not self._accepting:
                 raise ShuttingDown("the server is shutting down")
@@ -206,13 +230,30 @@ class Scheduler:
             self._cond.notify()
         return requests
 
-    def _check(self, prompts, params: SamplingParams) -> None:
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens: expected >= 1, got {params.max_tokens}")
+    def _new_request(self, prompt: list[int], params: SamplingParams, on_event, index: int, choice: int) -> Request:
+        if choice and params.seed is not None:
+            params = replace(params, seed=(params.seed + choice) % 2**63)
+        text = CompletionText(self.tokenizer, list(params.stop)) if self.tokenizer else None
+        return Request(list(prompt), params, on_event, index=index, text=text)
+
+    def _check(self, prompts, params: SamplingParams, choices: int) -> None:
+        if params.max_tokens < 0:
+            raise ValueError(f"max_tokens: expected >= 0, got {params.max_tokens}")
+        if not 1 <= choices <= self.max_batch:
+            raise ValueError(f"n: expected 1 to {self.max_batch} choices (this server's slots), got {choices}")
         if not params.temperature >= 0 or params.top_k < 0 or not 0 < params.top_p <= 1:
             raise ValueError("temperature, top_k, top_p: expected temperature >= 0, top_k >= 0, 0 < top_p <= 1")
-        if not prompts or len(prompts) > self.max_batch + self.max_queue:
-            raise ValueError(f"prompt: expected 1 to {self.max_batch + self.max_queue} prompts, got {len(prompts)}")
+        if not prompts or len(prompts) * choices > self.max_batch + self.max_queue:
+            raise ValueError(
+                f"prompt: expected 1 to {self.max_batch + self.max_queue} prompts (times n), got {len(prompts)} (times {choices})"
+            )
+        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+            if any(not 0 <= t < self.vocab for t in tokens):
+                raise ValueError(f"{name}: token ids must be in [0, {self.vocab})")
+        if not 0 <= params.min_tokens <= params.max_tokens:
+            raise ValueError(f"min_tokens: expected 0 to max_tokens ({params.max_tokens}), got {params.min_tokens}")
+        if not params.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty: expected > 0, got {params.repetition_penalty}")
         for ids in prompts:
             if not ids:
                 raise ValueError("prompt: a prompt has no tokens")
@@ -324,8 +365,10 @@ class Scheduler:
         self.steps += 1
         self.peak_batch = max(self.peak_batch, n)
         read = _Read(list(self._rows), _HostCopy(bucket.tokens[:n]))
+        if _wants_logprobs(self._rows):
+            read.logprobs = _HostLogprobs(*(t[:n] for t in bucket.logprobs))
         if self._joined is not None:
-            read.joined, read.first_tokens = self._joined
+            read.joined, read.first_tokens, read.first_logprobs = self._joined
             self._joined = None
         return read
 
@@ -338,12 +381,16 @@ class Scheduler:
     # -- tokens to text and ends --------------------------------------------------------------------
     def _deliver(self, read: _Read) -> None:
         if read.first_tokens is not None:
-            for request, token in zip(read.joined, read.first_tokens.values()):
-                self._accept(request, token)
-        for request, token in zip(read.rows, read.tokens.values()):
-            self._accept(request, token)
+            self._accept_all(read.joined, read.first_tokens, read.first_logprobs)
+        self._accept_all(read.rows, read.tokens, read.logprobs)
 
-    def _accept(self, request: Request, token: int) -> None:
+    def _accept_all(self, requests: list[Request], tokens: _HostCopy, logprobs: _HostLogprobs | None) -> None:
+        rows = logprobs.rows() if logprobs is not None else itertools.repeat(None)
+        for request, token, row in zip(requests, tokens.values(), rows):
+            wanted = row is not None and request.params.logprobs is not None
+            self._accept(request, token, token_logprob(token, *row, request.params.logprobs) if wanted else None)
+
+    def _accept(self, request: Request, token: int, logprob: TokenLogprob | None = None) -> None:
         if request.done:
             return
         if request.cancelled:
@@ -351,18 +398,19 @@ class Scheduler:
             return
         request.tokens.append(token)
         self.generated += 1
+        logprobs = [logprob] if logprob is not None else []
         try:
             reason = self._end_reason(request, token)
             if reason is not None:
-                self._finish(request, reason)
+                self._finish(request, reason, logprobs)
             else:
-                request.on_event(request, TokenEvent(request.text.ready() if request.text else ""))
+                request.on_event(request, TokenEvent(request.text.ready() if request.text else "", logprobs=logprobs))
         except Exception:  # one request's text (a tokenizer that cannot decode a token) must not end the others
             logger.exception("efla serve: a request's text failed")
             self._fail(request, "internal error while decoding the text (see the server log)")
 
     def _end_reason(self, request: Request, token: int) -> str | None:
-        if token in self._stop_set:
+        if (token in self._stop_set and not request.params.ignore_eos) or token in request.params.stop_token_ids:
             return "stop"
         if request.text is not None:
             request.text.add(token)
@@ -370,14 +418,22 @@ class Scheduler:
                 return "stop"
         return "length" if len(request.tokens) >= request.params.max_tokens else None
 
-    def _finish(self, request: Request, reason: str) -> None:
-        rest = request.text.finish(request.tokens) if request.text is not None and reason != "cancelled" else ""
+    def _finish(self, request: Request, reason: str, logprobs: list[TokenLogprob] | None = None) -> None:
+        rest = request.text.finish(self._text_tokens(request)) if request.text is not None and reason != "cancelled" else ""
         self._release(request)
         if reason == "cancelled":
             self.cancelled += 1
         else:
             self.served += 1
-        request.on_event(request, FinishEvent(rest, reason, len(request.prompt), len(request.tokens)))
+        event = FinishEvent(rest, reason, len(request.prompt), len(request.tokens), logprobs or [])
+        request.on_event(request, event)
+
+    @staticmethod
+    def _text_tokens(request: Request) -> list[int]:
+        """The tokens whose text the request returns: a stop token of its own is not shown."""
+        if request.tokens and request.tokens[-1] in request.params.stop_token_ids:
+            return request.tokens[:-1]
+        return request.tokens
 
     def _fail(self, request: Request, message: str) -> None:
         self._release(request)
@@ -402,24 +458,59 @@ class Scheduler:
             waiting = [r for r in self._waiting if r.cancelled]
             if waiting:
                 self._waiting = deque(r for r in self._waiting if not r.cancelled)
-        for request in itertools.chain(waiting, self._prefilling, self._rows):
+        for request in itertools.chain(waiting, self._prefilling, self._forked, self._rows):
             if request.cancelled and not request.done:
                 self._finish(request, "cancelled")
+        for request in self._forked:  # their state would come from a cancelled request's prefill
+            if request.fork_of.done and not request.done:
+                self._finish(request, "cancelled")
         self._prefilling = [r for r in self._prefilling if not r.done]
+        self._forked = [r for r in self._forked if not r.done]
 
     def _admit(self) -> None:
-        while self._free_slots:
+        """Waiting requests into free slots, first come first served: a request with its forks when
+        there is a slot for each; one of ``max_tokens = 0`` scored and ended at once."""
+        while True:
             with self._cond:
                 if not self._waiting:
                     return
-                request = self._waiting.popleft()
-                self._holding += 1
-            request.slot = self._free_slots.pop()
-            if request.params.seed is not None and request.params.temperature > 0:
-                request.generator = torch.Generator(device=self.engine.device)
-                request.generator.manual_seed(request.params.seed)
-            self._start_from_prefix(request)
-            self._prefilling.append(request)
+                first = self._waiting[0]
+                group = [first, *(f for f in first.forks if not f.done)] if first.params.max_tokens else []
+                if len(group) > len(self._free_slots):
+                    return
+                admitted = [self._waiting.popleft() for _ in range(1 + sum(r.fork_of is first for r in self._waiting))]
+                self._holding += len(group)
+            for request in group:
+                request.slot = self._free_slots.pop()
+                if request.params.seed is not None and request.params.temperature > 0:
+                    request.generator = torch.Generator(device=self.engine.device)
+                    request.generator.manual_seed(request.params.seed)
+                if uses_processors(request.params):
+                    self.engine.slot_history().start(request.slot, request.prompt, request.params.logit_bias)
+            if not self._score_prompt(first, admitted):
+                continue
+            if not group:
+                self._finish(first, "length")
+                continue
+            self._start_from_prefix(first)
+            self._prefilling.append(first)
+            self._forked += group[1:]
+
+    def _score_prompt(self, first: Request, admitted: list[Request]) -> bool:
+        """The prompt's log-probabilities for ``admitted`` (a request and its forks), when asked for;
+        ``False``: scoring failed and they ended with an error."""
+        if first.params.prompt_logprobs is None:
+            return True
+        try:
+            scored = prompt_logprobs(self.engine, first.prompt, first.params.prompt_logprobs)
+        except Exception:  # one prompt (too long for the memory left) must not end the others
+            logger.exception("efla serve: scoring a prompt failed")
+            for request in admitted:
+                self._fail(request, "internal error while scoring the prompt (see the server log)")
+            return False
+        for request in admitted:
+            request.prompt_logprobs = scored
+        return True
 
     def _start_from_prefix(self, request: Request) -> None:
         if self.prefix_cache is None:
@@ -438,7 +529,7 @@ class Scheduler:
             return False
         return 2 * len(self._rows) < self.max_batch or self.steps - self._last_prefill_step >= self.prefill_every
 
-    def _prefill(self) -> tuple[list[Request], torch.Tensor | None]:
+    def _prefill(self) -> tuple[list[Request], tuple[torch.Tensor, _HostLogprobs | None] | None]:
         """Run this iteration's prefill; the requests whose prompt is complete and their first tokens."""
         self._last_prefill_step, self.prefill_calls = self.steps, self.prefill_calls + 1
         complete, logits = [], []
@@ -454,29 +545,56 @@ class Scheduler:
                 if piece.end in request.save_points:
                     self._save_prefix(request, piece.end)
                 if piece_logits is not None:
-                    complete.append(request)
-                    logits.append(piece_logits)
+                    for joining in (request, *self._start_forks(request)):
+                        complete.append(joining)
+                        logits.append(piece_logits)
         if not complete:
             return [], None
         self._prefilling = [r for r in self._prefilling if r.prefilled < len(r.prompt)]
         return complete, self._first_tokens(complete, torch.stack(logits))
 
+    def _start_forks(self, request: Request) -> list[Request]:
+        """The forks of ``request``, whose prompt is prefilled, each with a copy of its state."""
+        forks = [f for f in self._forked if f.fork_of is request]
+        for fork in forks:
+            copy_row(self.engine.cache, request.slot, fork.slot)
+            fork.prefilled = len(fork.prompt)
+        self._forked = [f for f in self._forked if f.fork_of is not request]
+        return forks
+
     def _save_prefix(self, request: Request, length: int) -> None:
         key = request.block_keys[length // self.prefix_cache.block - 1]
         self.prefix_cache.put(request.prompt[:length], key, snapshot_row(self.engine.cache, request.slot))
 
-    def _first_tokens(self, requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
+    def _first_tokens(self, requests: list[Request], logits: torch.Tensor) -> tuple[torch.Tensor, _HostLogprobs | None]:
+        """The first new token of each request, and their log-probabilities when some request asked."""
+        processors = self._processors(requests, len(requests))
+        if processors is not None:
+            slots = self._device_long([r.slot for r in requests])
+            chosen_from = processors.apply(logits, self.engine.history, slots)
+        else:
+            chosen_from = logits
         if not any(r.params.temperature > 0 for r in requests):
-            return logits.argmax(-1)
-        temperature, top_k, top_p = self._sampling_rows(requests)
-        noise = torch.empty_like(logits).exponential_(generator=self._generator)
-        for row, request in enumerate(requests):
-            if request.generator is not None:
-                noise[row].exponential_(generator=request.generator)
-        return choose_tokens(logits, temperature, top_k, top_p, noise)
+            tokens = chosen_from.argmax(-1)
+        else:
+            temperature, top_k, top_p = self._sampling_rows(requests)
+            noise = torch.empty_like(logits).exponential_(generator=self._generator)
+            for row, request in enumerate(requests):
+                if request.generator is not None:
+                    noise[row].exponential_(generator=request.generator)
+            tokens = choose_tokens(chosen_from, temperature, top_k, top_p, noise)
+        if processors is not None:
+            self.engine.history.record(slots, tokens, processors.active)
+        return tokens, _HostLogprobs(*logprobs_of(logits, tokens)) if _wants_logprobs(requests) else None
+
+    def _processors(self, requests: list[Request], rows: int) -> RowProcessors | None:
+        """The logit processors of ``requests`` as the first of ``rows`` rows (``None``: none has any)."""
+        if not any(uses_processors(r.params) for r in requests):
+            return None
+        return RowProcessors.of(requests, rows, self.vocab, self.stop_tokens, self.engine.device)
 
     # -- the decoding batch -------------------------------------------------------------------------
-    def _rebuild(self, joined: list[Request], first_tokens: torch.Tensor | None) -> None:
+    def _rebuild(self, joined: list[Request], first_tokens: tuple[torch.Tensor, _HostLogprobs | None] | None) -> None:
         """The bucket of the requests still decoding (their last tokens and stop flags carried over on
         the device) followed by those that joined (their first tokens)."""
         kept = [r for r in self._rows if not r.done]
@@ -494,13 +612,16 @@ class Scheduler:
             bucket.tokens[:k] = carried_tokens
             bucket.finished[:k] = carried_finished
         if joined:
-            bucket.tokens[k:n] = first_tokens
-            bucket.finished[k:n] = self.engine.is_stop_token(first_tokens)
-            self._joined = (joined, _HostCopy(first_tokens))
+            tokens, logprobs = first_tokens
+            bucket.tokens[k:n] = tokens
+            keeps_going = self._device([r.params.ignore_eos for r in joined], torch.bool)
+            bucket.finished[k:n] = self.engine.is_stop_token(tokens) & ~keeps_going
+            self._joined = (joined, _HostCopy(tokens), logprobs)
         temperature, top_k, top_p = self._sampling_rows(rows)
         bucket.temperature[:n], bucket.top_k[:n], bucket.top_p[:n] = temperature, top_k, top_p
         for row, request in enumerate(rows):
             request.row = row
+        bucket.processors = self._processors(rows, bucket.size)
         self._bucket = bucket
 
     def _sampling_rows(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -519,10 +640,12 @@ class Scheduler:
 
     # -- failures and shutdown ----------------------------------------------------------------------
     def _fail_active(self, message: str) -> None:
-        for request in itertools.chain(self._prefilling, self._rows, self._pending.rows if self._pending else ()):
+        pending = self._pending.rows + self._pending.joined if self._pending else []
+        joined = self._joined[0] if self._joined else []
+        for request in itertools.chain(self._prefilling, self._forked, self._rows, pending, joined):
             if not request.done:
                 self._fail(request, message)
-        self._prefilling, self._rows, self._bucket, self._pending, self._joined = [], [], None, None, None
+        self._prefilling, self._forked, self._rows, self._bucket, self._pending, self._joined = [], [], [], None, None, None
 
     def _shut_down(self) -> None:
         with self._cond:

@@ -12,7 +12,7 @@ import torch
 
 from efla.models.cache import EFLACache
 
-__all__ = ["has_attention_layers", "rows_cache", "RowSnapshot", "snapshot_row", "restore_row"]
+__all__ = ["has_attention_layers", "rows_cache", "RowSnapshot", "snapshot_row", "restore_row", "copy_row"]
 
 
 def has_attention_layers(pool: EFLACache) -> bool:
@@ -78,3 +78,12 @@ def restore_row(pool: EFLACache, slot: int, snapshot: RowSnapshot) -> None:
         state["recurrent_state"][slot].copy_(recurrent)
         for dst, src in zip(state["conv_state"] or (), conv):
             dst[slot].copy_(src)
+
+
+def copy_row(pool: EFLACache, source: int, target: int) -> None:
+    """Pool row ``target`` becomes a copy of row ``source`` (linear-attention pools only): a forked
+    sequence continues from the same state."""
+    for state in pool.states:
+        state["recurrent_state"][target].copy_(state["recurrent_state"][source])
+        for conv in state["conv_state"] or ():
+            conv[target].copy_(conv[source])

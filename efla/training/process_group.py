@@ -4,10 +4,11 @@ per-GPU memory."""
 from __future__ import annotations
 
 import gc
-import os
 from dataclasses import dataclass
 
 import torch
+
+from efla import environment
 
 __all__ = ["Dist", "init_dist", "unwrap", "full_model_state", "full_optim_state", "peak_memory_per_gpu", "main_ddp_cleanup"]
 
@@ -46,7 +47,7 @@ class Dist:
 
 def init_dist(device_kind: str) -> Dist:
     """Joins the process group that torchrun describes (``WORLD_SIZE`` > 1); else a single process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = environment.get("WORLD_SIZE")
     if world <= 1:
         return Dist()
     if not torch.distributed.is_initialized():
@@ -54,7 +55,7 @@ def init_dist(device_kind: str) -> Dist:
     return Dist(
         rank=torch.distributed.get_rank(),
         world=torch.distributed.get_world_size(),
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        local_rank=environment.get("LOCAL_RANK"),
         enabled=True,
     )
 

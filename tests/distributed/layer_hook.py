@@ -13,7 +13,8 @@ from efla.layers import EFLA, GatedEFLA
 
 
 def _already_routed(layer_class) -> bool:
-    source = inspect.getsource(sys.modules[layer_class.__module__])
+    classes = [c for c in layer_class.__mro__ if c.__module__.startswith("efla.")]
+    source = "".join(inspect.getsource(sys.modules[c.__module__]) for c in classes)
     return "context_parallel_aware" in source and "context_parallel_conv_states" in source
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from torch.nn.parallel import DistributedDataParallel
 
+from efla import environment
 from efla.cli import build_parser
 from efla.data.text import read_documents
 from efla.data.tokenizer import train_bpe_tokenizer
@@ -63,6 +64,7 @@ def _losses_and_grad_norms(summary: dict) -> np.ndarray:
 
 def train_split(rank: int, world: int, configs: list) -> list:
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    environment.reload()  # as torchrun would have set them before the process started
     with token_mixers_routed():
         summaries = [train(cfg) for cfg in configs]
     return [_losses_and_grad_norms(s) for s in summaries] if rank == 0 else None
@@ -121,6 +123,7 @@ def _wrappers_alive() -> int:
 
 def train_then_clean_up(rank: int, world: int, cfg: TrainConfig) -> tuple[int, int]:
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    environment.reload()  # as torchrun would have set them before the process started
     train(cfg)
     before = _wrappers_alive()
     main_ddp_cleanup(finished=True)

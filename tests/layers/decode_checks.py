@@ -16,7 +16,8 @@ from unittest import mock
 
 import torch
 
-from efla.layers import EFLA, GatedEFLA, fused
+from efla.layers import EFLA, GatedEFLA
+from efla.layers import fla_kernels as fused
 from efla.models.cache import EFLACache
 
 CASES = {
@@ -104,7 +105,7 @@ def _value_blocks(device, blocks):
     if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
         yield
         return
-    from efla.layers import decode as layer_decode
+    from efla.layers import single_step as layer_decode
     from efla.ops.cuda import decode
 
     with (

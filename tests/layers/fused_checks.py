@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from efla.layers import fused
+from efla.layers import fla_kernels as fused
 from efla.layers.modules import GatedMLP, RMSNorm, RMSNormGated, ShortConvolution, decay_gate
 
 

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 import efla.ops as ops
-from efla.layers import EFLA, GatedEFLA, RMSNorm, fused
+from efla.layers import EFLA, GatedEFLA, RMSNorm
+from efla.layers import fla_kernels as fused
 from efla.models import EFLAForCausalLM, get_preset_config
 
 from . import fused_checks

@@ -49,7 +49,7 @@ def test_compiled_model_trains_without_graph_breaks_or_recompiles(preset):
 
 def _lazy_loaders():
     import efla.ops.api as api
-    from efla.layers import fused
+    from efla.layers import fla_kernels as fused
     from efla.ops import cuda
 
     return {

@@ -1,13 +1,13 @@
 """A small autotuned Triton kernel with a heuristic, for the tests of ``efla.ops.cuda.launch``
 (imported only where Triton is installed)."""
 
-import os
-
 import triton
 import triton.language as tl
 
+from efla import environment
+
 # Triton's CPU interpreter cannot time settings: one setting there
-SETTINGS = [(32, 1)] if os.environ.get("TRITON_INTERPRET") == "1" else [(b, w) for b in (32, 128) for w in (1, 4)]
+SETTINGS = [(32, 1)] if environment.get("TRITON_INTERPRET") else [(b, w) for b in (32, 128) for w in (1, 4)]
 
 
 @triton.heuristics({"HAS_SHIFT": lambda args: args["shift"] is not None})

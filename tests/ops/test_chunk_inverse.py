@@ -5,7 +5,7 @@ gradient against finite differences."""
 import pytest
 import torch
 
-from efla.ops.chunk import _substitute, _UnitLowerInverse, _unit_lower_inverse
+from efla.ops.torch_chunk import _substitute, _UnitLowerInverse, _unit_lower_inverse
 
 
 def _error(L: torch.Tensor, got: torch.Tensor) -> float:

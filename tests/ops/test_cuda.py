@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import efla.ops as ops
+from efla import environment
 from tests.interpreter import interpreter_ready
 
 CUDA = torch.cuda.is_available()
@@ -173,6 +174,7 @@ _SCRIPT = textwrap.dedent(
     """
     import os, sys, torch
     sys.path.insert(0, {repo!r})
+    from efla import environment
     from efla.ops.cuda import chunk as C
     from efla.ops.cuda.recurrent import recurrent_forward
     from efla.ops.coefficients import coefficients
@@ -267,6 +269,7 @@ _SCRIPT = textwrap.dedent(
     # ... and the chunk form's coefficient pass flags them, then refuses them with the CPU's error:
     # at the call with EFLA_CHECK_KEYS=sync,
     os.environ["EFLA_CHECK_KEYS"] = "sync"
+    environment.reload()
     for gated in (False, True):
         extra = dict(g=g, v=v) if gated else {{}}
         flag = C.overflow_flag(k)
@@ -298,6 +301,7 @@ _SCRIPT = textwrap.dedent(
     assert flag.item() == 0
     # by default at the next call that finds the flag's copy on the host (here at once: a CPU flag)
     os.environ["EFLA_CHECK_KEYS"] = "1"
+    environment.reload()
     C.coef_fwd(huge, beta, overflow=flag)
     C.refuse_overflowing_keys(flag, huge)
     C.coef_fwd(k, beta, overflow=flag)
@@ -310,6 +314,7 @@ _SCRIPT = textwrap.dedent(
     C.refuse_overflowing_keys(flag, k)
     ops.check_keys()
     os.environ["EFLA_CHECK_KEYS"] = "0"  # checks off: no flag, no sync, nothing refused
+    environment.reload()
     assert C.overflow_flag(k) is None
     C.refuse_overflowing_keys(None, huge)
     print("OK")
@@ -414,18 +419,17 @@ def test_coefficient_gradients_float32_accurate_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("mode", ["chunk", "recurrent"])
-def test_gpu_refuses_overflowing_keys_by_default(rule, mode, monkeypatch):
+def test_gpu_refuses_overflowing_keys_by_default(rule, mode):
     # without EFLA_CHECK_VALUES: a bf16 key whose ||k||^2 overflows float32 (fla's kernels would
     # return NaN) is refused, in bf16 and in the PyTorch path's float32; only the exact rules'
     # scan without autograd takes it (test_gpu_scan_is_exact_for_overflowing_keys)
     if mode == "recurrent" and "efla" in rule:
         pytest.skip("the exact rules' scan computes these keys exactly")
-    monkeypatch.delenv("EFLA_CHECK_VALUES", raising=False)
     for dtype, checks in ((torch.bfloat16, "sync"), (torch.bfloat16, "1"), (torch.float32, "1")):
-        monkeypatch.setenv("EFLA_CHECK_KEYS", checks)
         q, k, v, beta, g, _ = (x.cuda().to(dtype) for x in _inputs(1, 70, 2, 16, 16, 1, rule))
         k[0, 33, 1] *= 1e20
-        with pytest.raises(ValueError, match=r"^k: a key's squared norm"):
+        checks_as_set = environment.override(EFLA_CHECK_VALUES=None, EFLA_CHECK_KEYS=checks)
+        with checks_as_set, pytest.raises(ValueError, match=r"^k: a key's squared norm"):
             _call(getattr(ops, f"{mode}_{rule}"), rule, q, k, v, beta, g, None, None)
             ops.check_keys()  # the exact rules' chunk kernels refuse them without stalling by default
 
@@ -433,11 +437,10 @@ def test_gpu_refuses_overflowing_keys_by_default(rule, mode, monkeypatch):
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("rule", ["efla", "gated_efla"])
-def test_gpu_chunk_refuses_overflowing_keys_at_a_later_call_by_default(rule, monkeypatch):
+def test_gpu_chunk_refuses_overflowing_keys_at_a_later_call_by_default(rule, switches):
     # no device sync in the call: the flag reaches the host behind its kernels; the next call that
     # finds it there raises, names the earlier call, and later clean calls pass
-    monkeypatch.delenv("EFLA_CHECK_VALUES", raising=False)
-    monkeypatch.delenv("EFLA_CHECK_KEYS", raising=False)
+    switches(EFLA_CHECK_VALUES=None, EFLA_CHECK_KEYS=None)
     q, k, v, beta, g, _ = (x.cuda().to(torch.bfloat16) for x in _inputs(1, 70, 2, 16, 16, 1, rule))
     op = getattr(ops, f"chunk_{rule}")
     huge = k.clone()
@@ -453,10 +456,10 @@ def test_gpu_chunk_refuses_overflowing_keys_at_a_later_call_by_default(rule, mon
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("rule", ["efla", "gated_efla"])
-def test_gpu_scan_is_exact_for_overflowing_keys(rule, monkeypatch):
+def test_gpu_scan_is_exact_for_overflowing_keys(rule, switches):
     # decoding: the scan writes the step in keys scaled by their largest entry, so a key whose
     # ||k||^2 overflows float32 gives the float64 result (finite there)
-    monkeypatch.delenv("EFLA_CHECK_VALUES", raising=False)
+    switches(EFLA_CHECK_VALUES=None)
     q, k, v, beta, g, h0 = _inputs(1, 12, 2, 16, 16, 1, rule)
     k = k.to(torch.bfloat16).double()  # what the kernel reads
     k[0, 5] *= 1e19
@@ -478,12 +481,12 @@ def test_gpu_scan_is_exact_for_overflowing_keys(rule, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("mode", ["chunk", "recurrent"])
-def test_gpu_overflowing_keys_raise_with_value_checks(rule, mode, monkeypatch):
+def test_gpu_overflowing_keys_raise_with_value_checks(rule, mode, switches):
     # on a GPU, value checks (one device sync each) are opt-in; with them on, the bf16 kernels
     # never see a key whose ||k||^2 overflows float32. The Euler rules get unit keys here, so
     # ||1e19 k||^2 = 1e38 is still finite, but the state then grows without bound: the result
     # check reports that instead (as on the CPU).
-    monkeypatch.setenv("EFLA_CHECK_VALUES", "1")
+    switches(EFLA_CHECK_VALUES=True)
     q, k, v, beta, g, _ = (x.cuda().to(torch.bfloat16) for x in _inputs(1, 8, 1, 16, 16, 1, rule))
     expected = r"^k: a key's squared norm" if "efla" in rule else r"^q/k/v/beta: the inputs are finite but the result"
     with pytest.raises(ValueError, match=expected):
@@ -493,14 +496,13 @@ def test_gpu_overflowing_keys_raise_with_value_checks(rule, mode, monkeypatch):
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["tiny-efla", "tiny-gated-efla"])
-def test_gpu_model_refuses_overflowing_keys_once_per_forward(preset, monkeypatch):
+def test_gpu_model_refuses_overflowing_keys_once_per_forward(preset, switches):
     # the model reads its layers' overflow flags once, after the last layer: the forward still
     # raises the ValueError, and a clean forward afterwards is not failed by a stale flag
     from efla.models import EFLAForCausalLM
     from efla.models.presets import get_preset_config
 
-    monkeypatch.delenv("EFLA_CHECK_VALUES", raising=False)
-    monkeypatch.delenv("EFLA_CHECK_KEYS", raising=False)
+    switches(EFLA_CHECK_VALUES=None, EFLA_CHECK_KEYS=None)
     torch.manual_seed(0)
     model = EFLAForCausalLM(get_preset_config(preset)).cuda().to(torch.bfloat16)
     ids = torch.randint(0, model.config.vocab_size, (2, 80), device="cuda")

@@ -127,11 +127,11 @@ def test_a_block_read_resets_the_later_copy_too():
     raise_earlier_overflows()
 
 
-def test_each_call_reads_its_own_flag_with_sync_or_immediate_checks(monkeypatch):
-    monkeypatch.delenv("EFLA_CHECK_KEYS", raising=False)
+def test_each_call_reads_its_own_flag_with_sync_or_immediate_checks(switches):
+    switches(EFLA_CHECK_KEYS=None)
     assert not read_each_call()
     with immediate_key_checks():
         assert read_each_call()
     assert not read_each_call()
-    monkeypatch.setenv("EFLA_CHECK_KEYS", "sync")
+    switches(EFLA_CHECK_KEYS="sync")
     assert read_each_call()

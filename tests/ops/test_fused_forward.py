@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from efla import environment
 from tests.interpreter import interpreter_ready
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,7 +30,7 @@ _SCRIPT = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     import efla.ops as ops
     from efla.ops.coefficients import coefficients
-    from efla.ops.cuda.fused_forward import state_output
+    from efla.ops.cuda.experimental.fused_forward import state_output
 
     CHUNK = 64
 
@@ -111,7 +112,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 @pytest.mark.parametrize("rule", ["efla", "gated_efla"])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_gpu_fused_forward_matches_reference_and_the_unfused_op(rule, varlen, monkeypatch):
+def test_gpu_fused_forward_matches_reference_and_the_unfused_op(rule, varlen):
     import efla.ops as ops
 
     torch.manual_seed(1)
@@ -128,9 +129,9 @@ def test_gpu_fused_forward_matches_reference_and_the_unfused_op(rule, varlen, mo
     kw = dict(scale=K**-0.5, output_final_state=True)
 
     def run(fused):
-        monkeypatch.setenv("EFLA_FUSED_FORWARD", "1" if fused else "0")
         cu_gpu = None if cu is None else torch.tensor(cu, device="cuda", dtype=torch.int32)
-        return getattr(ops, "chunk_" + rule)(*inputs, initial_state=h0, cu_seqlens=cu_gpu, **kw)
+        with environment.override(EFLA_FUSED_FORWARD=fused):
+            return getattr(ops, "chunk_" + rule)(*inputs, initial_state=h0, cu_seqlens=cu_gpu, **kw)
 
     (o, S), (o0, S0) = run(True), run(False)
     reference = getattr(ops, "recurrent_" + rule)
@@ -146,16 +147,16 @@ def test_gpu_fused_forward_matches_reference_and_the_unfused_op(rule, varlen, mo
 @needs_cuda
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("K, V", [(128, 128), (64, 96), (256, 256)])
-def test_gpu_every_fused_forward_setting_matches_fla_passes(gated, K, V, monkeypatch):
+def test_gpu_every_fused_forward_setting_matches_fla_passes(gated, K, V, monkeypatch, switches):
     """Each launch setting the kernel tunes over against fla's state and output
     kernels on the same inputs (the autotuner runs one setting per shape; a wrong one would
     reach a user only at the head size where it wins)."""
     from triton.runtime.errors import OutOfResources
 
-    from efla.ops.cuda import fused_forward as ff
     from efla.ops.cuda import stages as st
+    from efla.ops.cuda.experimental import fused_forward as ff
 
-    monkeypatch.setenv("EFLA_DIRECT_LAUNCH", "0")  # every call through the autotuner, one setting at a time
+    switches(EFLA_DIRECT_LAUNCH=False)  # every call through the autotuner, one setting at a time
     gen = torch.Generator(device="cuda").manual_seed(K + V)
     B, T, H, scale = 2, 200, 2, K**-0.5
     q, k = (torch.randn(B, T, H, K, device="cuda", generator=gen).bfloat16() for _ in range(2))

@@ -184,7 +184,7 @@ def test_recurrent_scan_compiles_for_sm90(exact, gated):
 
 @pytest.mark.parametrize("gated", [False, True])
 def test_fused_forward_compiles_for_sm90(gated):
-    from efla.ops.cuda import fused_forward as ff
+    from efla.ops.cuda.experimental import fused_forward as ff
 
     flags = dict(USE_G=gated, USE_INITIAL_STATE=True, STORE_FINAL_STATE=True, IS_VARLEN=True)
     compiled = _compile_sm90(
@@ -195,7 +195,7 @@ def test_fused_forward_compiles_for_sm90(gated):
 
 @pytest.mark.parametrize("gated", [False, True])
 def test_state_gradient_summary_compiles_for_sm90(gated):
-    from efla.ops.cuda import split_state
+    from efla.ops.cuda.experimental import split_state
 
     compiled = _compile_sm90(
         split_state.gradient_summary_kernel.fn.fn,

@@ -77,14 +77,19 @@ def _run(device: str, interpret: bool):
 
 @pytest.mark.skipif(not _OK, reason=_WHY)
 def test_direct_launches_are_on_unless_turned_off(monkeypatch):
+    from efla import environment
     from efla.ops.cuda.launch import direct_launches
 
     monkeypatch.delenv("EFLA_DIRECT_LAUNCH", raising=False)
+    environment.reload()
     assert direct_launches()
-    monkeypatch.setenv("EFLA_DIRECT_LAUNCH", "0")
+    monkeypatch.setenv("EFLA_DIRECT_LAUNCH", "off")
+    assert direct_launches(), "the value first read is kept until reload()"
+    environment.reload()
     assert not direct_launches()
-    monkeypatch.setenv("EFLA_DIRECT_LAUNCH", "1")
-    assert direct_launches()
+    with environment.override(EFLA_DIRECT_LAUNCH=True):
+        assert direct_launches()
+    assert not direct_launches()
 
 
 @pytest.mark.skipif(not _OK, reason=_WHY)
@@ -101,9 +106,10 @@ def test_recorded_launches_compute_what_triton_computes_on_gpu():
 
 _OP_SCRIPT = textwrap.dedent(
     """
-    import os, sys, torch
+    import sys, torch
     sys.path.insert(0, {repo!r})
     import efla.ops as ops
+    from efla import environment
 
     def run(rule, seed, B, varlen):
         gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -124,11 +130,11 @@ _OP_SCRIPT = textwrap.dedent(
 
     for rule in ("efla", "gated_efla"):
         for B, varlen in ((2, False), (1, True), (3, False)):
-            os.environ["EFLA_DIRECT_LAUNCH"] = "1"
-            run(rule, 0, B, varlen)  # records every launch (or replays one recorded at another shape)
-            replayed = run(rule, 1, B, varlen)
-            os.environ["EFLA_DIRECT_LAUNCH"] = "0"
-            through_triton = run(rule, 1, B, varlen)
+            with environment.override(EFLA_DIRECT_LAUNCH=True):
+                run(rule, 0, B, varlen)  # records every launch (or replays one recorded at another shape)
+                replayed = run(rule, 1, B, varlen)
+            with environment.override(EFLA_DIRECT_LAUNCH=False):
+                through_triton = run(rule, 1, B, varlen)
             for a, b in zip(replayed, through_triton):
                 assert torch.equal(a, b), (rule, B, varlen, (a.float() - b.float()).abs().max())
     print("OK")
@@ -151,11 +157,12 @@ def test_chunk_ops_replayed_equal_the_ops_through_triton_on_gpu():
 _VECTOR_SCRIPT = textwrap.dedent(
     """
     import os, sys, torch
-    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.pop("TRITON_INTERPRET", None)  # before Triton's import
     sys.path.insert(0, {repo!r})
+    from efla import environment
     from efla.ops.cuda import chunk as C, launch as L, stages as st
-    from efla.ops.cuda import split_state
-    from efla.ops.cuda.fused_forward import state_output
+    from efla.ops.cuda.experimental import split_state
+    from efla.ops.cuda.experimental.fused_forward import state_output
     from tests.ops import stand_in_driver
     from tests.ops.stand_in_driver import launches
 
@@ -223,10 +230,10 @@ _VECTOR_SCRIPT = textwrap.dedent(
                                             (1, 300, True, True, True), (2, 256, False, False, True)]:
         stages, inputs = case(B, T, varlen, with_state, gated)
         for name, fn in stages.items():
-            os.environ["EFLA_DIRECT_LAUNCH"] = "0"
-            through_triton = described(fn, inputs)
-            os.environ["EFLA_DIRECT_LAUNCH"] = "1"
-            first, replayed = described(fn, inputs), described(fn, inputs)
+            with environment.override(EFLA_DIRECT_LAUNCH=False):
+                through_triton = described(fn, inputs)
+            with environment.override(EFLA_DIRECT_LAUNCH=True):
+                first, replayed = described(fn, inputs), described(fn, inputs)
             assert through_triton == first == replayed, (name, B, T, varlen, through_triton, replayed)
             checked += len(replayed)
     records = [r for r in L._records.values() if r is not L._NO_RECORD]

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from efla.ops.cuda import split_state
+from efla import environment
+from efla.ops.cuda.experimental import split_state
 from tests.interpreter import interpreter_ready
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,13 +30,14 @@ _OK, _WHY = interpreter_ready()
 
 _SCRIPT = textwrap.dedent(
     """
-    import importlib, os, sys, torch
+    import importlib, sys, torch
     sys.path.insert(0, {repo!r})
     from tests.layers import fused_checks
     fused_checks.prepare_interpreter()
     for name in ("fla.ops.cp.chunk_fwd", "fla.ops.cp.chunk_merge"):  # the pre-scan's and the merge's loops
         importlib.import_module(name).range = fused_checks._loop_range
     import efla.ops as ops
+    from efla import environment
     from efla.ops.cuda import custom_ops as C, stages as st
 
     rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()
@@ -46,10 +48,10 @@ _SCRIPT = textwrap.dedent(
         u = torch.randn(B, T, H, V)
         g = st.local_cumsum(-0.05 * torch.rand(B, T, H), None, None, scale=st.RCP_LN2) if gated else None  # a state that lasts
         h0 = torch.randn(B, H, K, V) if with_h0 else None
-        os.environ["EFLA_SPLIT_STATE"] = "0"
-        whole = st.state_pass(k, w, u, g, h0, None, None, True)
-        os.environ["EFLA_SPLIT_STATE"] = str(pieces)
-        split = st.state_pass(k, w, u, g, h0, None, None, True)
+        with environment.override(EFLA_SPLIT_STATE=0):
+            whole = st.state_pass(k, w, u, g, h0, None, None, True)
+        with environment.override(EFLA_SPLIT_STATE=pieces):
+            split = st.state_pass(k, w, u, g, h0, None, None, True)
         errors = [rel(a, b) for a, b in zip(split, whole)]
         assert all(a.shape == b.shape for a, b in zip(split, whole))
         assert max(errors) < 1e-5, (B, T, H, K, V, pieces, gated, with_h0, errors)
@@ -67,10 +69,10 @@ _SCRIPT = textwrap.dedent(
         g = st.local_cumsum(-0.05 * torch.rand(B, T, H), None, None, scale=st.RCP_LN2) if gated else None
         h0 = torch.randn(B, H, K, V) if with_h0 else None
         dht = torch.randn(B, H, K, V) if with_dht else None
-        os.environ["EFLA_SPLIT_STATE"] = "0"
-        whole = st.state_grads(q, k, w, g, h0, dht, do, dv, 0.3, None, None)
-        os.environ["EFLA_SPLIT_STATE"] = str(pieces)
-        split = st.state_grads(q, k, w, g, h0, dht, do, dv, 0.3, None, None)
+        with environment.override(EFLA_SPLIT_STATE=0):
+            whole = st.state_grads(q, k, w, g, h0, dht, do, dv, 0.3, None, None)
+        with environment.override(EFLA_SPLIT_STATE=pieces):
+            split = st.state_grads(q, k, w, g, h0, dht, do, dv, 0.3, None, None)
         assert (split[1] is None) == (whole[1] is None)
         pairs = [(a, b) for a, b in zip(split, whole) if b is not None]
         assert all(a.shape == b.shape for a, b in pairs)
@@ -92,10 +94,10 @@ _SCRIPT = textwrap.dedent(
         h0, dout = torch.randn(B, H, K, V, generator=g), torch.randn(B, T, H, V, generator=g)
         gated = kind == "gated_efla"
         leaves = [x.clone().requires_grad_() for x in (q, k, v, beta, lg, h0)]
-        os.environ["EFLA_SPLIT_STATE"] = "2"
-        o, ht = C.chunk_forward(kind, leaves[0], leaves[1], leaves[2], leaves[4] if gated else None, leaves[3],
-                                K**-0.5, leaves[5], True, None, True, False)
-        ((o * dout).sum() + ht.sum()).backward()
+        with environment.override(EFLA_SPLIT_STATE=2):
+            o, ht = C.chunk_forward(kind, leaves[0], leaves[1], leaves[2], leaves[4] if gated else None, leaves[3],
+                                    K**-0.5, leaves[5], True, None, True, False)
+            ((o * dout).sum() + ht.sum()).backward()
         got = [o, ht] + [x.grad for x in leaves if x.grad is not None]
         ref_leaves = [x.double().clone().requires_grad_() for x in (q, k, v, beta, lg, h0)]
         args = [ops.l2_normalize(ref_leaves[0]), ref_leaves[1], ref_leaves[2]] + ([ref_leaves[4]] if gated else [])
@@ -145,16 +147,17 @@ def test_pieces_hold_whole_chunks(T, asked, pieces, per_piece):
         ("8", (200, 16384, 32, 128, 128), 8),
     ],
 )
-def test_splitting_applies_only_where_it_can(asked, shape, pieces, monkeypatch):
-    monkeypatch.setenv("EFLA_SPLIT_STATE", asked)
+def test_splitting_applies_only_where_it_can(asked, shape, pieces, switches):
+    switches(EFLA_SPLIT_STATE=asked)
     assert split_state.pieces_for(*shape, on_cuda=False) == pieces
 
 
-@pytest.mark.parametrize("text", ["yes", "-2", "4.5"])
+@pytest.mark.parametrize("text", ["yes", "-2", "4.5", "²"])
 def test_a_piece_count_that_is_not_a_number_is_refused(text, monkeypatch):
     monkeypatch.setenv("EFLA_SPLIT_STATE", text)
+    environment.reload()
     with pytest.raises(ValueError, match="EFLA_SPLIT_STATE"):
-        split_state.split_pieces()
+        environment.get("EFLA_SPLIT_STATE")
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU fast path)")
@@ -163,7 +166,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("rule", ["efla", "gated_efla"])
-def test_gpu_split_state_matches_reference_and_the_whole_pass(rule, monkeypatch):
+def test_gpu_split_state_matches_reference_and_the_whole_pass(rule):
     import efla.ops as ops
 
     torch.manual_seed(2)
@@ -178,9 +181,9 @@ def test_gpu_split_state_matches_reference_and_the_whole_pass(rule, monkeypatch)
     do = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
 
     def run(pieces):
-        monkeypatch.setenv("EFLA_SPLIT_STATE", pieces)
-        o, S = getattr(ops, "chunk_" + rule)(*inputs, initial_state=h0, output_final_state=True, scale=K**-0.5)
-        grads = torch.autograd.grad((o.float() * do.float()).sum() + S.sum(), [*inputs, h0])
+        with environment.override(EFLA_SPLIT_STATE=pieces):
+            o, S = getattr(ops, "chunk_" + rule)(*inputs, initial_state=h0, output_final_state=True, scale=K**-0.5)
+            grads = torch.autograd.grad((o.float() * do.float()).sum() + S.sum(), [*inputs, h0])
         return [o, S, *grads]
 
     split, whole = run("4"), run("0")

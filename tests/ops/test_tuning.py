@@ -1,4 +1,4 @@
-"""``efla.ops.cuda.tuning``: with ``EFLA_STATE_TUNING=1`` the state passes get a launch setting per
+"""``efla.ops.cuda.experimental.tuning``: with ``EFLA_STATE_TUNING=1`` the state passes get a launch setting per
 bucket of sequences x heads, each bucket's own, also through Triton's disk cache."""
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ _OK, _WHY = interpreter_ready()
 _SCRIPT = textwrap.dedent(
     """
     import os, sys, torch
-    os.environ.pop("TRITON_INTERPRET", None)
-    os.environ["EFLA_DIRECT_LAUNCH"] = "0"
+    os.environ.pop("TRITON_INTERPRET", None)  # before Triton's import
     sys.path.insert(0, {repo!r})
     from triton import knobs
     from triton.runtime.autotuner import Autotuner
-    from efla.ops.cuda import stages as st, tuning
+    from efla import environment
+    from efla.ops.cuda import stages as st
+    from efla.ops.cuda.experimental import tuning
     from tests.ops import stand_in_driver
     from tests.ops.stand_in_driver import launches
 
@@ -42,15 +43,15 @@ _SCRIPT = textwrap.dedent(
     Autotuner._bench = bench
 
     def stage_launches(B, H, tuned, T=128):
-        os.environ["EFLA_STATE_TUNING"] = "1" if tuned else "0"
         gen = torch.Generator().manual_seed(0)
         K, V = 64, 128
         t = lambda *shape: torch.randn(*shape, generator=gen).bfloat16()
         k, w, q, u, do = t(B, T, H, K), t(B, T, H, K), t(B, T, H, K), t(B, T, H, V), t(B, T, H, V)
         h0 = torch.randn(B, H, K, V, generator=gen)
         launches.clear()
-        st.state_pass(k, w, u, None, h0, None, None, True)
-        st.state_grads(q, k, w, None, h0, h0, do, u, 0.125, None, None)
+        with environment.override(EFLA_STATE_TUNING=tuned):
+            st.state_pass(k, w, u, None, h0, None, None, True)
+            st.state_grads(q, k, w, None, h0, h0, do, u, 0.125, None, None)
         shape = lambda x: (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
         return [(grid, warps, tuple(map(shape, values))) for grid, _, values, warps in launches]
 
@@ -85,7 +86,7 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.mark.skipif(not _OK, reason=_WHY)
 def test_state_passes_are_tuned_per_bucket_of_sequence_heads(tmp_path):
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), EFLA_DIRECT_LAUNCH="0")  # every launch through the autotuners
     r = subprocess.run(
         [sys.executable, "-c", _SCRIPT.format(repo=REPO)], env=env, capture_output=True, text=True, timeout=600, cwd=REPO
     )
@@ -94,9 +95,10 @@ def test_state_passes_are_tuned_per_bucket_of_sequence_heads(tmp_path):
 
 _GPU_SCRIPT = textwrap.dedent(
     """
-    import os, sys, torch
+    import sys, torch
     sys.path.insert(0, {repo!r})
     import efla.ops as ops
+    from efla import environment
 
     def run(rule, B, H, varlen):
         gen = torch.Generator(device="cuda").manual_seed(B * H)
@@ -118,10 +120,10 @@ _GPU_SCRIPT = textwrap.dedent(
     rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
     for rule in ("efla", "gated_efla"):
         for B, H, varlen in ((1, 4, False), (8, 16, False), (1, 16, True)):
-            os.environ["EFLA_STATE_TUNING"] = "1"
-            tuned = run(rule, B, H, varlen)
-            os.environ["EFLA_STATE_TUNING"] = "0"
-            plain = run(rule, B, H, varlen)
+            with environment.override(EFLA_STATE_TUNING=True):
+                tuned = run(rule, B, H, varlen)
+            with environment.override(EFLA_STATE_TUNING=False):
+                plain = run(rule, B, H, varlen)
             for a, b in zip(tuned, plain):
                 assert rel(a, b) < 1e-3, (rule, B, H, varlen, rel(a, b))
     print("OK")

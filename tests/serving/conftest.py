@@ -17,7 +17,7 @@ import torch
 def http_stack() -> None:
     """Skip (the module, or the test calling it) unless the serve extra and the HTTP test clients are
     installed (the scheduler's own tests need neither)."""
-    for name in ("fastapi", "uvicorn", "openai", "httpx"):
+    for name in ("fastapi", "uvicorn", "prometheus_client", "jinja2", "openai", "httpx"):
         pytest.importorskip(name)
 
 
@@ -131,7 +131,7 @@ class Served:
 
 
 @contextlib.contextmanager
-def serve(model, tokenizer, *, api_key: str | None = None, prefix_cache=None, **options):
+def serve(model, tokenizer, *, api_key: str | None = None, prefix_cache=None, chat_template: str | None = None, **options):
     """A server for ``model`` on a free port of 127.0.0.1, uvicorn in a thread; stopped on exit."""
     import uvicorn
 
@@ -146,7 +146,7 @@ def serve(model, tokenizer, *, api_key: str | None = None, prefix_cache=None, **
         pad_token=tokenizer.pad_token_id,
         **options,
     )
-    app = create_app(scheduler, tokenizer, model_name=MODEL_NAME, api_key=api_key)
+    app = create_app(scheduler, tokenizer, model_name=MODEL_NAME, api_key=api_key, chat_template=chat_template)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))

@@ -38,6 +38,18 @@ def test_a_wrong_option_is_one_line_with_status_2(model_dir, capsys, options, op
     assert err.count("\n") == 1 and err.startswith("efla serve: ") and f"({option}" in err
 
 
+@pytest.mark.parametrize(
+    "content, complaint", [(None, "cannot read the chat template"), ("{% for m in messages %}", "is not valid Jinja")]
+)
+def test_a_chat_template_that_cannot_be_used_is_one_line_naming_the_file(model_dir, tmp_path, capsys, content, complaint):
+    template = tmp_path / "chat.jinja"
+    if content is not None:
+        template.write_text(content, encoding="utf-8")
+    assert main(["serve", str(model_dir), "--chat-template", str(template)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and complaint in err and str(template) in err and "(--chat-template)" in err
+
+
 def test_a_missing_model_directory_is_one_line(tmp_path, capsys):
     assert main(["serve", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
@@ -60,7 +72,7 @@ def test_a_server_shutting_down_answers_503(loaded):
     assert response.status_code == 503 and error_of(response)["code"] == "shutting_down"
 
 
-def _start(model_dir) -> tuple[subprocess.Popen, str]:
+def _start(model_dir, *options: str) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
         [
@@ -77,6 +89,7 @@ def _start(model_dir) -> tuple[subprocess.Popen, str]:
             "4096",
             "--served-model-name",
             MODEL_NAME,
+            *options,
         ],
         cwd=REPO,
         env=env,
@@ -108,6 +121,25 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(model_dir, reference
         assert process.wait(60) == 0
         err = process.stderr.read()
         assert "Traceback" not in err, err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_chat_completions_use_the_template_file_given(model_dir, tmp_path, reference):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}", encoding="utf-8")
+    process, url = _start(model_dir, "--chat-template", str(template))
+    try:
+        import openai
+
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "def "}, {"role": "user", "content": "main("}]
+        answer = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0)
+        assert answer.choices[0].message.content == reference("def main(", 6)[0]  # rendered as the contents joined
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
     finally:
         if process.poll() is None:
             process.kill()

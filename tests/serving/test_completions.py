@@ -150,3 +150,17 @@ def test_models_and_health(server):
     health = server.health()
     assert health["status"] == "ok" and health["model"] == MODEL_NAME
     assert health["slots_total"] == 16 and health["prefix_cache"] == {"enabled": False, "reason": "off"}
+
+
+def test_stop_token_ids_end_the_text_before_them(server, reference):
+    tokenizer = reference.tokenizer
+    new = reference.tokens(tokenizer(PROMPTS[5])["input_ids"], 12)
+    first = new.index(new[3])  # where that token first comes
+    body = {"model": MODEL_NAME, "prompt": PROMPTS[5], "max_tokens": 12, "temperature": 0}
+    response = server.client().completions.create(**body, extra_body={"stop_token_ids": [new[3]]})
+    assert response.choices[0].text == tokenizer.decode(new[:first], skip_special_tokens=True)
+    assert response.choices[0].finish_reason == "stop" and response.usage.completion_tokens == first + 1
+    streamed = server.client().completions.create(**body, extra_body={"stop_token_ids": [new[3]]}, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == response.choices[0].text
+    wrong = httpx.post(f"{server.url}/v1/completions", json={**body, "stop_token_ids": [10**6]}, timeout=10)
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "stop_token_ids"

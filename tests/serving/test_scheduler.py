@@ -248,3 +248,56 @@ def test_prefill_settings_default_by_device_and_give_way_to_the_callers(loaded):
     chosen = Scheduler(loaded[0], None, max_batch=2, max_context=64, prefill_chunk=7, prefill_every=3)
     assert (by_default.prefill_chunk, by_default.prefill_every) == (512, 1)
     assert (chosen.prefill_chunk, chosen.prefill_every) == (7, 3)
+
+
+@pytest.mark.parametrize("preset", ["tiny-efla", "tiny-gated-efla", "tiny-deltanet", "tiny-hybrid-efla"])
+def test_forked_choices_give_generates_tokens_and_the_models_log_probabilities(preset):
+    """n = 3 greedy choices per prompt: one prefill whose state the other choices copy (a hybrid model
+    prefills each), generate's tokens; the log-probabilities of the steps and of the prompt are the
+    model's forward's, float32."""
+    model = _model(preset)
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (37, 70)]
+    scheduler = _scheduler(model, max_batch=8, prefill_chunk=16, prefix_cache=PrefixCache(block=16))
+    try:
+        collector = Collector(6)
+        requests = scheduler.submit(prompts, SamplingParams(max_tokens=10, logprobs=2, prompt_logprobs=1), collector, 3)
+        collector.wait()
+        copies = 3 if preset == "tiny-hybrid-efla" else 1
+        assert scheduler.status()["prompt_tokens_prefilled"] == copies * sum(map(len, prompts))
+        assert scheduler.status()["slots_free"] == 8
+    finally:
+        scheduler.close()
+    for i, request in enumerate(requests):
+        prompt = prompts[i // 3]
+        assert request.tokens == _generate_alone(model, prompt, 10)
+        with torch.no_grad():
+            expected = model(torch.tensor([prompt + request.tokens])).logits[0].float().log_softmax(-1)
+        entries = [entry for r, event in collector.events if r is request for entry in event.logprobs]
+        assert [e.token for e in entries] == request.tokens
+        want = [expected[len(prompt) - 1 + j, t].item() for j, t in enumerate(request.tokens)]
+        assert [e.logprob for e in entries] == pytest.approx(want, abs=1e-4)
+        assert all(len(e.top) == 2 and e.top[0] == (e.token, pytest.approx(e.logprob)) for e in entries)
+        scored = [expected[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
+        assert request.prompt_logprobs[0] is None
+        assert [e.logprob for e in request.prompt_logprobs[1:]] == pytest.approx(scored, abs=1e-4)
+
+
+def test_a_prompt_only_scored_holds_no_slot():
+    """max_tokens = 0: the prompt's log-probabilities and the end, also while every slot is taken."""
+    model = _model("tiny-efla")
+    scheduler = _scheduler(model, max_batch=1, max_context=100_000)
+    try:
+        busy = Collector(1)
+        running = scheduler.submit([[5, 6, 7]], SamplingParams(max_tokens=50_000), busy)
+        scored = Collector(1)
+        request = scheduler.submit([[9, 10, 11, 12]], SamplingParams(max_tokens=0, prompt_logprobs=0), scored)[0]
+        scored.wait()
+        final = scored.final(request)
+        assert isinstance(final, FinishEvent) and (final.reason, final.completion_tokens) == ("length", 0)
+        assert len(request.prompt_logprobs) == 4 and all(len(e.top) == 0 for e in request.prompt_logprobs[1:])
+        assert not running[0].done  # it ran beside the slot's holder
+        scheduler.cancel(running)
+        busy.wait()
+    finally:
+        scheduler.close()

@@ -87,3 +87,38 @@ def test_captured_prefill_rows_equal_the_eager_ones(preset):
     for slot in SLOTS:
         for got, want in zip(_states(captured.cache, slot), _states(eager.cache, slot), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _log_softmax(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids], device="cuda")).logits[0].float().log_softmax(-1).cpu()
+
+
+def test_forked_choices_and_log_probabilities_from_captured_steps():
+    """n = 3 greedy choices of each prompt (one prefill, the state copied) give generate's tokens; the
+    log-probabilities of the captured steps and of the prompt are the model's forward's."""
+    model = _model("tiny-efla")
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (37, 70)]
+    scheduler = Scheduler(model, None, stop_tokens=[EOS], max_batch=8, max_context=512, prefix_cache=PrefixCache(block=16))
+    scheduler.start()
+    try:
+        collector = Collector(6)
+        params = SamplingParams(max_tokens=12, logprobs=2, prompt_logprobs=1)
+        requests = scheduler.submit(prompts, params, collector, 3)
+        collector.wait()
+        assert scheduler.status()["prompt_tokens_prefilled"] == sum(map(len, prompts))
+    finally:
+        scheduler.close()
+    for i, request in enumerate(requests):
+        prompt = prompts[i // 3]
+        assert request.tokens == _alone(model, prompt, 12)
+        expected = _log_softmax(model, prompt + request.tokens)
+        entries = [entry for r, event in collector.events if r is request for entry in event.logprobs]
+        assert [e.token for e in entries] == request.tokens
+        want = [expected[len(prompt) - 1 + j, t].item() for j, t in enumerate(request.tokens)]
+        assert [e.logprob for e in entries] == pytest.approx(want, abs=1e-3)
+        assert all(len(e.top) == 2 and e.top[0] == (e.token, pytest.approx(e.logprob)) for e in entries)
+        scored = [expected[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
+        assert request.prompt_logprobs[0] is None
+        assert [e.logprob for e in request.prompt_logprobs[1:]] == pytest.approx(scored, abs=1e-3)

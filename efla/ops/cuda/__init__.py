@@ -7,7 +7,12 @@ runs the PyTorch path instead (with a one-time ``RuntimeWarning`` per reason):
 * float32 / float64 inputs (the chunk kernels are bf16/fp16 with a float32 state),
 * head dims above 256 (q/k and v checked independently),
 * varlen batches with an empty sequence,
-* chunk mode (or any mode with autograd) when flash-linear-attention cannot be imported.
+* chunk mode (or any mode with autograd) when flash-linear-attention cannot be imported (the
+  warning names the import that failed and its error).
+
+On an fla release other than the one whose private stage kernels the chunk path was tested with
+(``supported.py``), the chunk ops run fla's public ``chunk_delta_rule`` / ``chunk_gated_delta_rule``
+with our coefficients instead (``public_chunk.py``), after one warning.
 
 Design (measured: ``benchmarks/gpu_ops.py``, ``benchmarks/RESULTS.md``):
 
@@ -34,28 +39,58 @@ import warnings
 
 import torch
 
-__all__ = ["dispatch", "fla_available"]
+from .supported import fla_stages_tested
+
+__all__ = ["dispatch", "fla_available", "fla_import_error"]
 
 KINDS = ("efla", "gated_efla", "delta_rule", "gated_delta_rule")
 MODES = ("chunk", "recurrent")
 MAX_HEAD_DIM = 256
 
 _fla_ok = None
+_fla_error = None  # "ExceptionType: message" of the import that failed
 
 
 @torch.compiler.assume_constant_result  # evaluated once while tracing: see ``efla.ops.api._cuda_importable``
 def fla_available() -> bool:
-    """True when flash-linear-attention's kernels import (any failure counts as absent)."""
-    global _fla_ok
+    """True when the chunk path's flash-linear-attention functions import: its stage kernels on the
+    release they were tested with, its public chunk functions on any other (any failure counts as
+    absent; ``fla_import_error`` says which)."""
+    global _fla_ok, _fla_error
     if _fla_ok is None:
         try:
-            from . import chunk as _chunk  # noqa: PLC0415 (lazy: triton, and no import cycle with efla.ops)
-
-            _chunk.load()
+            _load_fla()
             _fla_ok = True
-        except Exception:  # noqa: BLE001 - a broken/partial install must not break efla
+        except Exception as error:  # noqa: BLE001 - a broken/partial install must not break efla
+            _fla_error = f"{type(error).__name__}: {error}"
             _fla_ok = False
     return _fla_ok
+
+
+def fla_import_error() -> str | None:
+    """What the failed import raised, ``"ExceptionType: message"``; ``None`` while none failed."""
+    return _fla_error
+
+
+def _load_fla() -> None:
+    if fla_stages_tested():
+        from . import chunk  # noqa: PLC0415 (lazy: triton, and no import cycle with efla.ops)
+
+        chunk.load()
+    else:
+        from . import public_chunk  # noqa: PLC0415 (lazy: triton, and no import cycle with efla.ops)
+
+        public_chunk.load()
+
+
+def _chunk_path():
+    """The chunk entry: ours around fla's stage kernels, or fla's public functions (``public_chunk``)
+    on an fla release those kernels were not tested with."""
+    if fla_stages_tested():
+        from .custom_ops import chunk_forward  # noqa: PLC0415 (lazy: triton, and no import cycle with efla.ops)
+    else:
+        from .public_chunk import chunk_forward  # noqa: PLC0415 (lazy: triton, and no import cycle with efla.ops)
+    return chunk_forward
 
 
 _warned: set[str] = set()
@@ -82,11 +117,11 @@ def fall_back(reason: str) -> None:
 
 def _refuse_overflowing_raw_keys(k) -> None:
     """Refuse keys whose ``||k||^2`` overflows float32, as the CPU does, where the kernels cannot
-    see it themselves: the Euler rules form ``k k^T`` from raw keys, and an in-kernel L2
-    normalisation turns such a key into a zero key (one reduction and one device sync per call; the
-    exact rules' chunk form flags raw keys in its coefficient pass instead, and their scan computes
-    them exactly). Skipped where a sync is not allowed (compiled code, CUDA-graph capture), where
-    validation has checked them and with ``EFLA_CHECK_KEYS=0``."""
+    see it themselves: the Euler rules and fla's public functions (``public_chunk``) form ``k k^T``
+    from raw keys, and an in-kernel L2 normalisation turns such a key into a zero key (one reduction
+    and one device sync per call; the exact rules' chunk form flags raw keys in its coefficient pass
+    instead, and their scan computes them exactly). Skipped where a sync is not allowed (compiled
+    code, CUDA-graph capture), where validation has checked them and with ``EFLA_CHECK_KEYS=0``."""
     from ..validate import check_key_energy, values_checked  # noqa: PLC0415 (lazy: triton, and no import cycle with efla.ops)
     from .key_checks import key_checks_enabled  # noqa: PLC0415 (lazy: triton, and no import cycle with efla.ops)
 
@@ -149,8 +184,11 @@ def dispatch(
         return recurrent_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu)
 
     if not fla_available():
-        return fall_back('flash-linear-attention is not installed (pip install "efla[cuda]")')
-    from .custom_ops import chunk_forward  # noqa: PLC0415 (lazy: triton, and no import cycle with efla.ops)
+        why = f"the chunk kernels could not be imported ({fla_import_error()})"
+        return fall_back(why + '; pip install "efla[cuda]" for Triton and flash-linear-attention')
+    if not (fla_stages_tested() or k_l2norm or kind in ("delta_rule", "gated_delta_rule")):
+        _refuse_overflowing_raw_keys(k)
+    chunk_forward = _chunk_path()
 
     if kind == "gated_efla" and dt == torch.float16:
         # v * (w / c) grows like 1 / exp(g); bf16 has the range for it, fp16 may not.

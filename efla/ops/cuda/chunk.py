@@ -33,11 +33,12 @@ import threading
 import torch
 import triton
 
+from efla import environment
+
 from ..gates import RawGates
 from ..validate import key_energy_error
 from . import kernels as kn
 from . import stages as st
-from .fused_forward import fused_forward, state_output
 from .launch import launch as launch_kernel
 from .key_checks import check_flag_later, defer_key_check, key_checks_enabled, raise_earlier_overflows, read_each_call, reset_flag
 
@@ -324,10 +325,12 @@ def delta_rule_fwd(q, k, v, beta, scale, h0, output_final_state, cu_seqlens):
 
 def _state_and_output(q, k, v, beta, A, gcum, h0, scale, cu_seqlens, ci, output_final_state):
     """``(o, final state)`` from the solved ``A``: fla's ``w``/``u``, state and output kernels, or
-    with ``EFLA_FUSED_FORWARD=1`` the last two as one kernel (``fused_forward.py``)."""
+    with ``EFLA_FUSED_FORWARD=1`` the last two as one kernel (``experimental/fused_forward.py``)."""
     w, u = st.gated_w_u(k, v, beta, A, gcum, cu_seqlens, ci)
-    if fused_forward():
-        return state_output(q, k, w, u, gcum, h0, scale, cu_seqlens, output_final_state)
+    if environment.get("EFLA_FUSED_FORWARD"):
+        from .experimental import fused_forward  # noqa: PLC0415 (the default path never imports the experiments)
+
+        return fused_forward.state_output(q, k, w, u, gcum, h0, scale, cu_seqlens, output_final_state)
     h, v_new, ht = st.state_pass(k, w, u, gcum, h0, cu_seqlens, ci, output_final_state)
     return st.output(q, k, v_new, h, gcum, scale, cu_seqlens, ci), ht
 

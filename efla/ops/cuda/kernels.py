@@ -22,10 +22,11 @@ The chunk kernels get erase ``c`` as their ``beta`` and ``v * (w / c)`` as their
 from __future__ import annotations
 
 import inspect
-import os
 
 import triton
 import triton.language as tl
+
+from efla import environment
 
 # rho uses exp(max(g, G_FLOOR)): keeps w/c = phi(eta)/(a phi(x1)) finite in float32/bf16 when a
 # underflows. For g < G_FLOOR the erase is ~1e-26 either way (numerically nil).
@@ -41,7 +42,7 @@ def autotune_kwargs() -> dict:
 def tunable(configs: list) -> list:
     """``configs``, or only the first under Triton's CPU interpreter (there is no GPU to time them on;
     every setting computes the same result)."""
-    return configs[:1] if os.environ.get("TRITON_INTERPRET") == "1" else configs
+    return configs[:1] if environment.get("TRITON_INTERPRET") else configs
 
 
 FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)

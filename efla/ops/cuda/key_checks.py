@@ -1,10 +1,11 @@
 """When the GPU chunk kernels' overflowing-key flags are read (keys whose ``||k||^2`` overflows
 float32 give NaN there; the flag turns that into ``efla.ops.validate.key_energy_error``'s message).
 
-One switch, ``EFLA_CHECK_KEYS``: by default (``later``) a flag is copied to the host behind the
-call's kernels and a set one raises at the next chunk call of the thread that finds the copy
-arrived, or at ``check_keys()``, which waits for it; ``sync`` (and ``immediate_key_checks()``)
-reads each call's flag at once, one device sync per call; ``0`` reads none. Inside
+One switch, ``EFLA_CHECK_KEYS`` (``efla.environment``): by default (``later``) a flag is copied
+to the host behind the call's kernels and a set one raises at the next chunk call of the thread
+that finds the copy arrived, or at ``check_keys()``, which waits for it; ``sync`` (and
+``immediate_key_checks()``) reads each call's flag at once, one device sync per call; ``off``
+reads none. Inside
 ``deferred_key_checks()`` the flags are read at the block's end: one device sync there (the models
 run their layers so). Only torch is imported here: the CPU paths use the switch too.
 """
@@ -12,22 +13,20 @@ run their layers so). Only torch is imported here: the CPU paths use the switch 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from dataclasses import dataclass
 
 import torch
 
+from efla import environment
+
 
 def key_check_mode() -> str:
     """How the GPU paths refuse keys whose ``||k||^2`` overflows float32 (``EFLA_CHECK_KEYS``):
     ``"later"`` (default) the chunk kernels' flags are read once their copy reaches the host (no
-    stall); ``"sync"`` each call reads its flag at once (a device sync per call); ``"off"`` (``0``)
-    nothing is checked, such keys give NaN."""
-    value = os.environ.get("EFLA_CHECK_KEYS", "1").strip().lower()
-    if value in ("", "0", "false", "off"):
-        return "off"
-    return "sync" if value == "sync" else "later"
+    stall); ``"sync"`` each call reads its flag at once (a device sync per call); ``"off"`` nothing
+    is checked, such keys give NaN."""
+    return environment.get("EFLA_CHECK_KEYS")
 
 
 def key_checks_enabled() -> bool:

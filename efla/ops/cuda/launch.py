@@ -16,23 +16,31 @@ whether an argument is ``None``). Anything the record cannot
 stand for runs through Triton every time: Triton's CPU interpreter (no compiled kernel), an
 autotuner setting with a pre-launch hook, an argument of a type not listed.
 
-On by default; ``EFLA_DIRECT_LAUNCH=0`` sends every launch through Triton. On the CPU, with a
-stand-in driver, the replayed launches pass Triton's own grid, stream and argument vector for every
-stage (``tests/ops/test_launch.py``); on the GPU the same file checks replayed chunk ops bit for bit
-against the ops through Triton. The speed it buys is in ``benchmarks/RESULTS.md``.
+On by default on the Triton releases it was tested with (``supported.py``: any other launches
+through Triton, with one warning); ``EFLA_DIRECT_LAUNCH=0`` sends every launch through Triton. On
+the CPU, with a stand-in driver, the replayed launches pass Triton's own grid, stream and argument
+vector for every stage (``tests/ops/test_launch.py``); on the GPU the same file checks replayed
+chunk ops bit for bit against the ops through Triton. The speed it buys is in ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 
 import torch
-from triton import knobs
 from triton.runtime import driver
 from triton.runtime.autotuner import Autotuner, Heuristics
 from triton.runtime.jit import JITFunction
+
+from efla import environment
+
+from .supported import direct_launcher_tested
+
+try:
+    from triton import knobs
+except ImportError:  # an older Triton, not one the direct launcher was tested with: never read
+    knobs = None
 
 _NO_RECORD = object()  # a specialisation that always runs through Triton
 
@@ -52,14 +60,14 @@ MAX_RECORDS = 4096  # ints are keyed by value (a varlen batch's T, say): the tab
 
 def direct_launches() -> bool:
     """Whether launches after the first of their specialisation skip Triton's Python
-    (``EFLA_DIRECT_LAUNCH``, on unless ``0``)."""
-    return os.environ.get("EFLA_DIRECT_LAUNCH", "1") != "0"
+    (``EFLA_DIRECT_LAUNCH``, on by default)."""
+    return environment.get("EFLA_DIRECT_LAUNCH")
 
 
 def launch(kernel, grid, /, **args):
     """``kernel[grid](**args)``: ``grid`` a tuple, or a function of the parameters (the autotuned
     ones included) as Triton takes it."""
-    if knobs.runtime.interpret or not direct_launches():
+    if environment.get("TRITON_INTERPRET") or not direct_launches() or not direct_launcher_tested():
         return kernel[grid](**args)
     key = _specialisation(kernel, args)
     record = _records.get(key) if key is not None else _NO_RECORD

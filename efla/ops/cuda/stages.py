@@ -5,6 +5,10 @@ kernel with the same arguments and tile sizes, so the results are those of fla's
 Triton-interpreter tests compare them); what differs is the host side: a launch after the first
 goes straight to the compiled kernel (``launch.py``), without fla's backend dispatch and Triton's
 autotuner wrappers on every call. Shapes: ``[B, T, H, K]`` keys, one value head per key head.
+
+These kernels are fla's private ones, so they run only on the fla release listed in
+``supported.TESTED_FLA``; on any other the chunk ops take fla's public functions
+(``public_chunk.py``).
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ import functools
 import torch
 import triton
 
-from . import split_state
+from efla import environment
+
 from .launch import launch
-from .tuning import by_sequence_heads, state_tuning
 
 CHUNK = 64
 RCP_LN2 = 1.4426950408889634  # the gated kernels take the gate's cumsum in base 2
@@ -163,9 +167,13 @@ def gated_w_u(k, v, beta, A, g, cu_seqlens, chunk_indices):
 
 def _state_kernel(name: str, sequence_heads: int):
     """fla's state-pass kernel ``name``, with its launch setting tuned per bucket of
-    ``sequence_heads`` where ``EFLA_STATE_TUNING=1`` (``tuning.py``)."""
+    ``sequence_heads`` where ``EFLA_STATE_TUNING=1`` (``experimental/tuning.py``)."""
     kernel = kernels()[name]
-    return by_sequence_heads(kernel, sequence_heads) if state_tuning() else kernel
+    if not environment.get("EFLA_STATE_TUNING"):
+        return kernel
+    from .experimental import tuning  # noqa: PLC0415 (the default path never imports the experiments)
+
+    return tuning.by_sequence_heads(kernel, sequence_heads)
 
 
 def _chunk_offsets(cu_seqlens):
@@ -175,12 +183,12 @@ def _chunk_offsets(cu_seqlens):
 def state_pass(k, w, u, g, h0, cu_seqlens, chunk_indices, output_final_state=False):
     """The chunk-to-chunk state pass: ``(h, v_new, final state or None)``; ``h`` holds each chunk's
     starting state, ``v_new = u - w h``. With ``EFLA_SPLIT_STATE`` a dense batch's sequences walk
-    in pieces side by side (``split_state.py``)."""
+    in pieces side by side (``experimental/split_state.py``)."""
     B, T, H, K = k.shape
     V = u.shape[-1]
     pieces = _pieces(k, V, cu_seqlens)
     if pieces > 1:
-        return _state_pass_in_pieces(k, w, u, g, h0, pieces, output_final_state)
+        return _split_state().state_pass_in_pieces(k, w, u, g, h0, pieces, output_final_state)
     N = _sequences(k, cu_seqlens)
     NT = _chunks(T, cu_seqlens, chunk_indices)
     h = k.new_empty(B, NT, H, K, V)
@@ -213,28 +221,16 @@ def state_pass(k, w, u, g, h0, cu_seqlens, chunk_indices, output_final_state=Fal
 
 def _pieces(k, V: int, cu_seqlens) -> int:
     """How many pieces each sequence of a dense batch walks in (``split_state.pieces_for``); 1 for a
-    packed batch."""
-    return 1 if cu_seqlens is not None else split_state.pieces_for(*k.shape, V, k.is_cuda)
+    packed batch and while ``EFLA_SPLIT_STATE`` asks for none."""
+    if cu_seqlens is not None or environment.get("EFLA_SPLIT_STATE") <= 1:
+        return 1
+    return _split_state().pieces_for(*k.shape, V, k.is_cuda)
 
 
-def _state_pass_in_pieces(k, w, u, g, h0, pieces, output_final_state):
-    B, T, H, K = k.shape
-    V = u.shape[-1]
-    states, boundaries, table = split_state.entering_states(k, w, u, g, h0, pieces)
-    h, v_new, final = state_pass(*split_state.packed(k, w, u, g), states, boundaries, table, output_final_state)
-    final = final.view(B, pieces, H, K, V)[:, -1].contiguous() if final is not None else None
-    return h.view(B, -1, H, K, V), v_new.view(B, T, H, V), final
+def _split_state():
+    from .experimental import split_state  # noqa: PLC0415 (the default path never imports the experiments)
 
-
-def _state_grads_in_pieces(q, k, w, g, h0, dht, do, dv, scale, pieces):
-    B, T, H, K = q.shape
-    V = do.shape[-1]
-    arriving, boundaries, table = split_state.gradients_from_the_right(q, k, w, g, dht, do, dv, scale, pieces)
-    q1, k1, w1, g1, do1, dv1 = split_state.packed(q, k, w, g, do, dv)
-    per_piece_h0 = arriving if h0 is not None else None  # its shape only: every piece's dh0 is written
-    dh, dh0, dv2 = state_grads(q1, k1, w1, g1, per_piece_h0, arriving, do1, dv1, scale, boundaries, table)
-    dh0 = dh0.view(B, pieces, H, K, V)[:, 0].contiguous() if dh0 is not None else None
-    return dh.view(B, -1, H, K, V), dh0, dv2.view(B, T, H, V)
+    return split_state
 
 
 def state_grads(q, k, w, g, h0, dht, do, dv, scale, cu_seqlens, chunk_indices):
@@ -244,7 +240,7 @@ def state_grads(q, k, w, g, h0, dht, do, dv, scale, cu_seqlens, chunk_indices):
     V = do.shape[-1]
     pieces = _pieces(k, V, cu_seqlens)
     if pieces > 1:
-        return _state_grads_in_pieces(q, k, w, g, h0, dht, do, dv, scale, pieces)
+        return _split_state().state_grads_in_pieces(q, k, w, g, h0, dht, do, dv, scale, pieces)
     N = _sequences(k, cu_seqlens)
     NT = _chunks(T, cu_seqlens, chunk_indices)
     dh = q.new_empty(B, NT, H, K, V)

@@ -16,30 +16,32 @@ the order of float32 sums.
 
 What it costs: the output's products move onto the chunk-by-chunk walk, which has one program per
 (sequence, head, value block), where fla's output kernel has one per chunk besides. It saves the
-traffic of ``h`` and ``v_new``, each written once and read once. On the H200 that paid only where
-the host or the head count sets the pace (``benchmarks/RESULTS.md``), so it is opt-in;
-``benchmarks/gpu_ops.py`` times it beside the default.
+traffic of ``h`` and ``v_new``, each written once and read once. The backward is unchanged: it
+recomputes the state with fla's pass. So it cannot go with ``EFLA_SPLIT_STATE`` (there is no state
+pass here to cut into pieces, while the backward's would be cut): ``state_output`` refuses the pair.
+
+On a GPU: its GPU tests passed on an H200 (2026-12-04: the ops against the float64 reference and
+against the ops without it; every launch setting against fla's kernels at K x V = 128 x 128, the
+64 x 96 and 256 x 256 cases cut off by the call's limit). Timed once, one round
+(``benchmarks/RESULTS.md``): faster where the host or the head count sets the pace (EFLA forward
+0.91x of the default at [8, 2K, 16] and [1, 8K, 96]), slower where few sequences x heads walk many
+chunks (1.13x at [4, 4K, 16] and [1, 16K, 16], Gated EFLA's forward 1.10-1.28x at the three
+largest shapes). Decided at the next GPU visit by
+``PYTEST_K=fused_forward OPS_ARGS="--skip-decode --skip-model --skip-correctness --rounds 3 --variants
+fusedfwd" bash scripts/device.sh optests ops``: the default with a measured dispatch rule (the shapes
+where three rounds show it faster), or deleted.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .kernels import autotune_kwargs, tunable
-from .launch import launch
+from efla import environment
 
-
-def fused_forward() -> bool:
-    """``EFLA_FUSED_FORWARD``: ``0`` fla's state and output kernels (the default), ``1`` the two as
-    one kernel."""
-    mode = os.environ.get("EFLA_FUSED_FORWARD", "0")
-    if mode not in ("0", "1"):
-        raise ValueError(f"EFLA_FUSED_FORWARD: expected 0 or 1, got {mode!r}")
-    return mode == "1"
+from ..kernels import autotune_kwargs, tunable
+from ..launch import launch
 
 
 # Triton's type of each argument as the chunk ops pass it (bf16 inputs), to compile the kernel ahead
@@ -184,6 +186,7 @@ def state_output(q, k, w, u, g, h0, scale, cu_seqlens, output_final_state):
     """``(o, final state or None)`` of the chunk forward from its WY form ``(w, u)``; ``g`` the gate's
     chunk-local cumsum in base 2, or ``None``. Shapes: ``q``, ``k``, ``w`` ``[B, T, H, K]``, ``u``
     ``[B, T, H, V]``."""
+    refuse_split_state()
     B, T, H, K = k.shape
     V = u.shape[-1]
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
@@ -210,3 +213,14 @@ def state_output(q, k, w, u, g, h0, scale, cu_seqlens, output_final_state):
         BK=max(triton.next_power_of_2(K), 16),
     )
     return o, final
+
+
+def refuse_split_state() -> None:
+    """Raise where ``EFLA_SPLIT_STATE`` asks for pieces: the forward here has no state pass to cut,
+    while the backward's passes would be cut, one switch half applied."""
+    pieces = environment.get("EFLA_SPLIT_STATE")
+    if pieces > 1:
+        raise ValueError(
+            f"EFLA_FUSED_FORWARD=1 and EFLA_SPLIT_STATE={pieces} cannot be combined: the fused forward has no "
+            "state pass to split, while the backward's would be split; turn one of them off"
+        )

@@ -1,13 +1,12 @@
-"""The token mixers' decoding step: one token per row, states updated in place.
+"""The token mixers' single-token step: one token per row, states updated in place.
 
 On the GPU a step of an EFLA / Gated EFLA layer is its input projections (optionally one matrix
 product over a stacked copy of their weights, see ``set_merged_projections``), the fused step
 kernel (``efla.ops.fused_decode_step``: convolutions, activations, beta and gate, the state
 update, the output norm) and the output projection; on the CPU the same step in PyTorch. The
 layers take this path for a one-token call without autograd whose cache already holds the
-layer's state; every other
-call runs their general code, which gives the same results (to rounding); so does every call
-under ``efla.layers.fused.disabled()`` (``EFLA_FUSED=0``).
+layer's state; every other call runs their general code, which gives the same results (to
+rounding); so does every call under ``efla.layers.fla_kernels.disabled()`` (``EFLA_FLA_KERNELS=0``).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from efla.distributed.context_parallel import context_parallel_inactive
 from efla.ops import fused_decode_available, fused_decode_step
 
-from . import fused
+from . import fla_kernels
 from ._common import _bare_linear
 
 __all__ = [
@@ -107,7 +106,7 @@ def decode_pool(layer, hidden_states, attention_mask, cache, use_cache, cu_seqle
     """The layer's stored state when this call can take the fused decoding step, else ``None``."""
     if not (
         use_cache
-        and fused.enabled()
+        and fla_kernels.enabled()
         and hidden_states.shape[1] == 1
         and cu_seqlens is None
         and attention_mask is None

@@ -7,24 +7,25 @@ elementwise kernels, nothing kept for backward that can be recomputed), the same
 models use by default. Everything else (CPU tensors, float64, fla not installed) runs the PyTorch
 code.
 
-``set_enabled(False)`` (or ``EFLA_FUSED=0``) forces the PyTorch code everywhere: a control for
+``set_enabled(False)`` (or ``EFLA_FLA_KERNELS=0``) forces the PyTorch code everywhere: a control for
 speed and numerics comparisons.
 """
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
+
+from efla import environment
 
 __all__ = ["kernels_for", "set_enabled", "enabled", "disabled"]
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _kernels: SimpleNamespace | bool | None = None  # False once the import failed
-_enabled = os.environ.get("EFLA_FUSED", "1") not in ("0", "false", "False")
+_enabled: bool | None = None  # set_enabled()'s choice; None: as EFLA_FLA_KERNELS says
 # Tests run the kernels on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1).
 _allow_cpu = False
 
@@ -65,27 +66,28 @@ def _load() -> SimpleNamespace | None:
 
 def kernels_for(x: torch.Tensor) -> SimpleNamespace | None:
     """fla's fused functions for a tensor ``x`` they can run on, else ``None``."""
-    if not _enabled or x.dtype not in FUSED_DTYPES or not (x.is_cuda or _allow_cpu):
+    if not enabled() or x.dtype not in FUSED_DTYPES or not (x.is_cuda or _allow_cpu):
         return None
     return _load()
 
 
 def set_enabled(flag: bool) -> None:
-    """Use (True, the default) or bypass (False) the fused kernels."""
+    """Use (True) or bypass (False) the fused kernels, whatever ``EFLA_FLA_KERNELS`` says."""
     global _enabled
     _enabled = bool(flag)
 
 
 def enabled() -> bool:
-    return _enabled
+    return environment.get("EFLA_FLA_KERNELS") if _enabled is None else _enabled
 
 
 @contextmanager
 def disabled():
     """``with disabled():`` runs the PyTorch code of every block, also on CUDA."""
+    global _enabled
     before = _enabled
     set_enabled(False)
     try:
         yield
     finally:
-        set_enabled(before)
+        _enabled = before

@@ -1,7 +1,7 @@
 """Chunkwise WY/UT form of the generic recurrence, pure PyTorch, any device.
 
 Per chunk of C tokens with in-chunk cumulative log-decay ``G_t`` (``Gam_t = exp(G_t)``) and
-start state ``S``, the corrections ``r_t`` of ``recurrent.py`` solve a unit lower-triangular
+start state ``S``, the corrections ``r_t`` of ``torch_scan.py`` solve a unit lower-triangular
 system:
 
     (I + L) R = diag(w) V - diag(a Gam) K S,   L_ts = a_t exp(G_t - G_s) k_t.k_s  (s < t)

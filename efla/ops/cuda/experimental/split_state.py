@@ -23,30 +23,32 @@ state comes from chained float32 summaries (fla composes ``M`` in three-pass TF3
 as two 16-bit parts). The summaries and the merge are work the
 whole pass does not do; they pay only where the whole pass leaves the GPU idle, which
 ``benchmarks/gpu_ops.py`` and ``benchmarks/gpu_stages.py`` measure.
+
+On a GPU: never timed, and never passed a test. Its GPU tests (``tests/ops/test_split_state.py -m
+gpu``) ran once, on an H200 on 2026-12-05, and the first two failed, cause unknown: the run was cut
+off at its limit before pytest printed why. Only the CPU interpreter's float32 runs have checked it.
+Decided at the next GPU visit by
+``PYTEST_K=split OPS_ARGS="--skip-decode --skip-model --skip-correctness --rounds 3 --variants
+tuned,split4,split8" bash scripts/device.sh optests ops``: the tests pass and three rounds show the
+split passes faster than ``tuned`` where the whole pass leaves the GPU idle, and it becomes the
+default with that measured dispatch rule, or it is deleted.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .kernels import autotune_kwargs, tunable
-from .launch import launch
+from efla import environment
+
+from .. import stages
+from ..kernels import autotune_kwargs, tunable
+from ..launch import launch
 
 CHUNK = 64
-
-
-def split_pieces() -> int:
-    """``EFLA_SPLIT_STATE``: pieces per sequence for the state pass (``0`` or ``1``: not split,
-    the default)."""
-    text = os.environ.get("EFLA_SPLIT_STATE", "") or "0"
-    if not text.isdigit():
-        raise ValueError(f"EFLA_SPLIT_STATE: expected a number of pieces per sequence, got {text!r}")
-    return int(text)
 
 
 @functools.cache
@@ -81,13 +83,35 @@ def pieces_for(B: int, T: int, H: int, K: int, V: int, on_cuda: bool) -> int:
     or 1 where splitting does not apply (off, keys outside 16-128 wide, a GPU older than sm_80 (fla's
     three-pass TF32 products), a CUDA graph being captured (the layout's first use copies to the
     GPU), or summaries past what fla's merge kernel addresses with 32-bit offsets)."""
-    asked = split_pieces()
+    asked = environment.get("EFLA_SPLIT_STATE")
     if asked <= 1 or not 16 <= K <= 128:
         return 1
     if on_cuda and (torch.cuda.is_current_stream_capturing() or torch.cuda.get_device_capability()[0] < 8):
         return 1
     pieces = piece_count(T, asked)
     return pieces if B * pieces * H * K * (V + K) < 2**31 else 1
+
+
+def state_pass_in_pieces(k, w, u, g, h0, pieces: int, output_final_state: bool):
+    """``stages.state_pass`` of a dense batch, each sequence walked in ``pieces`` side by side."""
+    B, T, H, K = k.shape
+    V = u.shape[-1]
+    states, boundaries, table = entering_states(k, w, u, g, h0, pieces)
+    h, v_new, final = stages.state_pass(*packed(k, w, u, g), states, boundaries, table, output_final_state)
+    final = final.view(B, pieces, H, K, V)[:, -1].contiguous() if final is not None else None
+    return h.view(B, -1, H, K, V), v_new.view(B, T, H, V), final
+
+
+def state_grads_in_pieces(q, k, w, g, h0, dht, do, dv, scale, pieces: int):
+    """``stages.state_grads`` of a dense batch, each sequence walked back in ``pieces`` side by side."""
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    arriving, boundaries, table = gradients_from_the_right(q, k, w, g, dht, do, dv, scale, pieces)
+    q1, k1, w1, g1, do1, dv1 = packed(q, k, w, g, do, dv)
+    per_piece_h0 = arriving if h0 is not None else None  # its shape only: every piece's dh0 is written
+    dh, dh0, dv2 = stages.state_grads(q1, k1, w1, g1, per_piece_h0, arriving, do1, dv1, scale, boundaries, table)
+    dh0 = dh0.view(B, pieces, H, K, V)[:, 0].contiguous() if dh0 is not None else None
+    return dh.view(B, -1, H, K, V), dh0, dv2.view(B, T, H, V)
 
 
 @functools.lru_cache(maxsize=64)

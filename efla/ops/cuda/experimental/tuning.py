@@ -7,23 +7,27 @@ sequence's chunks one after another, one program per (sequence, head, value bloc
 [8, 2K, 16] with K = V = 128 the grid holds 256 or 512 programs, at [1, 16K, 16] 32 or 64, fewer than
 the H200's 132 multiprocessors, and the value block and warp count that are fastest differ between
 the two. With ``EFLA_STATE_TUNING=1`` each power-of-two bucket of sequences x heads gets its own
-Triton autotuner over fla's settings (off by default until measured on the GPU).
+Triton autotuner over fla's settings.
+
+On a GPU: timed once on an H200 (2026-12-04, one round, ``benchmarks/RESULTS.md``), faster than
+the default at the two 16K shapes (EFLA forward 0.84x and 0.90x) and slower at the two smallest
+(forward and backward 1.19x at [8, 2K, 16], 1.09x at [4, 4K, 16], not explained). Its GPU test
+(``tests/ops/test_tuning.py -m gpu``) has never passed: the H200 run of 2026-12-05 that included
+it failed its first two tests (the split state's, in pytest's order) and was cut off at its limit
+without a summary, so this one failed or never ran. Decided at the next GPU visit by
+``PYTEST_K=tuning OPS_ARGS="--skip-decode --skip-model --skip-correctness --rounds 3 --variants tuned"
+bash scripts/device.sh optests ops``: the test passes and three rounds show a win, and it becomes
+the default with a measured dispatch rule (the buckets where it wins), or it is deleted.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import triton
 from triton.runtime.autotuner import Autotuner, Heuristics
 
 _tuned: dict = {}
-
-
-def state_tuning() -> bool:
-    """Whether the state passes are tuned per sequences x heads bucket (``EFLA_STATE_TUNING=1``)."""
-    return os.environ.get("EFLA_STATE_TUNING") == "1"
 
 
 def by_sequence_heads(kernel, sequence_heads: int):
