@@ -131,6 +131,18 @@ def test_seeded_sampling_repeats(model_dir, capsys):
     assert sample(8) != first  # 12 tokens sampled from ~300 at temperature 1: a different seed differs
 
 
+def test_each_prompt_samples_with_its_own_seed_in_both_modes(model_dir, capsys):
+    """Prompt i samples with --seed + i: the same text streamed one by one and in one --json batch, and
+    a prompt given twice gets two samples."""
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]
+    sampling = ["--temperature", "1.0", "--seed", "5", "--max-new-tokens", "12"]
+    assert main(["generate", str(model_dir), *prompts, *sampling, "--json"]) == 0
+    texts = [r["text"] for r in _json_lines(capsys.readouterr().out)]
+    assert main(["generate", str(model_dir), *prompts, *sampling]) == 0
+    assert capsys.readouterr().out == "\n\n".join(p + t for p, t in zip(prompts, texts)) + "\n"
+    assert texts[0] != texts[2]  # 12 tokens at temperature 1 from ~300: two seeds differ
+
+
 def test_help_runs_as_a_module():
     result = subprocess.run(
         [sys.executable, "-m", "efla", "generate", "--help"], capture_output=True, text=True, cwd=REPO, timeout=120

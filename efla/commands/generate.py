@@ -126,13 +126,16 @@ def _encode(tokenizer, prompts: list[str]) -> list[list[int]]:
     return encoded
 
 
-def _sampling(args) -> dict:
+def _sampling(args, positions: range) -> dict:
+    """``generate``'s sampling settings for the prompts at ``positions``: prompt ``i`` samples with
+    seed ``--seed + i``, so no two prompts share a sample and a prompt's text does not depend on
+    the prompts beside it (streamed one by one or in one ``--json`` batch)."""
     return dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k or None,
         top_p=None if args.top_p in (None, 1.0) else args.top_p,
-        seed=args.seed,
+        seed=None if args.seed is None else [args.seed + i for i in positions],
     )
 
 
@@ -153,7 +156,7 @@ def _stream(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args) -> No
             eos_token_id=stop_tokens,
             pad_token_id=pad_id,
             streamer=streamer,
-            **_sampling(args),
+            **_sampling(args, range(i, i + 1)),
         )
 
 
@@ -176,7 +179,7 @@ def _json_lines(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args) -
         attention_mask=mask.to(device),
         eos_token_id=stop_tokens,
         pad_token_id=pad_id,
-        **_sampling(args),
+        **_sampling(args, range(len(encoded))),
     )
     for prompt, row in zip(prompts, out[:, width:].tolist()):
         new, reason = _until_stop(row, stop_tokens)
@@ -246,7 +249,13 @@ def add_parser(sub) -> None:
         metavar="P",
         help="sample from the smallest set of tokens with probability >= P, 0 < P <= 1 (1: off)",
     )
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (same seed, same output)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        metavar="S",
+        help="sampling seed: prompt i samples with seed S + i (same seed, same output)",
+    )
     p.add_argument(
         "--json", action="store_true", help="one JSON object per prompt per line: prompt, text, new_tokens, finish_reason"
     )

@@ -309,13 +309,22 @@ class DecodeEngine:
 
     # -- decoding -------------------------------------------------------------------------------------
     @torch.no_grad()
-    def start(self, bucket: Bucket, logits: torch.Tensor, generator: torch.Generator | None) -> None:
+    def start(
+        self,
+        bucket: Bucket,
+        logits: torch.Tensor,
+        generator: torch.Generator | None,
+        fill_noise: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
         """Choose the first new token of the bucket's first ``len(logits)`` rows from the prefill's
-        logits (the rows' slots and sampling settings already set)."""
+        logits (the rows' slots and sampling settings already set); the noise as in ``step``."""
         n = logits.shape[0]
         noise = bucket.noise[:n]
         if bool((bucket.temperature[:n] > 0).any()):
-            noise.exponential_(generator=generator)
+            if fill_noise is not None:
+                fill_noise(bucket.noise)
+            else:
+                noise.exponential_(generator=generator)
         tokens = choose_tokens(logits, bucket.temperature[:n], bucket.top_k[:n], bucket.top_p[:n], noise)
         bucket.tokens[:n] = tokens
         bucket.finished[:n] = self.is_stop_token(tokens)

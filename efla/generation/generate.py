@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from .engine import DecodeEngine, engine_for
@@ -72,6 +74,18 @@ def _check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
         raise ValueError(f"top_p: expected a value in (0, 1] (1 or None: off), got {top_p!r}")
 
 
+def _row_noise(device: torch.device, seeds: list[int]) -> Callable[[torch.Tensor], None]:
+    """``fill_noise`` for the engine: row ``r``'s noise from a generator of its own seeded by
+    ``seeds[r]``, so a row's sample depends on its seed and prompt alone, not on the rows beside it."""
+    generators = [_generator(device, seed) for seed in seeds]
+
+    def fill(noise: torch.Tensor) -> None:
+        for row, generator in enumerate(generators):
+            noise[row].exponential_(generator=generator)
+
+    return fill
+
+
 def _generator(device: torch.device, seed: int | None) -> torch.Generator:
     """A generator of its own, seeded by ``seed`` or else from torch's global generator (so
     ``torch.manual_seed`` reproduces an unseeded call, as with transformers)."""
@@ -138,7 +152,7 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     eos_token_id: int | list[int] | None = None,
-    seed: int | None = None,
+    seed: int | Sequence[int] | None = None,
     streamer=None,
     *,
     pad_token_id: int | None = None,
@@ -157,7 +171,8 @@ def generate(
         eos_token_id: stop token(s); ``None``: the model's ``generation_config.eos_token_id``; ``[]``:
             never stop early. A row that stopped continues with ``pad_token_id``.
         seed: seeds the sampling (same seed, same tokens); ``None`` draws one from torch's global
-            generator.
+            generator; a sequence gives each row its own seed, and a row's tokens then depend only on
+            its seed and prompt (the same as that prompt generated alone with ``seed=[its seed]``).
         streamer: a transformers streamer (``put`` / ``end``): gets the prompts, then each step's
             tokens ``[B]`` (a few steps at a time: the host reads the device every few steps).
         pad_token_id: ``None``: the model's ``generation_config.pad_token_id``, else the first stop
@@ -190,12 +205,16 @@ def generate(
         (bucket.top_p, 1.0 if top_p is None else float(top_p)),
     ):
         tensor.fill_(value)
-    generator = _generator(engine.device, seed) if sampling else None
+    per_row = isinstance(seed, (list, tuple))
+    if per_row and len(seed) != batch:
+        raise ValueError(f"seed: expected one seed per prompt ({batch}), got {len(seed)}")
+    generator = _generator(engine.device, seed) if sampling and not per_row else None
+    fill_noise = _row_noise(engine.device, list(seed)) if sampling and per_row else None
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
     logits = engine.prefill(prompts, rows)
-    engine.start(bucket, logits, generator)
+    engine.start(bucket, logits, generator, fill_noise)
     new_tokens = torch.empty(batch, max_new_tokens, dtype=torch.long, device=engine.device)
     new_tokens[:, 0] = bucket.tokens[:batch]
     reads = _HostReads(new_tokens, bucket.finished, streamer)
@@ -204,7 +223,7 @@ def generate(
     while steps < max_new_tokens and not reads.done:
         if steps % sync_every == 0:
             reads.queue(steps)
-        engine.step(bucket, sampling, generator)
+        engine.step(bucket, sampling, generator, fill_noise)
         new_tokens[:, steps] = bucket.tokens[:batch]
         steps += 1
     reads.queue(steps)

@@ -89,6 +89,22 @@ def test_seeded_sampling_reproduces_and_seeds_differ():
     assert torch.equal(b, generate(model, ids, **kw))  # unseeded: torch's global generator decides
 
 
+def test_a_seed_per_row_samples_each_row_as_if_alone():
+    """With one seed per row, a row's sample is that prompt's sample alone with its seed: the rows
+    beside it change nothing; two rows of one prompt with two seeds sample differently."""
+    model = tiny("tiny-efla")
+    ids, mask = ragged_batch([6, 4, 6])
+    ids[2], mask[2] = ids[0], mask[0]  # rows 0 and 2: the same prompt
+    kw = dict(max_new_tokens=16, temperature=1.3, top_k=40, top_p=0.9, eos_token_id=[])
+    batch = generate(model, ids, attention_mask=mask, seed=[11, 12, 13], **kw)
+    for row, (n, seed) in enumerate(zip([6, 4, 6], [11, 12, 13])):
+        alone = generate(model, ids[row : row + 1, 6 - n :], seed=[seed], **kw)
+        assert torch.equal(batch[row, 6:], alone[0, n:])
+    assert not torch.equal(batch[0, 6:], batch[2, 6:])
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        generate(model, ids, attention_mask=mask, seed=[1, 2], **kw)
+
+
 def transformers_filter(logits, temperature, top_k, top_p):
     warpers = LogitsProcessorList()
     if temperature != 1.0:
