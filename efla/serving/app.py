@@ -38,6 +38,7 @@ from .protocol import (
 from .requests import SamplingParams
 from .runs import Run
 from .scheduler import Scheduler
+from .structured import Grammars
 
 __all__ = ["create_app"]
 
@@ -55,6 +56,7 @@ def create_app(
     Jinja chat template used instead of the tokenizer's own."""
     created = int(time.time())
     metrics = Metrics(scheduler)
+    grammars = Grammars(tokenizer, scheduler.vocab, scheduler.stop_tokens)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -96,7 +98,8 @@ def create_app(
             field = "best_of" if body.best_of else "n"
             message = f"{field}: at most {scheduler.max_batch} choices (this server's slots), got {generated}"
             raise APIError(400, message, param=field)
-        run = Run(scheduler, prompts, _completion_sampling(body, ranked=generated > body.n), generated, metrics)
+        grammar = await run_in_threadpool(grammars.compile, body.response_format)
+        run = Run(scheduler, prompts, _completion_sampling(body, grammar, ranked=generated > body.n), generated, metrics)
         response = CompletionResponse(run, body, tokenizer, model_name, prompts)
         if body.stream:
             return StreamingResponse(response.stream(request), media_type="text/event-stream")
@@ -109,7 +112,8 @@ def create_app(
         limit_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         limit = body.token_limit if body.token_limit is not None else max(scheduler.max_context - len(prompt), 1)
         _check_lengths([prompt], limit, scheduler.max_context, "messages", limit_name)
-        run = Run(scheduler, [prompt], _chat_sampling(body, limit), body.n, metrics)
+        grammar = await run_in_threadpool(grammars.compile, body.response_format)
+        run = Run(scheduler, [prompt], _chat_sampling(body, limit, grammar), body.n, metrics)
         response = ChatResponse(run, body, tokenizer, model_name)
         if body.stream:
             return StreamingResponse(response.stream(request), media_type="text/event-stream")
@@ -189,8 +193,9 @@ def _check_lengths(prompts: list[list[int]], max_tokens: int, max_context: int, 
             )
 
 
-def _completion_sampling(body: CompletionRequest, ranked: bool) -> SamplingParams:
-    """``ranked``: best_of > n, whose choices are ranked by their log-probabilities."""
+def _completion_sampling(body: CompletionRequest, grammar, ranked: bool) -> SamplingParams:
+    """``grammar``: of the ``response_format``; ``ranked``: best_of > n, whose choices are ranked by
+    their log-probabilities."""
     logprobs = body.logprobs if body.logprobs is not None or not ranked else 0
     return SamplingParams(
         max_tokens=body.max_tokens,
@@ -203,6 +208,7 @@ def _completion_sampling(body: CompletionRequest, ranked: bool) -> SamplingParam
         **_processors(body),
         logprobs=logprobs,
         prompt_logprobs=body.logprobs if body.echo else None,
+        grammar=grammar,
     )
 
 
@@ -217,7 +223,7 @@ def _processors(body: CompletionRequest | ChatCompletionRequest) -> dict:
     }
 
 
-def _chat_sampling(body: ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+def _chat_sampling(body: ChatCompletionRequest, max_tokens: int, grammar) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -228,6 +234,7 @@ def _chat_sampling(body: ChatCompletionRequest, max_tokens: int) -> SamplingPara
         stop_token_ids=tuple(body.stop_token_ids or ()),
         **_processors(body),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        grammar=grammar,
     )
 
 

@@ -97,6 +97,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    response_format: dict[str, Any] | None = None  # checked when compiled (efla.serving.structured)
     user: str | None = None
 
     _check_stop = field_validator("stop")(_stop_strings)

@@ -49,6 +49,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) pairs
     min_tokens: int = 0  # new tokens before a stop token may come
     ignore_eos: bool = False  # the end-of-sequence tokens do not end the request
+    grammar: object | None = None  # a compiled response_format (efla.serving.structured); None: free text
 
 
 @dataclass
@@ -100,5 +101,6 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # set before its first event, when asked for
     fork_of: Request | None = None  # the request whose prefilled state this one starts from
     forks: list[Request] = field(default_factory=list)  # requests starting from this one's state
+    matcher: object | None = None  # its grammar's state (params.grammar), from its admission
     cancelled: bool = False
     done: bool = False

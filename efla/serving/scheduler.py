@@ -22,9 +22,11 @@ hybrid model prefills each choice on its own. A request with ``max_tokens = 0`` 
 prompt (``prompt_logprobs``) and holds no slot.
 
 Requests end at ``max_tokens``, at a stop token (the tokenizer's end of sequence), at a stop string,
-or when cancelled. A seeded sampling request draws its noise from its own generator (see
-``DecodeEngine.step``'s ``fill_noise``), so it gives the same tokens whatever runs beside it; greedy requests give
-``efla.generation.generate``'s tokens.
+or when cancelled. A request with a grammar (``response_format``) has its tokens masked by it and
+ends when the grammar allows only the end-of-sequence token; its bucket's steps wait for the tokens
+of the step before, which its grammar must see first. A seeded sampling request draws its noise
+from its own generator (see ``DecodeEngine.step``'s ``fill_noise``), so it gives the same tokens
+whatever runs beside it; greedy requests give ``efla.generation.generate``'s tokens.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from .prefix_cache import PrefixCache
 from .processors import RowProcessors, uses_processors
 from .requests import ErrorEvent, FinishEvent, QueueFull, Request, SamplingParams, ShuttingDown, TokenEvent, TokenLogprob
 from .states import copy_row, has_attention_layers, restore_row, snapshot_row
+from .structured import new_matcher
 from .completion_text import CompletionText
 
 __all__ = ["Scheduler", "prefill_defaults"]
@@ -254,6 +257,9 @@ class Scheduler:
             raise ValueError(f"min_tokens: expected 0 to max_tokens ({params.max_tokens}), got {params.min_tokens}")
         if not params.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty: expected > 0, got {params.repetition_penalty}")
+        if params.grammar is not None and (params.ignore_eos or params.min_tokens):
+            # the grammar ends with the end-of-sequence token, which these two hold back
+            raise ValueError("response_format: not with ignore_eos or min_tokens")
         for ids in prompts:
             if not ids:
                 raise ValueError("prompt: a prompt has no tokens")
@@ -361,6 +367,8 @@ class Scheduler:
     def _launch_step(self) -> _Read:
         bucket, n = self._bucket, len(self._rows)
         sampling = any(r.params.temperature > 0 for r in self._rows)
+        if bucket.processors is not None:  # the grammars see the tokens of the step before (a wait for them)
+            bucket.processors.constrain(self.vocab, self.engine.device, bucket.tokens, bucket.finished)
         self.engine.step(bucket, sampling, fill_noise=self._fill_noise)
         self.steps += 1
         self.peak_batch = max(self.peak_batch, n)
@@ -487,6 +495,8 @@ class Scheduler:
                     request.generator.manual_seed(request.params.seed)
                 if uses_processors(request.params):
                     self.engine.slot_history().start(request.slot, request.prompt, request.params.logit_bias)
+                if request.params.grammar is not None:
+                    request.matcher = new_matcher(request.params.grammar)
             if not self._score_prompt(first, admitted):
                 continue
             if not group:
@@ -571,6 +581,7 @@ class Scheduler:
         processors = self._processors(requests, len(requests))
         if processors is not None:
             slots = self._device_long([r.slot for r in requests])
+            processors.constrain(self.vocab, self.engine.device)
             chosen_from = processors.apply(logits, self.engine.history, slots)
         else:
             chosen_from = logits
