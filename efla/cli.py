@@ -117,8 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMAND_MODULES:
         importlib.import_module(f"efla.commands.{name}").add_parser(sub)
     for entry_point in importlib.metadata.entry_points(group=COMMAND_ENTRY_POINTS):
-        entry_point.load()(sub)
+        _add_installed_command(entry_point, sub)
     return p
+
+
+def _add_installed_command(entry_point, sub) -> None:
+    """One installed command (the lab's); one that cannot load is named on stderr and left out, so the
+    others, ``efla --help`` included, still run."""
+    try:
+        entry_point.load()(sub)
+    except Exception as error:  # noqa: BLE001 - any fault of another package's command stays its own
+        print(f"efla: the command {entry_point.name!r} ({entry_point.value}) cannot load: {error}", file=sys.stderr)
 
 
 def _add_debug_option(parser) -> None:
@@ -177,17 +186,22 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.command_line = command_line(argv)
     try:
+        debug = _debug_wanted(args)
+    except ValueError as error:  # a mistyped EFLA_DEBUG
+        print(f"efla {args.command}: {error} (EFLA_DEBUG)", file=sys.stderr)
+        return 2
+    try:
         with warnings.catch_warnings():
             warnings.simplefilter("always", RunWarning)
             warnings.showwarning = _one_line_warnings(args.command, warnings.showwarning)
             return args.func(args)
     except KeyboardInterrupt:
-        if _debug_wanted(args):
+        if debug:
             raise
         print(f"efla {args.command}: interrupted; what was finished is kept", file=sys.stderr)
         return 130
     except Exception as error:  # every error ends as one line unless a traceback is asked for
-        if _debug_wanted(args):
+        if debug:
             raise
         status, message = exit_status_and_message(error)
         print(f"efla {args.command}: {message}", file=sys.stderr)

@@ -300,3 +300,25 @@ def test_a_run_warning_is_one_line_from_the_command_and_a_warning_from_the_libra
     assert [str(w) for w in others] == ["something else"]
     with pytest.warns(RunWarning, match="lock"):
         warnings.warn("took over the lock", RunWarning, stacklevel=1)
+
+
+def test_a_mistyped_efla_debug_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("EFLA_DEBUG", "2")
+    assert main(["convert", "no/such/dir", "out"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("efla convert: EFLA_DEBUG='2'") and err[0].endswith("(EFLA_DEBUG)")
+
+
+def test_an_installed_command_that_cannot_load_leaves_the_others(monkeypatch, capsys):
+    import importlib.metadata
+
+    import efla.cli
+
+    broken = importlib.metadata.EntryPoint(name="broken", value="no_such_module_here:add_parser", group="efla.commands")
+    installed = list(importlib.metadata.entry_points(group="efla.commands"))
+    monkeypatch.setattr(efla.cli.importlib.metadata, "entry_points", lambda group: [broken, *installed])
+    parser = efla.cli.build_parser()
+    commands = set(parser._subparsers._group_actions[0].choices)
+    assert {"train", "demo", "mad"} <= commands and "broken" not in commands
+    err = capsys.readouterr().err
+    assert "efla: the command 'broken' (no_such_module_here:add_parser) cannot load" in err

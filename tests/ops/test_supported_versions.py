@@ -18,6 +18,7 @@ import textwrap
 import warnings
 
 import pytest
+import torch
 
 from tests.interpreter import interpreter_ready
 
@@ -293,3 +294,25 @@ def test_public_function_path_matches_the_float64_reference_under_interpreter():
     assert len(errors) == 3 * (7 + 8 + 7 + 8) + 10, r.stdout
     for name, err in errors:
         assert float(err) < 1e-4, (name, err)
+
+
+def test_an_experimental_switch_on_the_public_path_is_said_to_do_nothing(backend, monkeypatch):
+    """The experimental switches change efla's stage path only: on fla's public functions each one set
+    is named once in a warning, not silently ignored."""
+    from efla import environment
+    from efla.ops.cuda import public_chunk
+
+    calls = []
+    monkeypatch.setattr(public_chunk, "FLA", {"delta_rule": lambda *a, **kw: calls.append(kw) or (a[0], None)})
+    monkeypatch.setattr(public_chunk, "_warned", set())
+    q = torch.randn(1, 8, 2, 4)
+    args = ("delta_rule", q, q, q, None, torch.rand(1, 8, 2), None, None, False, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        public_chunk.chunk_forward(*args)
+        with environment.override(EFLA_STATE_TUNING=True, EFLA_SPLIT_STATE=4):
+            public_chunk.chunk_forward(*args)
+            public_chunk.chunk_forward(*args)
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == 1 and "EFLA_SPLIT_STATE, EFLA_STATE_TUNING" in said[0] and "no effect" in said[0]
+    assert len(calls) == 3

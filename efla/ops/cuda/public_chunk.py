@@ -10,12 +10,17 @@ The coefficients come from ``efla.ops.coefficients`` in float64, from the raw ke
 L2-normalised in PyTorch where asked, so autograd carries fla's gradients of its ``beta``, ``g``
 and values back into ``beta``, ``g``, ``k`` and ``v``. Slower than the stage path (a few PyTorch
 kernels per coefficient, and fla's functions break a ``torch.compile`` graph), the same results up
-to rounding.
+to rounding. fla 0.6's own gated backward refuses Triton 3.4-3.7.0 on Hopper (our stage path has a
+kernel of its own for that stage), which is one reason the cuda extra pins the tested fla release.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+from efla import environment
 
 from ..coefficients import COEF_DTYPE, exact_erase, key_energy, phi
 from ..gates import activate
@@ -37,10 +42,25 @@ def load() -> dict:
     return FLA
 
 
+def _warn_of_ignored_switches() -> None:
+    """The experimental switches change our stage path only; here they would do nothing unsaid."""
+    ignored = [
+        variable.name for variable in environment.VARIABLES.values() if variable.experimental and environment.get(variable.name)
+    ]
+    message = f"efla: {', '.join(ignored)} set, but fla's public chunk functions run instead of efla's stages: no effect"
+    if ignored and message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+_warned: set[str] = set()
+
+
 def chunk_forward(kind, q, k, v, g, beta, scale, h0, output_final_state, cu_seqlens, q_l2norm=False, k_l2norm=False, gates=None):
     """``(o, final_state or None)`` as ``custom_ops.chunk_forward`` returns it, through fla's public
     functions; ``gates``: raw gate inputs (Gated EFLA), activated here first."""
     fla = load()
+    _warn_of_ignored_switches()
     g, beta = activate(g, beta, gates)
     q = l2_normalize(q) if q_l2norm else q
     k = l2_normalize(k) if k_l2norm else k
