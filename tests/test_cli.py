@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from efla.cli import main
+from tests.doc_pages import doc_text
 
 
 def test_demo_quick_writes_results(tmp_path, capsys):
@@ -225,7 +226,7 @@ def test_demo_states_one_measured_time_in_readme_help_and_banner(tmp_path, capsy
     from efla.cli import build_parser
 
     stated = f"about {demo.MEASURED_SECONDS} s on an idle 2-core CPU"
-    assert stated in README.read_text()
+    assert stated in README.read_text()  # the Quickstart's own words
     times = set(re.findall(r"(\d+)(?: |-)(?:s\b|seconds?\b|minutes?\b)", _readme_demo_lines()))
     assert times == {str(demo.MEASURED_SECONDS)}, times
     sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices and "demo" in a.choices)
@@ -245,9 +246,8 @@ def _interrupt(*args, **kwargs):
 
 def _readme_demo_lines() -> str:
     """The Quickstart section and every other README line that mentions the demo."""
-    text = README.read_text()
-    quickstart = text.split("## Quickstart")[1].split("\n## ")[0]
-    return quickstart + "\n".join(ln for ln in text.splitlines() if "demo" in ln.lower())
+    quickstart = README.read_text().split("## Quickstart")[1].split("\n## ")[0]
+    return quickstart + "\n".join(ln for ln in doc_text().splitlines() if "demo" in ln.lower())
 
 
 def test_interrupted_demo_keeps_the_parts_it_finished(tmp_path, capsys, monkeypatch):

@@ -12,13 +12,13 @@ import shlex
 import pytest
 
 from efla import cli
+from tests.doc_pages import doc_text
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 PARSERS = {sub.prog.split()[-1]: sub for sub in cli._subparsers(cli.build_parser())}
 
 
 def _readme_command_lines() -> list[list[str]]:
-    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
+    blocks = re.findall(r"```bash\n(.*?)```", doc_text(), re.S)
     return [shlex.split(line, comments=True)[1:] for block in blocks for line in block.splitlines() if line.startswith("efla ")]
 
 

@@ -1,28 +1,28 @@
-"""Every Python example in the README runs (CPU, small sizes)."""
+"""Every Python example in the README and the docs pages runs (CPU, small sizes)."""
 
 from __future__ import annotations
 
-import pathlib
 import re
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+from tests.doc_pages import doc_text
+
+BLOCKS = re.findall(r"```python\n(.*?)```", doc_text(), re.S)
 
 
 def test_readme_has_examples():
-    assert BLOCKS, "README.md has no ```python examples"
+    assert BLOCKS, "the docs have no ```python examples"
 
 
 @pytest.mark.parametrize("i", range(len(BLOCKS)))
 def test_readme_example_runs(i, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    exec(compile(BLOCKS[i], f"README.md[python block {i}]", "exec"), {"__name__": "__readme__"})
+    exec(compile(BLOCKS[i], f"docs[python block {i}]", "exec"), {"__name__": "__readme__"})
 
 
 def _cli_lines():
-    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
+    blocks = re.findall(r"```bash\n(.*?)```", doc_text(), re.S)
     lines = []
     for b in blocks:
         for line in b.splitlines():

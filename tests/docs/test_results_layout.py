@@ -106,10 +106,9 @@ def test_every_experiment_has_a_summary_naming_the_command():
 
 
 def uncited_benchmark_results(root: pathlib.Path) -> list[str]:
-    """Files under ``benchmarks/results/`` that neither ``benchmarks/RESULTS.md`` nor the README names."""
-    pages = "".join(
-        (root / page).read_text(encoding="utf-8") for page in ("benchmarks/RESULTS.md", "README.md") if (root / page).is_file()
-    )
+    """Files under ``benchmarks/results/`` that neither ``benchmarks/RESULTS.md`` nor the README nor a docs page names."""
+    named = [root / "benchmarks/RESULTS.md", root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    pages = "".join(page.read_text(encoding="utf-8") for page in named if page.is_file())
     return [str(p.relative_to(root)) for p in _files(root, "benchmarks/results") if p.name not in pages]
 
 

@@ -16,6 +16,7 @@ from efla.cli import main
 from efla.training.config import RESUME_FIXED, RESUME_FREE
 from efla.training.trainer import read_log, train
 from efla.models import get_preset_config
+from tests.doc_pages import doc_text
 
 from .test_train_safety import _args, _cfg, _one_error_line, _tree, corpus, tokenizer_dir  # noqa: F401
 
@@ -47,8 +48,8 @@ def interrupted_run(corpus, tokenizer_dir, tmp_path_factory) -> pathlib.Path:  #
 
 
 def _readme_resume_table() -> dict[str, str]:
-    """Option -> "refused" or "allowed", from the README's table of options given with --resume."""
-    lines = (REPO / "README.md").read_text().splitlines()
+    """Option -> "refused" or "allowed", from the docs' table of options given with --resume."""
+    lines = doc_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| Option given with `--resume`"))
     table = {}
     for line in lines[start + 2 :]:
