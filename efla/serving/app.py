@@ -197,33 +197,15 @@ def _completion_sampling(body: CompletionRequest, grammar, ranked: bool) -> Samp
     """``grammar``: of the ``response_format``; ``ranked``: best_of > n, whose choices are ranked by
     their log-probabilities."""
     logprobs = body.logprobs if body.logprobs is not None or not ranked else 0
-    return SamplingParams(
-        max_tokens=body.max_tokens,
-        temperature=body.temperature,
-        top_k=max(body.top_k, 0),
-        top_p=body.top_p,
-        seed=body.seed,
-        stop=body.stop_strings,
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        **_processors(body),
-        logprobs=logprobs,
-        prompt_logprobs=body.logprobs if body.echo else None,
-        grammar=grammar,
-    )
-
-
-def _processors(body: CompletionRequest | ChatCompletionRequest) -> dict:
-    return {
-        "presence_penalty": body.presence_penalty,
-        "frequency_penalty": body.frequency_penalty,
-        "repetition_penalty": body.repetition_penalty,
-        "logit_bias": body.logit_bias_pairs,
-        "min_tokens": body.min_tokens,
-        "ignore_eos": body.ignore_eos,
-    }
+    return _sampling(body, body.max_tokens, grammar, logprobs, prompt_logprobs=body.logprobs if body.echo else None)
 
 
 def _chat_sampling(body: ChatCompletionRequest, max_tokens: int, grammar) -> SamplingParams:
+    return _sampling(body, max_tokens, grammar, (body.top_logprobs or 0) if body.logprobs else None)
+
+
+def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, grammar, logprobs, prompt_logprobs=None):
+    """What both routes take alike; ``logprobs``: top log-probabilities per new token (``None``: none)."""
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=body.temperature,
@@ -232,8 +214,14 @@ def _chat_sampling(body: ChatCompletionRequest, max_tokens: int, grammar) -> Sam
         seed=body.seed,
         stop=body.stop_strings,
         stop_token_ids=tuple(body.stop_token_ids or ()),
-        **_processors(body),
-        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=body.logit_bias_pairs,
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         grammar=grammar,
     )
 
