@@ -26,6 +26,10 @@ def _entry(rank: int, world: int, workdir: str, fn, args) -> None:
     finally:
         if dist.is_initialized():  # fn may have destroyed it, as a command does at its end
             dist.destroy_process_group()
+    # a finished rank leaves without the interpreter's finalization, where gloo's threads are sometimes
+    # destroyed still joinable ("terminate called without an active exception", SIGABRT) after the
+    # result was written; a failing fn raised above and is reported as before
+    os._exit(0)
 
 
 def run_in_processes(fn, world: int, workdir, args=(), deadline_s: float = 240) -> list:
