@@ -54,14 +54,14 @@ def cpu_name() -> str:
 
 
 def device_name() -> str:
-    import torch  # noqa: PLC0415 (lazy: reading records needs no torch)
+    import torch
 
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else cpu_name()
 
 
 def library_versions() -> dict:
     """Python and the libraries a benchmark may compare (those installed)."""
-    import importlib  # noqa: PLC0415
+    import importlib
 
     found = {"python": platform.python_version()}
     for name in ("torch", "triton", "transformers", "fla", "efla"):
@@ -72,15 +72,19 @@ def library_versions() -> dict:
     return found
 
 
-def measurement(case: str, metric: str, unit: str, better: str, ours: tuple[str, list], baseline: tuple[str, list] | None) -> dict:
+def measurement(
+    case: str, metric: str, unit: str, better: str, ours: tuple[str, list], baseline: tuple[str, list] | None
+) -> dict:
     """One compared case: ``ours`` and ``baseline`` are ``(name, values per round)``."""
     side = lambda pair: None if pair is None else {"name": pair[0], "rounds": [float(v) for v in pair[1]]}  # noqa: E731
     return {"case": case, "metric": metric, "unit": unit, "better": better, "ours": side(ours), "baseline": side(baseline)}
 
 
-def write_run(path: str, benchmark: str, title: str, rounds: int, measurements: list[dict], notes: list[str] = (), argv=None) -> dict:
+def write_run(
+    path: str, benchmark: str, title: str, rounds: int, measurements: list[dict], notes: list[str] = (), argv=None
+) -> dict:
     """Writes one run (atomically) with its provenance filled in from this process and checkout."""
-    from efla.records import atomic_write_json  # noqa: PLC0415
+    from efla.records import atomic_write_json
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = {
