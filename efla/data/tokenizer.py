@@ -5,7 +5,7 @@ The trained tokenizer puts its three special tokens first, so their ids match
 :class:`efla.models.EFLAConfig`'s defaults: ``<pad>`` = 0, ``<s>`` = 1 (bos), ``</s>`` = 2 (eos;
 appended after every document when packing).
 
-Example:
+Examples:
     >>> from efla.data.tokenizer import train_bpe_tokenizer
     >>> tok = train_bpe_tokenizer(["hello world"] * 50, vocab_size=300)
     >>> tok.eos_token_id, tok.decode(tok("hello world")["input_ids"])

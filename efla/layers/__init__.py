@@ -3,7 +3,7 @@ architecture), each with ``update_rule="exact"`` (EFLA) or ``"euler"`` (the orig
 DeltaNet / Gated DeltaNet step), plus their building blocks, and the softmax ``Attention`` of
 hybrid models.
 
-Example:
+Examples:
     >>> import torch
     >>> from efla.layers import EFLA
     >>> layer = EFLA(hidden_size=64, num_heads=2, update_rule="exact")

@@ -76,7 +76,7 @@ class Attention(nn.Module):
     at padded positions are zero. With a cache, the layer keeps its rotated keys and values (only
     the last ``window_size - 1`` positions with a window).
 
-    Example:
+    Examples:
         >>> import torch
         >>> layer = Attention(hidden_size=64, num_heads=4, num_kv_heads=2, window_size=8)
         >>> layer(torch.randn(2, 10, 64))[0].shape

@@ -71,7 +71,7 @@ class EFLA(LinearAttentionLayer):
     use_cache=False, cu_seqlens=None)`` returns ``(o [B, T, D], None, past_key_values)``; the
     forward is ``LinearAttentionLayer``'s (``efla.layers.linear_attention``), shared with ``GatedEFLA``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> layer = EFLA(hidden_size=64, num_heads=2)
         >>> layer(torch.randn(2, 10, 64))[0].shape

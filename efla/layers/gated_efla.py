@@ -64,7 +64,7 @@ class GatedEFLA(LinearAttentionLayer):
 
     ``record_stats`` / ``stats`` as in ``EFLA`` (plus ``g``). ``forward`` as in ``EFLA``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> layer = GatedEFLA(hidden_size=64, head_dim=16, num_heads=2, expand_v=1)
         >>> layer(torch.randn(2, 10, 64))[0].shape

@@ -46,7 +46,7 @@ class ShortConvolution(nn.Conv1d):
     zeroed) makes ``state`` end at each row's last real input, so a row padded on the right
     leaves the state where its tokens end.
 
-    Example:
+    Examples:
         >>> import torch
         >>> conv = ShortConvolution(8, 4)
         >>> y, s = conv(torch.randn(2, 5, 8), output_final_state=True)

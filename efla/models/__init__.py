@@ -4,7 +4,7 @@
 ``EFLACache`` and named presets (``get_preset_config``, ``PRESETS``). Importing this package
 registers the classes with ``AutoConfig``, ``AutoModel`` and ``AutoModelForCausalLM``.
 
-Example:
+Examples:
     >>> import torch
     >>> from efla.models import EFLAForCausalLM, get_preset_config
     >>> model = EFLAForCausalLM(get_preset_config("tiny-efla")).eval()

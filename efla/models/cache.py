@@ -71,7 +71,7 @@ class EFLACache(Cache):
     zero state instead of their pool rows' (a prefill of new prompts into reused rows).
     ``write_slots`` copies a prefilled cache's states into pool rows.
 
-    Example:
+    Examples:
         >>> cache = EFLACache()
         >>> cache.get_seq_length()
         0

@@ -78,7 +78,9 @@ class EFLAConfig(PretrainedConfig):
         initializer_range: std of the normal init. Default ``0.02``.
         max_position_embeddings: informational (no positional embeddings). Default ``2048``.
         use_cache: return a cache by default at inference. Default ``True``.
-        pad_token_id / bos_token_id / eos_token_id: Default ``None`` / ``1`` / ``2``.
+        pad_token_id: Default ``None``.
+        bos_token_id: Default ``1``.
+        eos_token_id: Default ``2``.
         tie_word_embeddings: share ``lm_head`` with the embeddings. Default ``False``.
         attn: softmax-attention layers among the linear ones (a hybrid model), flash-linear-attention's
             field: ``{"layers": [indices], "num_heads": H, "num_kv_heads": H (fewer: grouped keys/values),
@@ -93,7 +95,7 @@ class EFLAConfig(PretrainedConfig):
             cross-entropy of the logits, whose backward in a training step overwrites the returned
             logits with their gradient (they are valid until ``backward``).
 
-    Example:
+    Examples:
         >>> from efla.models import EFLAConfig
         >>> cfg = EFLAConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_heads=2)
         >>> cfg.model_type, cfg.variant

@@ -140,7 +140,7 @@ def convert_fla_checkpoint(src, dst, update_rule: str = "exact", dtype: torch.dt
     Every tensor is mapped by name; a missing, unexpected or wrongly shaped tensor raises
     ``ValueError`` listing them. Tokenizer files are copied. Returns a small report dict.
 
-    Example:
+    Examples:
         >>> # convert_fla_checkpoint("fla-deltanet-340m", "efla-340m", update_rule="exact")  # doctest: +SKIP
     """
     src, dst = pathlib.Path(src), pathlib.Path(dst)

@@ -301,7 +301,7 @@ class EFLAForCausalLM(EFLAPreTrainedModel, GenerationMixin):
     """``EFLAModel`` plus a linear LM head; ``labels`` give the next-token cross-entropy
     (``labels`` are the inputs; the shift happens inside; ``-100`` is ignored).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from efla.models import EFLAConfig, EFLAForCausalLM
         >>> cfg = EFLAConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_heads=2)

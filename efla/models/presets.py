@@ -23,7 +23,7 @@ only ``update_rule`` differs.
 ``tiny-hybrid-efla`` is ``tiny-efla`` with its second (last) block replaced by causal softmax
 attention (2 heads of 32, RoPE; config ``attn``): a hybrid model small enough for the CPU.
 
-Example:
+Examples:
     >>> from efla.models import get_preset_config
     >>> cfg = get_preset_config("340m-efla")
     >>> cfg.hidden_size, cfg.num_heads, cfg.update_rule, cfg.gated

@@ -91,7 +91,7 @@ _DOC = """{title}
             computes them exactly; the check is skipped where a sync is not allowed (CUDA-graph
             capture and replay; compiled code, apart from the exact rules' chunk ops).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from efla.ops import {name}
         >>> B, T, H, K, V = 2, 100, 4, 16, 16

@@ -169,7 +169,7 @@ def efla_coefficient(beta: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         ValueError: non-tensor or non-floating inputs, mismatched shapes or devices, and (on
             the CPU, or with ``EFLA_CHECK_VALUES=1``) NaN/Inf values or a negative ``beta``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from efla.ops import efla_coefficient
         >>> k = torch.randn(1, 3, 2, 8)
@@ -212,7 +212,7 @@ def gated_efla_coefficients(beta: torch.Tensor, k: torch.Tensor, g: torch.Tensor
         ValueError: as ``efla_coefficient``, and for a ``g`` not of ``beta``'s shape and device or
             (on the CPU, or with ``EFLA_CHECK_VALUES=1``) a ``g`` that is not finite or is > 0.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from efla.ops import gated_efla_coefficients
         >>> k, beta, g = torch.randn(1, 3, 2, 8), torch.full((1, 3, 2), 0.5), -torch.rand(1, 3, 2)

@@ -135,7 +135,8 @@ class Scheduler:
             step's time and lets one call take many prompts); 1: between every two steps (``None``:
             ``prefill_defaults`` of the model's device).
         prefix_cache: states after recent prompt prefixes (``None``: off).
-        stop_tokens / pad_token: tokens that end a request; what a finished row emits.
+        stop_tokens: tokens that end a request.
+        pad_token: what a finished row emits.
         seed: seeds the noise of unseeded sampling requests.
         use_cuda_graph: replay captured steps on CUDA (default: on CUDA); all buckets are captured
             when the scheduler starts.
