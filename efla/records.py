@@ -71,7 +71,7 @@ def command_line(argv: list[str] | None = None) -> str:
 class Provenance:
     """What produced a result: the command actually run, the versions, the device and the wall time.
 
-    Made when the command starts; :meth:`record` is stored with the results when they are written."""
+    Made when the command starts; ``record`` is stored with the results when they are written."""
 
     command: str = field(default_factory=command_line)
     device: str | None = None
@@ -109,7 +109,7 @@ def atomic_write(path: str, text: str) -> None:
 
 
 def atomic_save_torch(path: str, obj) -> None:
-    """``torch.save(obj)`` to ``path`` in one step, like :func:`atomic_write`."""
+    """``torch.save(obj)`` to ``path`` in one step, like ``atomic_write``."""
     import torch  # noqa: PLC0415 (lazy: the command line's helpers answer before torch loads)
 
     _atomic_replace(path, lambda f: torch.save(obj, f), binary=True)
@@ -126,7 +126,7 @@ def write_records(path: str, records: list[dict]) -> None:
 
 
 def read_records(path: str) -> list[dict]:
-    """The objects of a JSON Lines file written by :func:`write_records`."""
+    """The objects of a JSON Lines file written by ``write_records``."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 

@@ -288,7 +288,7 @@ class GatedMLP(nn.Module):
     Args:
         hidden_size: model width. Default: required.
         hidden_ratio: width ratio used when ``intermediate_size`` is ``None``. Default ``4``.
-        intermediate_size: explicit inner width. Default ``None`` (see :func:`mlp_intermediate_size`).
+        intermediate_size: explicit inner width. Default ``None`` (see ``mlp_intermediate_size``).
         hidden_act: only ``"swish"`` (SiLU). Default ``"swish"``.
     """
 

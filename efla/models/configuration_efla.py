@@ -24,19 +24,17 @@ def _check_num_v_heads(num_v_heads, num_heads: int) -> int | None:
 
 
 class EFLAConfig(PretrainedConfig):
-    r"""Configuration of :class:`~efla.models.EFLAModel` / :class:`~efla.models.EFLAForCausalLM`.
+    r"""Configuration of ``efla.models.EFLAModel`` / ``efla.models.EFLAForCausalLM``.
 
     The field names are flash-linear-attention's (``DeltaNetConfig`` / ``GatedDeltaNetConfig``),
     so its configs translate field by field. Two fields choose the variant:
 
-    ============  ========  ==============================================================
-    update_rule   gated     model
-    ============  ========  ==============================================================
-    ``"exact"``   False     EFLA (token mixer :class:`efla.layers.EFLA`)
-    ``"euler"``   False     DeltaNet (same parameters as EFLA)
-    ``"exact"``   True      Gated EFLA (token mixer :class:`efla.layers.GatedEFLA`)
-    ``"euler"``   True      Gated DeltaNet (same parameters as Gated EFLA)
-    ============  ========  ==============================================================
+    | update_rule   | gated   | model                                                 |
+    | ------------- | ------- | ----------------------------------------------------- |
+    | ``"exact"``   | False   | EFLA (token mixer ``efla.layers.EFLA``)               |
+    | ``"euler"``   | False   | DeltaNet (same parameters as EFLA)                    |
+    | ``"exact"``   | True    | Gated EFLA (token mixer ``efla.layers.GatedEFLA``)    |
+    | ``"euler"``   | True    | Gated DeltaNet (same parameters as Gated EFLA)        |
 
     Args:
         vocab_size: vocabulary size. Default ``32000``.
@@ -86,7 +84,7 @@ class EFLAConfig(PretrainedConfig):
             field: ``{"layers": [indices], "num_heads": H, "num_kv_heads": H (fewer: grouped keys/values),
             "qkv_bias": False, "window_size": None (or a sliding window of that many tokens, the
             query's own included), "rope_theta": 10000.0}``; only ``layers`` and ``num_heads`` are
-            required. Those blocks use :class:`efla.layers.Attention` (causal SDPA with RoPE).
+            required. Those blocks use ``efla.layers.Attention`` (causal SDPA with RoPE).
             Default ``None`` (no attention layers).
         fuse_linear_cross_entropy: on the GPU with flash-linear-attention, a training forward with
             labels computes the loss chunk by chunk from the hidden states and never materialises

@@ -401,7 +401,7 @@ class EFLAForCausalLM(EFLAPreTrainedModel, GenerationMixin):
 
     @staticmethod
     def loss(logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean next-token cross-entropy (float32) of ``labels`` (see :meth:`shift`)."""
+        """Mean next-token cross-entropy (float32) of ``labels`` (see ``shift``)."""
         target = EFLAForCausalLM.shift(labels, cu_seqlens)
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
 
@@ -451,11 +451,11 @@ class EFLAForCausalLM(EFLAPreTrainedModel, GenerationMixin):
 
     # -- analysis -------------------------------------------------------------------------------------
     def set_record_stats(self, enabled: bool = True) -> None:
-        """See :meth:`EFLAModel.set_record_stats`."""
+        """See ``EFLAModel.set_record_stats``."""
         self.model.set_record_stats(enabled)
 
     def get_stats(self) -> list[dict | None]:
-        """See :meth:`EFLAModel.get_stats`."""
+        """See ``EFLAModel.get_stats``."""
         return self.model.get_stats()
 
     def num_parameters_by_part(self) -> dict[str, int]:

@@ -81,7 +81,7 @@ def preset_names() -> list[str]:
 
 
 def get_preset_config(name: str, **overrides: Any) -> EFLAConfig:
-    """The :class:`EFLAConfig` of preset ``name`` (case-insensitive; ``_`` and ``-`` are the same),
+    """The ``EFLAConfig`` of preset ``name`` (case-insensitive; ``_`` and ``-`` are the same),
     with any field replaced by ``overrides``.
 
     Raises:

@@ -7,15 +7,12 @@ query/key head ``i // (HV // H)``, the head order of flash-linear-attention's gr
 Every op returns ``(o, final_state)`` with ``o = scale * S_t^T q_t`` of ``v``'s shape and the
 input dtype, and ``final_state`` only when ``output_final_state=True`` (else ``None``).
 
-============================  =========================================================
-op                            recurrence per head (``lambda = ||k||^2``)
-============================  =========================================================
-``*_efla``                    ``S = (I - alpha k k^T) S + alpha k v^T``, exact flow,
-                              ``alpha = (1 - exp(-beta lambda)) / lambda``
-``*_gated_efla``              exact flow of Gated DeltaNet
-``*_delta_rule``              DeltaNet (Euler): ``S = (I - beta k k^T) S + beta k v^T``
-``*_gated_delta_rule``        Gated DeltaNet: ``S = e^g (I - beta k k^T) S + beta k v^T``
-============================  =========================================================
+| op                     | recurrence per head (``lambda = ||k||^2``)                                                   |
+| ---------------------- | -------------------------------------------------------------------------------------------- |
+| ``*_efla``             | ``S = (I - alpha k k^T) S + alpha k v^T``, exact flow, ``alpha = (1 - exp(-beta lambda)) / lambda`` |
+| ``*_gated_efla``       | exact flow of Gated DeltaNet                                                                 |
+| ``*_delta_rule``       | DeltaNet (Euler): ``S = (I - beta k k^T) S + beta k v^T``                                    |
+| ``*_gated_delta_rule`` | Gated DeltaNet: ``S = e^g (I - beta k k^T) S + beta k v^T``                                  |
 
 Keywords shared by all: ``scale=None`` (``K ** -0.5``), ``initial_state=None``
 (``[N, HV, K, V]``), ``output_final_state=False``, ``cu_seqlens=None`` (varlen: ``B == 1`` and

@@ -2,14 +2,12 @@
 
 Per value head, with a state ``S [K, V]``, a key ``k``, a value ``v`` and a step size ``beta``:
 
-==========================  ==============================================================
-rule                        one step
-==========================  ==============================================================
-DeltaNet (Euler)            ``S = S - beta k (k^T S) + beta k v^T``
-EFLA (exact flow)           the same with ``beta -> alpha = (1 - exp(-beta ||k||^2)) / ||k||^2``
-Gated DeltaNet              ``S = exp(g) (I - beta k k^T) S + beta k v^T``
-Gated EFLA (exact flow)     ``S = exp(log_decay) (I - erase k k^T) S + write k v^T``
-==========================  ==============================================================
+| rule                    | one step                                                               |
+| ----------------------- | ---------------------------------------------------------------------- |
+| DeltaNet (Euler)        | ``S = S - beta k (k^T S) + beta k v^T``                                |
+| EFLA (exact flow)       | the same with ``beta -> alpha = (1 - exp(-beta ||k||^2)) / ||k||^2``   |
+| Gated DeltaNet          | ``S = exp(g) (I - beta k k^T) S + beta k v^T``                         |
+| Gated EFLA (exact flow) | ``S = exp(log_decay) (I - erase k k^T) S + write k v^T``               |
 
 and after each step the read-out ``o_t = S_t^T (scale q_t)``. The exact coefficients come from
 ``efla_coefficient`` and ``gated_efla_coefficients``. Each function here takes the arguments of

@@ -152,7 +152,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(st: dict) -> None:
-    """Restores :func:`rng_state` (or the numpy-array form of checkpoints written before it)."""
+    """Restores ``rng_state`` (or the numpy-array form of checkpoints written before it)."""
     version, mt_state, gauss = st["python"]
     random.setstate((version, tuple(int(x) for x in _as_list(mt_state)), gauss))
     kind, keys, pos, has_gauss, cached = st["numpy"]

@@ -1,4 +1,4 @@
-"""The settings of an ``efla train`` run (:class:`TrainConfig`, saved as ``train_args.json``) and the
+"""The settings of an ``efla train`` run (``TrainConfig``, saved as ``train_args.json``) and the
 checks made on them before any work starts."""
 
 from __future__ import annotations

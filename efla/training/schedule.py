@@ -26,7 +26,7 @@ def lr_at(step: int, max_steps: int, warmup_steps: int, lr: float, min_lr: float
 
 def scheduled_lr(step: int, schedule: dict) -> float:
     """Learning rate of update ``step`` under ``schedule`` (``planned_steps``, ``warmup``, ``lr``,
-    ``min_lr``): :func:`lr_at` over the planned steps, then ``min_lr`` for any steps past them (a run
+    ``min_lr``): ``lr_at`` over the planned steps, then ``min_lr`` for any steps past them (a run
     extended with ``extend_at_min_lr``)."""
     if step >= schedule["planned_steps"]:
         return schedule["min_lr"]

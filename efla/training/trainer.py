@@ -1,6 +1,6 @@
 """Language-model training (the paper's recipe): one process on a CPU to many GPUs under torchrun.
 
-:func:`train` is the whole loop; ``efla train`` (efla/commands/train.py) only parses arguments.
+``train`` is the whole loop; ``efla train`` (efla/commands/train.py) only parses arguments.
 
 Recipe defaults (the paper's): AdamW (betas 0.9/0.95, eps 1e-8), peak lr 3e-4, linear warm-up from
 3e-5 to 3e-4 over the first 1/8 of the steps (the paper warms up over 1B of 8B tokens), cosine decay to
@@ -23,16 +23,16 @@ Output directory ``out``:
     never run), ``trainer_state.json`` (step, data position, data fingerprint, learning-rate schedule
     and optimizer settings) and ``manifest.json`` (size and SHA-256 of every file, written last).
     ``.efla-run.lock``: marks the directory as a run and locks it while a run uses it
-    (:mod:`efla.training.run_dir`). A checkpoint is written in ``checkpoints/.tmp-...`` and renamed into place, so a
+    (``efla.training.run_dir``). A checkpoint is written in ``checkpoints/.tmp-...`` and renamed into place, so a
     crash never leaves a half-written checkpoint under a ``step-`` name; one whose files do not match
-    their manifest is refused (:class:`CheckpointError`, naming the newest good one).
+    their manifest is refused (``CheckpointError``, naming the newest good one).
 
 Resuming (``resume=True``) loads the newest checkpoint and continues: the data position, RNG states,
 optimizer and scheduler are restored, so on a CPU the per-step losses equal the uninterrupted run's bit
 for bit (same thread count and library versions). Without a checkpoint it stops (``resume_or_start``
 starts a new run then). The learning-rate schedule and optimizer settings are the checkpoint's: a
 change is refused, except a larger ``max_steps`` with ``extend_at_min_lr``, which finishes the saved
-schedule and trains the extra steps at ``min_lr`` (:func:`scheduled_lr`).
+schedule and trains the extra steps at ``min_lr`` (``scheduled_lr``).
 """
 
 from __future__ import annotations
@@ -222,14 +222,14 @@ def train(
     called on rank 0 before each phase that may take a while (checking the text, the tokenizer,
     tokenizing or the token cache, the first GPU step, each checkpoint, the model directory).
 
-    Everything that can be checked before work starts is checked first (:func:`check_train_config`,
+    Everything that can be checked before work starts is checked first (``check_train_config``,
     the text files, the output directory, the checkpoint to resume); a refused run writes nothing.
-    The output directory is locked for the whole run (:mod:`efla.training.run_dir`).
+    The output directory is locked for the whole run (``efla.training.run_dir``).
 
     Returns:
         dict with ``losses`` (every step of the whole run, resumed ones included, read back from the
         log on rank 0), ``val_loss``, ``tokens_per_s`` (steady-state training throughput of all ranks
-        together, see :func:`throughput`), ``tokens_per_s_all_steps``, ``peak_memory_gib_per_gpu`` (one
+        together, see ``throughput``), ``tokens_per_s_all_steps``, ``peak_memory_gib_per_gpu`` (one
         entry per rank; ``None`` off the GPU), ``steps``, ``tokens``, ``resumed_from``, ``out``. Each
         ``log.jsonl`` entry carries that step's ``tokens_per_s`` and, on the GPU, ``peak_memory_gib``
         (this rank's peak so far).
