@@ -138,6 +138,15 @@ def per_round(row: dict, rounds: int) -> dict[str, list[float]]:
     )
 
 
+DECODE, END_TO_END = "decode throughput (prefill taken out)", "end-to-end throughput (whole calls)"
+METHOD_NAMES = {
+    "fast": "efla.generation.generate",
+    "fast-separate": "efla generate, one product per projection",
+    "hf": "transformers generate, our model",
+    "fla": "transformers generate, fla DeltaNet",
+}
+
+
 def measurements(rows: list[dict], rounds: int) -> list[dict]:
     """``fast`` against every other method of the same size, stage and batch, round by round (the
     methods took turns within a round): decode and end-to-end throughput, and each one's peak memory."""
@@ -147,24 +156,17 @@ def measurements(rows: list[dict], rounds: int) -> list[dict]:
     found = []
     for key in dict.fromkeys((r["size"], r["stage"], r["batch"], r["prompt"], r["new_tokens"]) for r in timed):
         group = {
-            r["method"]: per_round(r, rounds)
+            METHOD_NAMES[r["method"]]: per_round(r, rounds)
             for r in timed
             if (r["size"], r["stage"], r["batch"], r["prompt"], r["new_tokens"]) == key
         }
         case = f"{key[0]}, batch {key[2]}, prompt {key[3]}, {key[4]} new tokens"
-        ours = group.get("fast")
+        fast = METHOD_NAMES["fast"]
+        ours = group.get(fast)
         for name, other in group.items():
-            if ours and name != "fast":
-                found.append(
-                    measurement(
-                        case, "decode throughput", "tokens/s", "higher", ("fast", ours["decode"]), (name, other["decode"])
-                    )
-                )
-                found.append(
-                    measurement(
-                        case, "end-to-end throughput", "new tokens/s", "higher", ("fast", ours["e2e"]), (name, other["e2e"])
-                    )
-                )
+            if ours and name != fast:
+                found.append(measurement(case, DECODE, "tokens/s", "higher", (fast, ours["decode"]), (name, other["decode"])))
+                found.append(measurement(case, END_TO_END, "new tokens/s", "higher", (fast, ours["e2e"]), (name, other["e2e"])))
         found += [measurement(case, "peak memory", "GiB", "lower", (name, g["peak"]), None) for name, g in group.items()]
     return found
 

@@ -516,6 +516,10 @@ def parse_shapes(text: str):
     return [tuple(int(x) for x in s.split("x")) for s in text.split(",") if s]
 
 
+def name(row: dict) -> str:
+    return "fla DeltaNet" if row["model"] == "fla" else row["model"]
+
+
 def tokens_per_step(row: dict) -> list[float]:
     return [row["B"] * row["T"] / s for s in row["step_s_all"]]
 
@@ -533,10 +537,10 @@ def measurements(rows: list[dict]) -> list[dict]:
         case = f"{key[0]}, {key[1]} x {key[2]}"
         for r in [r for r in group if r is not base] or [base]:
             alone = r is base
-            speed = None if alone else (base["model"], tokens_per_step(base))
-            memory = None if alone else (base["model"], base["peak_gib_all"])
-            found.append(measurement(case, "training throughput", "tokens/s", "higher", (r["model"], tokens_per_step(r)), speed))
-            found.append(measurement(case, "peak memory", "GiB", "lower", (r["model"], r["peak_gib_all"]), memory))
+            speed = None if alone else (name(base), tokens_per_step(base))
+            memory = None if alone else (name(base), base["peak_gib_all"])
+            found.append(measurement(case, "training throughput", "tokens/s", "higher", (name(r), tokens_per_step(r)), speed))
+            found.append(measurement(case, "peak memory", "GiB", "lower", (name(r), r["peak_gib_all"]), memory))
     return found
 
 

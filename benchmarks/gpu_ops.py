@@ -198,7 +198,7 @@ def chunk_measurements(case: str, tf: dict, tb: dict, variants) -> list[dict]:
     dn, gdn, gdn_ours = (
         ("fla DeltaNet", "dn"),
         ("fla Gated DeltaNet", "gdn"),
-        ("Gated DeltaNet, fla's kernels through ours", "gdn_ours"),
+        ("Gated DeltaNet (fla's kernels through our code)", "gdn_ours"),
     )
     found = compared(case, fwd, tf, ("EFLA", "efla"), dn) + compared(case, both, tb, ("EFLA", "efla"), dn)
     found += compared(case, fwd, tf, ("Gated EFLA", "gefla"), gdn) + compared(case, both, tb, ("Gated EFLA", "gefla"), gdn)

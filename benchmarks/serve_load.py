@@ -356,7 +356,7 @@ def measurements(server: list[dict], static: list[dict]) -> list[dict]:
             "output throughput",
             "tokens/s",
             "higher",
-            ("efla serve's scheduler, in process", [r["tokens_per_s"] for r in server]),
+            ("efla serve's scheduler (in process)", [r["tokens_per_s"] for r in server]),
             ("static efla.generation.generate", [r["tokens_per_s"] for r in static]),
         )
     ]

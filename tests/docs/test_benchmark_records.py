@@ -51,7 +51,7 @@ def test_gpu_model_keeps_every_step_of_both_models(bench):
     ]
     found = bench["gpu_model"].measurements(rows)
     speed = _by(found, "training throughput", "efla")
-    assert speed["baseline"]["name"] == "fla"
+    assert speed["baseline"]["name"] == "fla DeltaNet"
     assert speed["ours"]["rounds"] == [32.0, 20.0, 16.0] and speed["baseline"]["rounds"] == [16.0, 20.0, 32.0]
     assert bench["evidence"].ratios(speed) == [2.0, 1.0, 0.5]
     memory = _by(found, "peak memory", "efla")
@@ -75,12 +75,13 @@ def test_gpu_generate_pairs_the_rounds_both_methods_ran(bench):
         dict(base, method="fla", error="fla missing"),
     ]
     found = bench["gpu_generate"].measurements(rows, rounds=2)
-    decode = _by(found, "decode throughput", "fast")
+    decode = _by(found, "decode throughput (prefill taken out)", "efla.generation.generate")
     # decode: B (n - 1) / (all - prefill) = 8 / 0.5, 8 / 1.0 for fast; 8 / 2.0, 8 / 2.0 for hf
     assert decode["ours"]["rounds"] == [16.0, 8.0] and decode["baseline"]["rounds"] == [4.0, 4.0]
-    e2e = _by(found, "end-to-end throughput", "fast")
+    e2e = _by(found, "end-to-end throughput (whole calls)", "efla.generation.generate")
     assert e2e["ours"]["rounds"] == [10.0, 5.0] and e2e["baseline"]["rounds"] == pytest.approx([2.5, 10 / 3])
-    assert _by(found, "peak memory", "hf")["ours"]["rounds"] == [2.0, 2.5]
+    assert decode["baseline"]["name"] == "transformers generate, our model"
+    assert _by(found, "peak memory", "transformers generate, our model")["ours"]["rounds"] == [2.0, 2.5]
     _checked(bench["evidence"], 2, found)
 
 
