@@ -104,14 +104,29 @@ AREAS = (
     ),
     Area(
         "CPU ops",
-        ("cpu_ops", "cpu_compile"),
-        "The ops on the CPU (float32) against transformers' pure-PyTorch chunked delta rule on the "
-        "same recurrence, alternated in one process.",
+        ("cpu_ops",),
+        "`benchmarks/cpu_ops.py`: the chunk ops forward and backward on the CPU (float32) against "
+        "transformers' pure-PyTorch `torch_chunk_gated_delta_rule` with autograd, alternated in one "
+        "process: for `chunk_efla` on the same recurrence (no gate, beta the exact-flow coefficient), "
+        "for `chunk_gated_efla` Gated DeltaNet with the same gate, what a gated model's user would run "
+        "instead.",
     ),
     Area(
-        "CPU models and generation",
-        ("cpu_model", "cpu_generate"),
-        "Whole models and generation on the CPU (tiny presets), alternated in one process.",
+        "CPU models",
+        ("cpu_model", "cpu_compile"),
+        "`benchmarks/cpu_model.py`: the tiny presets on the CPU (float32), the variants in rotation: a "
+        "training step's forward and backward, a no-grad forward and greedy decoding with the cache. "
+        "`benchmarks/cpu_compile.py`: training steps of a tiny preset eager and under `torch.compile`, "
+        "taking turns from one initialisation, the compiled model's first steps (compilation) timed "
+        "apart.",
+    ),
+    Area(
+        "CPU generation",
+        ("cpu_generate",),
+        "`benchmarks/cpu_generate.py`: `efla.generation.generate` against transformers' `generate` "
+        "with its cache on the same tiny model (float32, greedy), both after a warm-up call, taking "
+        "turns round by round. *Decode* figures take the prefill out (a whole call minus a one-token "
+        "call); *end to end* figures are whole calls.",
     ),
 )
 OTHER = "Other runs"
@@ -276,10 +291,9 @@ def readme_rows(runs: list[tuple[str, dict]]) -> list[str]:
             metric, unit, _, ours, baseline = key
             if baseline is None:
                 continue
-            rows.append(
-                f"| {run['title']} | {run['device']}, {run['date'][:10]} | {ours} against {baseline}, {metric} "
-                f"| {speedup_cell(ms)} | {run['rounds']} | `{path}` |"
-            )
+            where = f"{run['device']}, {run['date'][:10]}, commit {run['commit']}"
+            compared = f"{ours} against {baseline}, {metric}"
+            rows.append(f"| {run['title']} | {where} | {compared} | {speedup_cell(ms)} | {run['rounds']} | `{path}` |")
     return rows
 
 
@@ -297,7 +311,8 @@ def render_readme_block(runs: list[tuple[str, dict]]) -> str:
     lines = [START, ""]
     if rows:
         lines += [
-            "| run | device, date | compared | ratio (median over rounds; above 1: the first better) | rounds | raw file |",
+            "| run | device, date, commit | compared | ratio (median over rounds; above 1: the first better) "
+            "| rounds | raw file |",
             "| --- | --- | --- | --- | --- | --- |",
             *rows,
         ]
