@@ -59,7 +59,7 @@ AREAS = (
         ("gpu_model",),
         "`benchmarks/gpu_model.py`: training steps (forward, loss, backward, fused AdamW; bf16, random "
         "tokens) of whole models in one process, the models taking turns step by step after warm-up "
-        "steps that compile and autotune. The baseline is flash-linear-attention's "
+        "steps that compile and autotune. The baseline, where a table names no other, is flash-linear-attention's "
         "`DeltaNetForCausalLM` with its default fused settings at our preset's sizes. Tokens/s is "
         "T x B over a step's time: the training throughput a user would see. Peak memory is the "
         "model's weights and optimizer state plus what the step allocated above them.",
@@ -71,8 +71,8 @@ AREAS = (
         "and Gated DeltaNet with `use_qk_l2norm_in_kernel=True`, EFLA and Gated EFLA with "
         "`use_q_l2norm_in_kernel=True`), K = V = 128 unless the case says otherwise, bf16, timed with "
         "`triton.testing.do_bench` (its median of repeated calls after its own warm-up), the methods "
-        "alternated within a round. fla's own Gated DeltaNet backward refuses this Triton version on "
-        "Hopper, so the gated fwd+bwd baseline is fla's gated kernels driven by our code. "
+        "alternated within a round. fla 0.6.0's own Gated DeltaNet backward refuses Triton 3.4 to 3.7.0 on "
+        "Hopper (the runs here had 3.6), so the gated fwd+bwd baseline is fla's gated kernels driven by our code. "
         "A model's speed-up is smaller than an op's: the rest of a training step is the same in both.",
     ),
     Area(
