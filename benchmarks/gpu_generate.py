@@ -50,8 +50,10 @@ Usage (GPU machine):
     python benchmarks/gpu_generate.py --sizes 340m --stages speed
     python benchmarks/gpu_generate.py --sizes 340m,1.3b --stages speed,long,memory --out DIR
     python benchmarks/gpu_generate.py --batches 1,64 --skip fla:256,hf:long --rounds 3 --slow-rounds 1
-Writes ``DIR/gpu_generate.md`` (Markdown, appended as it goes) and ``DIR/gpu_generate.json`` (raw rows);
-``DIR`` defaults to ``benchmarks/results/generate``.
+Writes ``DIR/gpu_generate.md`` (Markdown, appended as it goes), ``DIR/gpu_generate.json`` (raw rows) and
+the speed and long stages' rounds in the shape of ``benchmarks/evidence.py``, ``DIR/gpu_generate_run.json``
+(both rewritten after every row; the last is the raw file for ``benchmarks/results/generate/``);
+``DIR`` defaults to ``$OUT`` or the current directory.
 """
 
 from __future__ import annotations
@@ -121,7 +123,69 @@ class Report:
         self.result["rows"].append(row)
         with open(self.json, "w") as fh:
             json.dump(self.result, fh, indent=1)
+        write_record(os.path.join(os.path.dirname(self.json), "gpu_generate_run.json"), self.result)
         return row
+
+
+def per_round(row: dict, rounds: int) -> dict[str, list[float]]:
+    """A speed row's first ``rounds`` rounds: decode tokens/s, end-to-end new tokens/s, peak GiB."""
+    B, n = row["batch"], row["new_tokens"]
+    calls = list(zip(row["all_s"], row["prefill_s"]))[:rounds]
+    return dict(
+        decode=[B * (n - 1) / (t_all - t_pre) for t_all, t_pre in calls],
+        e2e=[B * n / t_all for t_all, _ in calls],
+        peak=row["peak_gib_all"][:rounds],
+    )
+
+
+DECODE, END_TO_END = "decode throughput (prefill taken out)", "end-to-end throughput (whole calls)"
+METHOD_NAMES = {
+    "fast": "efla.generation.generate",
+    "fast-separate": "efla generate, one product per projection",
+    "hf": "transformers generate, our model",
+    "fla": "transformers generate, fla DeltaNet",
+}
+
+
+def measurements(rows: list[dict], rounds: int) -> list[dict]:
+    """``fast`` against every other method of the same size, stage and batch, round by round (the
+    methods took turns within a round): decode and end-to-end throughput, and each one's peak memory."""
+    from evidence import measurement
+
+    timed = [r for r in rows if len(r.get("all_s", ())) >= rounds and "peak_gib_all" in r]
+    found = []
+    for key in dict.fromkeys((r["size"], r["stage"], r["batch"], r["prompt"], r["new_tokens"]) for r in timed):
+        group = {
+            METHOD_NAMES[r["method"]]: per_round(r, rounds)
+            for r in timed
+            if (r["size"], r["stage"], r["batch"], r["prompt"], r["new_tokens"]) == key
+        }
+        case = f"{key[0]}, batch {key[2]}, prompt {key[3]}, {key[4]} new tokens"
+        fast = METHOD_NAMES["fast"]
+        ours = group.get(fast)
+        for name, other in group.items():
+            if ours and name != fast:
+                found.append(measurement(case, DECODE, "tokens/s", "higher", (fast, ours["decode"]), (name, other["decode"])))
+                found.append(measurement(case, END_TO_END, "new tokens/s", "higher", (fast, ours["e2e"]), (name, other["e2e"])))
+        found += [measurement(case, "peak memory", "GiB", "lower", (name, g["peak"]), None) for name, g in group.items()]
+    return found
+
+
+def write_record(path: str, result: dict) -> None:
+    """The speed and long stages in the shape of ``benchmarks/evidence.py`` (rewritten after every row)."""
+    from evidence import write_run
+
+    info = result["info"]
+    rounds = min(info["rounds"], info["slow_rounds"])
+    found = measurements(result["rows"], rounds)
+    if found:
+        notes = [
+            f"prompt {info['prompt']} tokens (long stage: {info['long_prompt']}), {info['new_tokens']} new tokens, greedy, bf16",
+            "decode throughput: B (n - 1) / (whole call - one-token call) of the same round; end to end: B n / whole call",
+            f"fast ran {info['rounds']} rounds, hf and fla {info['slow_rounds']}: "
+            f"the first {rounds} of each, taken in the same rounds, are kept",
+        ]
+        write_run(path, "gpu_generate", f"Generation speed, {', '.join(info['sizes'])}", rounds, found, notes)
 
 
 def error_line(e: BaseException) -> str:
@@ -298,6 +362,7 @@ def one_round(method: Method, ids: torch.Tensor, n: int, samples: dict) -> None:
     samples["all"].append(seconds)
     samples["pre"].append(prefill)
     samples["peak"] = max(samples["peak"], peak)
+    samples["peaks"].append(peak / GIB)
     samples["made"] = made
     log(f"  {method.name} B={ids.shape[0]} T={ids.shape[1]}: {seconds:.3f} s all, {prefill:.3f} s prefill")
 
@@ -319,7 +384,7 @@ def attempt(failed: dict, method: Method, fn, *args) -> None:
 
 def measure(methods: list[Method], ids: torch.Tensor, args, base: dict) -> list[dict]:
     """Warm-up of every method, then the timed rounds, the methods alternated round by round."""
-    samples = {m.name: dict(all=[], pre=[], peak=0, made=None) for m in methods}
+    samples = {m.name: dict(all=[], pre=[], peak=0, peaks=[], made=None) for m in methods}
     failed: dict[str, str] = {}
     for m in methods:
         log(f"  {m.name} B={ids.shape[0]} T={ids.shape[1]}: warm-up")
@@ -350,6 +415,7 @@ def speed_row(method: Method, ids: torch.Tensor, n: int, samples: dict, error: s
         prefill_tokens_per_s=B * T / t_pre,
         e2e_new_tokens_per_s=B * n / t_all,
         peak_gib=samples["peak"] / GIB,
+        peak_gib_all=samples["peaks"],
         made=samples["made"],
     )
 
@@ -849,8 +915,8 @@ def parse_args(argv=None):
     ap.add_argument("--batches", default="1,16,64,256", type=int_list, help="speed stage batches")
     ap.add_argument("--prompt", type=int, default=512, help="prompt length of the speed stage")
     ap.add_argument("--new-tokens", type=int, default=128, help="new tokens per call (at least 2)")
-    ap.add_argument("--rounds", type=int, default=2, help="timed rounds of fast and fast-separate")
-    ap.add_argument("--slow-rounds", type=int, default=1, help="timed rounds of hf and fla")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds of fast and fast-separate")
+    ap.add_argument("--slow-rounds", type=int, default=3, help="timed rounds of hf and fla")
     ap.add_argument(
         "--skip",
         default="",
@@ -865,7 +931,7 @@ def parse_args(argv=None):
         default=8192,
         help="memory stage: new tokens of the long generation compared with --new-tokens",
     )
-    ap.add_argument("--out", default=os.path.join("benchmarks", "results", "generate"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="default: $OUT or the current directory")
     args = ap.parse_args(argv)
     if args.new_tokens < 2:
         ap.error("--new-tokens: at least 2 (the decode rate is over the tokens after the first)")

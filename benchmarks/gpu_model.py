@@ -37,7 +37,9 @@ initialisation, once with the fused GPU modules and once with the PyTorch module
 (``efla.layers.fla_kernels.disabled()``), and reports the two loss curves.
 
 Usage (GPU machine): ``python benchmarks/gpu_model.py --sizes 340m --shapes 2048x8,4096x4 --out DIR``.
-Prints Markdown tables and writes ``DIR/gpu_model.json`` and ``DIR/gpu_model.md``.
+Prints Markdown tables and writes ``DIR/gpu_model.json``, ``DIR/gpu_model.md`` and, after every shape, the
+run in the shape of ``benchmarks/evidence.py`` (every measured step of every model: a round),
+``DIR/gpu_model_run.json``, the raw file to keep under ``benchmarks/results/model_speed/``.
 """
 
 from __future__ import annotations
@@ -209,6 +211,7 @@ def bench_size(
         gen = torch.Generator(device="cuda").manual_seed(T)
         ids = torch.randint(0, 32000, (B, T), device="cuda", generator=gen)
         times = {k: [] for k in models}
+        step_peaks = {k: [] for k in models}
         peaks = {k: 0 for k in models}
         losses = {k: None for k in models}
         failed = {}
@@ -229,6 +232,7 @@ def bench_size(
                 losses[kind] = loss
                 if r >= warmup:
                     times[kind].append(sec)
+                    step_peaks[kind].append(peak)
         for kind, (model, opt) in models.items():
             if kind in failed or not times[kind]:
                 rows.append(dict(size=size, model=kind, T=T, B=B, error=failed.get(kind, "no steps")))
@@ -246,6 +250,7 @@ def bench_size(
                     step_s_all=times[kind],
                     tokens_per_s=B * T / med,
                     peak_gib=(state_bytes(model, opt) + peaks[kind]) / GIB,
+                    peak_gib_all=[(state_bytes(model, opt) + p) / GIB for p in step_peaks[kind]],
                     last_loss=losses[kind],
                 )
             )
@@ -511,6 +516,45 @@ def parse_shapes(text: str):
     return [tuple(int(x) for x in s.split("x")) for s in text.split(",") if s]
 
 
+def name(row: dict) -> str:
+    return "fla DeltaNet" if row["model"] == "fla" else row["model"]
+
+
+def tokens_per_step(row: dict) -> list[float]:
+    return [row["B"] * row["T"] / s for s in row["step_s_all"]]
+
+
+def measurements(rows: list[dict]) -> list[dict]:
+    """Every model against fla's (or, without it, the first model) at each size and shape, step by
+    step as they alternated: tokens/s and peak memory per measured step. A model alone is a plain figure."""
+    from evidence import measurement
+
+    timed = [r for r in rows if "step_s_all" in r]
+    found = []
+    for key in dict.fromkeys((r["size"], r["T"], r["B"]) for r in timed):
+        group = [r for r in timed if (r["size"], r["T"], r["B"]) == key]
+        base = next((r for r in group if r["model"] == "fla"), group[0])
+        case = f"{key[0]}, {key[1]} x {key[2]}"
+        for r in [r for r in group if r is not base] or [base]:
+            alone = r is base
+            speed = None if alone else (name(base), tokens_per_step(base))
+            memory = None if alone else (name(base), base["peak_gib_all"])
+            found.append(measurement(case, "training throughput", "tokens/s", "higher", (name(r), tokens_per_step(r)), speed))
+            found.append(measurement(case, "peak memory", "GiB", "lower", (name(r), r["peak_gib_all"]), memory))
+    return found
+
+
+def write_record(out_dir: str, rows: list[dict], args) -> None:
+    """The run in the shape of ``benchmarks/evidence.py``: ``DIR/gpu_model_run.json``."""
+    from evidence import write_run
+
+    found = measurements(rows)
+    if found:
+        notes = [f"{args.warmup} warm-up steps, then {args.steps} measured steps; the models take turns step by step (a round)"]
+        title = f"Training steps, {args.sizes} at {args.shapes}"
+        write_run(os.path.join(out_dir, "gpu_model_run.json"), "gpu_model", title, args.steps, found, notes)
+
+
 def write_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)
@@ -546,6 +590,7 @@ def main() -> int:
         def save(rows, done=done):
             result["speed"] = done + rows
             write_json(json_path, result)
+            write_record(args.out, result["speed"], args)
 
         try:
             bench_size(

@@ -14,7 +14,9 @@ One device call runs everything:
    B = 32; and the model-level fwd+bwd tokens/s of the 340M preset stacks (exact vs euler).
 
 Usage (on the GPU machine): ``python benchmarks/gpu_ops.py [--quick] [--out DIR]``.
-Prints markdown tables and writes them to ``DIR/results_gpu.md`` (default ``$OUT`` or ``.``).
+Prints markdown tables and writes them to ``DIR/results_gpu.md`` (default ``$OUT`` or ``.``), and every
+round's timing of ours and the baselines in the shape of ``benchmarks/evidence.py`` to
+``DIR/gpu_ops_run.json`` (rewritten after every shape), the raw file for ``benchmarks/results/op_speed/``.
 """
 
 from __future__ import annotations
@@ -158,7 +160,8 @@ def check_correctness(dev, full=True, rules=("efla", "gated_efla", "delta_rule",
 REP = [40.0]
 
 
-def bench_alternating(fns: dict, rounds: int, warmup=10, rep=None) -> dict:
+def bench_alternating(fns: dict, rounds: int, warmup=10, rep=None) -> dict[str, list[float]]:
+    """Each method's ``do_bench`` median per round, the methods taking turns within a round."""
     from triton.testing import do_bench
 
     res = {n: [] for n in fns}
@@ -167,7 +170,59 @@ def bench_alternating(fns: dict, rounds: int, warmup=10, rep=None) -> dict:
             if f is None:
                 continue
             res[n].append(do_bench(f, warmup=warmup, rep=rep or REP[0], return_mode="median"))
-    return {n: (statistics.median(v) if v else None) for n, v in res.items()}
+    return res
+
+
+def medians(per_round: dict[str, list[float]]) -> dict:
+    return {n: (statistics.median(v) if v else None) for n, v in per_round.items()}
+
+
+# ----------------------------------------------------------------------------- the raw record
+RECORD: dict = {"path": None, "rounds": 0, "title": "", "measurements": [], "notes": []}
+
+
+def compared(case: str, metric: str, per_round: dict, ours: tuple[str, str], baseline: tuple[str, str]) -> list[dict]:
+    """``ours`` against ``baseline`` (``(label, key in per_round)``) when both kept every round."""
+    from evidence import measurement
+
+    a, b = per_round.get(ours[1]), per_round.get(baseline[1])
+    if not a or not b or len(a) != len(b):
+        return []
+    return [measurement(case, metric, "ms", "lower", (ours[0], a), (baseline[0], b))]
+
+
+def chunk_measurements(case: str, tf: dict, tb: dict, variants) -> list[dict]:
+    """One shape's chunk timings (per round) as measurements: our ops against fla's, and each variant
+    against fla's and against our default path."""
+    fwd, both = "forward time", "forward and backward time"
+    dn, gdn, gdn_ours = (
+        ("fla DeltaNet", "dn"),
+        ("fla Gated DeltaNet", "gdn"),
+        ("Gated DeltaNet (fla's kernels through our code)", "gdn_ours"),
+    )
+    found = compared(case, fwd, tf, ("EFLA", "efla"), dn) + compared(case, both, tb, ("EFLA", "efla"), dn)
+    found += compared(case, fwd, tf, ("Gated EFLA", "gefla"), gdn) + compared(case, both, tb, ("Gated EFLA", "gefla"), gdn)
+    found += compared(case, both, tb, ("Gated EFLA", "gefla"), gdn_ours)
+    for name in variants:
+        settings = " ".join(f"{k}={v}" for k, v in VARIANTS[name][1].items())
+        for op, key, base in (("EFLA", "efla", dn), ("Gated EFLA", "gefla", gdn)):
+            ours = (f"{op}, {settings}", f"{key}_{name}")
+            found += compared(case, fwd, tf, ours, base) + compared(case, fwd, tf, ours, (op, key))
+            found += compared(case, both, tb, ours, base) + compared(case, both, tb, ours, (op, key))
+    if tb.get("floor"):
+        from evidence import measurement
+
+        found.append(measurement(case, both, "ms", "lower", ("fla chunk_delta_rule kernel alone (floor)", tb["floor"]), None))
+    return found
+
+
+def write_record(found: list[dict]) -> None:
+    """Adds ``found`` to the run and rewrites ``DIR/gpu_ops_run.json`` (a call cut short keeps what it had)."""
+    from evidence import write_run
+
+    RECORD["measurements"] += found
+    if RECORD["path"] and RECORD["measurements"]:
+        write_run(RECORD["path"], "gpu_ops", RECORD["title"], RECORD["rounds"], RECORD["measurements"], RECORD["notes"])
 
 
 def try_call(f):
@@ -314,8 +369,10 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),), variants=tuple(VARIA
             if err:
                 notes.append(f"({label}) fwd+bwd {n}: {err}")
         with torch.no_grad():
-            tf = bench_alternating(fwd_ok, rounds)
-        tb = bench_alternating({n: (lambda f=f: (f(), gnone())) if f else None for n, f in fb_ok.items()}, rounds)
+            tf_rounds = bench_alternating(fwd_ok, rounds)
+        tb_rounds = bench_alternating({n: (lambda f=f: (f(), gnone())) if f else None for n, f in fb_ok.items()}, rounds)
+        tf, tb = medians(tf_rounds), medians(tb_rounds)
+        write_record(chunk_measurements(f"[{label}]", tf_rounds, tb_rounds, variants))
 
         def r(a, b):
             return f"{a / b:.2f}x" if a and b else "-"
@@ -345,6 +402,8 @@ def timing(dev, shapes, rounds, fla_ok, dims=((128, 128),), variants=tuple(VARIA
     for n in dict.fromkeys(notes):
         emit(f"- note: {n}")
     emit("")
+    RECORD["notes"] += list(dict.fromkeys(notes))
+    write_record([])
 
 
 def decode_timing(dev, rounds, fla_ok):
@@ -374,7 +433,11 @@ def decode_timing(dev, rounds, fla_ok):
             ok[n], err = try_call(f)
             if err:
                 emit(f"- note: {n}: {err}")
-        t = bench_alternating(ok, rounds, warmup=25, rep=2 * REP[0])
+        per_round = bench_alternating(ok, rounds, warmup=25, rep=2 * REP[0])
+        t = medians(per_round)
+    case = f"decode step, B = {B}, H = {H}, K = V = {K}"
+    pairs = zip(list(per_round)[1::2], list(per_round)[::2]) if fla_ok else ()  # (ours, fla's) in the order above
+    write_record([m for ours, fla in pairs for m in compared(case, "time", per_round, (ours, ours), (fla, fla))])
     emit("| method | ms | ratio |")
     emit("| --- | --- | --- |")
     names = list(t)
@@ -384,7 +447,7 @@ def decode_timing(dev, rounds, fla_ok):
     emit("")
 
 
-def model_timing(dev, budget_s):
+def model_timing(dev, budget_s, rounds):
     emit("## Model level: 340M preset, fwd+bwd tokens/s (bf16 weights, B = 8, T = 2048)")
     emit("")
     try:
@@ -419,7 +482,7 @@ def model_timing(dev, budget_s):
                 torch.cuda.synchronize()
                 steps[name] = step
             times = {n: [] for n in steps}
-            for _ in range(3):
+            for _ in range(rounds):
                 for n, s in steps.items():
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
@@ -429,6 +492,16 @@ def model_timing(dev, budget_s):
                     times[n].append((time.perf_counter() - t0) / 3)
             for n in pair:
                 res[n] = statistics.median(times[n])
+            ms_rounds = {n: [1e3 * s for s in v] for n, v in times.items()}
+            write_record(
+                compared(
+                    f"{pair[0]} against {pair[1]}, B = {B}, T = {T}",
+                    "fwd+bwd step time",
+                    ms_rounds,
+                    (pair[0], pair[0]),
+                    (pair[1], pair[1]),
+                )
+            )
             base = res[pair[1]]
             for n in pair:
                 emit(f"| {n} | {res[n] * 1e3:.1f} | {B * T / res[n]:,.0f} | {res[n] / base:.3f}x |")
@@ -509,11 +582,21 @@ def main():
         shapes = shapes[:1]
     dims = tuple(tuple(int(x) for x in d.split("x")) for d in args.head_dims.split(","))
     variants = tuple(name for name in args.variants.split(",") if name)
+    rounds = 1 if args.quick else args.rounds
+    RECORD.update(
+        path=os.path.join(args.out, "gpu_ops_run.json"),
+        rounds=rounds,
+        title=f"Ops at {len(shapes)} shapes" + ("" if dims == ((128, 128),) else f", head dims {args.head_dims}"),
+        notes=[
+            f"do_bench medians (rep {args.rep} ms), the methods taking turns within each of {rounds} rounds",
+            f"our launches after the first: {how} (EFLA_DIRECT_LAUNCH={int(direct)})",
+        ],
+    )
     # the model stage runs before the chunk timings: the H = 96 shape's autotuning is the slowest part
     for stage in (
-        (None if args.skip_decode else lambda: decode_timing(dev, 1 if args.quick else args.rounds, fla_ok)),
-        (None if args.skip_model else lambda: model_timing(dev, args.budget)),
-        lambda: timing(dev, shapes, 1 if args.quick else args.rounds, fla_ok, dims, variants),
+        (None if args.skip_decode else lambda: decode_timing(dev, rounds, fla_ok)),
+        (None if args.skip_model else lambda: model_timing(dev, args.budget, rounds)),
+        lambda: timing(dev, shapes, rounds, fla_ok, dims, variants),
     ):
         if stage is None:
             continue
