@@ -123,9 +123,9 @@ def _resolve(root: Path, page: Path, word: str, link: bool) -> Path:
     return page.parent / word if (page.parent / word).exists() else root / word
 
 
-def _mentions(root: Path, page: Path) -> list[tuple[str, Path]]:
-    """(word as written, where it points) for every path-like word of a page; a word with ``*`` points
-    at every file it matches (or at itself, missing, when it matches none)."""
+def _mentions(root: Path, page: Path) -> list[tuple[str, Path, bool]]:
+    """(word as written, where it points, whether it is a link's target) for every path-like word of a
+    page; a word with ``*`` points at every file it matches (or at itself, missing, when it matches none)."""
     text = page.read_text(encoding="utf-8")
     words = [(w, False) for snippet in _snippets(text) for w in _path_words(snippet)] + [(t, True) for t in _links(text)]
     found = []
@@ -136,11 +136,11 @@ def _mentions(root: Path, page: Path) -> list[tuple[str, Path]]:
         if "*" in word:
             base = root if _in_top_level(word) else page.parent
             try:
-                found += [(word, match) for match in sorted(base.glob(word))] or [(word, target)]
+                found += [(word, match, link) for match in sorted(base.glob(word))] or [(word, target, link)]
             except ValueError:  # not a pattern (``**kwargs``)
                 continue
         else:
-            found.append((word, target))
+            found.append((word, target, link))
     return found
 
 
@@ -158,10 +158,10 @@ def missing_paths(root: Path) -> list[str]:
         for path, commit in historical.items():
             if not _git_holds(root, commit, path):
                 problems.append(f"{page.relative_to(root)}: {commit}:{path} (git does not hold it)")
-        for word, target in _mentions(root, page):
+        for word, target, link in _mentions(root, page):
             if target.exists() or word in historical or Path(word).name in USER_SIDE and "/" not in word:
                 continue
-            if _is_repo_path(word) or target.suffix in SUFFIXES:
+            if link or _is_repo_path(word) or target.suffix in SUFFIXES:
                 problems.append(f"{page.relative_to(root)}: {word}")
     return sorted(set(problems))
 
@@ -276,7 +276,7 @@ def unnamed_results(root: Path) -> list[str]:
     queue = deque(start)
     while queue:
         page = queue.popleft()
-        for _, target in _mentions(root, page):
+        for _, target, _ in _mentions(root, page):
             if target.is_dir() and (target / "summary.md").is_file():
                 target = target / "summary.md"
             if target.is_file() and target.resolve() not in named:
@@ -315,7 +315,7 @@ def _fake_tree(root: Path) -> None:
         "```bash\nefla train --preset tiny-efla --no-such-option 3\npython scripts/tool.py --rounds 3 --colour red\n```\n"
         "Also `docs/gone.md`, `efla trian`, `python scripts/absent.py`, and `runs/lm/efla` (a user's).\n"
     )
-    (root / "docs/results/exp/summary.md").write_text("![curve](curve.png) from `runs.csv`.\n")
+    (root / "docs/results/exp/summary.md").write_text("![curve](curve.png) from `runs.csv`; ![gone](gone.png).\n")
     for name in ("curve.png", "runs.csv", "stray.json"):
         (root / "docs/results/exp" / name).write_text("{}")
     (root / "benchmarks/results/op/cited.json").write_text(json.dumps({"raw": "benchmarks/results/op/uncited.json"}))
@@ -324,7 +324,11 @@ def _fake_tree(root: Path) -> None:
 
 def test_the_checks_catch_what_they_are_for(tmp_path):
     _fake_tree(tmp_path)
-    assert missing_paths(tmp_path) == ["README.md: docs/gone.md", "README.md: scripts/absent.py"]
+    assert missing_paths(tmp_path) == [
+        "README.md: docs/gone.md",
+        "README.md: scripts/absent.py",
+        "docs/results/exp/summary.md: gone.png",
+    ]
     assert unknown_efla_options(tmp_path) == [
         "README.md: efla train --no-such-option (no such option)",
         "README.md: efla trian (no such command)",
