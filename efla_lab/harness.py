@@ -32,6 +32,7 @@ __all__ = [
     "atomic_write_json",
     "command_line",
     "default_device",
+    "files_section",
     "progress_factory",
     "read_records",
     "recorded",
@@ -53,6 +54,14 @@ def atomic_save_figure(fig, path: str, dpi: int = 110) -> None:
         plt.close(fig)
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+
+
+def files_section(names: list[str]) -> list[str]:
+    """The Markdown lines a summary ends with: the files its run wrote beside it, by name, and each
+    figure among them shown, so that the summary names every file of its directory."""
+    figures = [name for name in names if name.endswith(".png")]
+    lines = ["", "Files: " + ", ".join(f"`{name}`" for name in names) + "."]
+    return lines + [line for name in figures for line in ("", f"![{os.path.splitext(name)[0]}]({name})")]
 
 
 @dataclass

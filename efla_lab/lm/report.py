@@ -283,10 +283,11 @@ def _fmt(x, fmt: str) -> str:
 
 
 def _model_source(row: dict) -> str:
-    """How the runs' models were chosen: ``preset `340m-*` `` or ``config `efla.json` `` (``--config``)."""
+    """How the runs' models were chosen: ``preset `340m-*` `` or ``config efla.json`` (``--config``; the
+    file's name as the run was given it, not a path in this repository, so not set as code)."""
     if row.get("preset"):
         return f"preset `{row['preset'].split('-')[0]}-*`"
-    return f"config `{os.path.basename(row.get('config') or '?')}`"
+    return f"config {os.path.basename(row.get('config') or '?')}"
 
 
 def _eval_note(rows: list[dict]) -> list[str]:

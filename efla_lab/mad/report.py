@@ -323,7 +323,8 @@ def write_outputs(results: dict, out_dir: str, command: str) -> list[str]:
     harness.atomic_write_csv(p, CSV_FIELDS, (csv_row(r) for r in results["runs"]))
     written.append(p)
     p = os.path.join(out_dir, "summary.md")
-    harness.atomic_write(p, summary_markdown(results, agg, command))
+    files = harness.files_section(["results.json", "runs.csv", *(["mad_scores.png"] if agg else [])])
+    harness.atomic_write(p, summary_markdown(results, agg, command) + "\n".join(files) + "\n")
     written.append(p)
     if agg:
         p = os.path.join(out_dir, "mad_scores.png")

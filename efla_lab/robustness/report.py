@@ -59,7 +59,8 @@ def write_robustness_outputs(results: dict, out_dir: str, command: str) -> list[
         written.append(p)
     written += plot_robustness(results, agg, out_dir)
     p = os.path.join(out_dir, "summary.md")
-    harness.atomic_write(p, robustness_summary(results, agg, command))
+    files = harness.files_section([os.path.basename(w) for w in written])
+    harness.atomic_write(p, robustness_summary(results, agg, command) + "\n".join(files) + "\n")
     written.append(p)
     return written
 
@@ -294,6 +295,7 @@ def write_lr_sweep_outputs(results: dict, out_dir: str, command: str) -> list[st
         f"Command as run: `{command}`",
         "",
         *lr_sweep_table(results).markdown(),
+        *harness.files_section(["lr_sweep.json", "lr_sweep.csv", "lr_sweep.png"]),
     ]
     harness.atomic_write(files["lr_sweep.md"], "\n".join(lines) + "\n")
     return list(files.values())

@@ -1,7 +1,8 @@
 """The recorded results keep one shape: under ``docs/results/`` each experiment directory has a
 ``summary.md`` that names the command that ran, the records are JSON / CSV / markdown / figures, and
 no raw console output is committed (no ``.log`` files, no carriage-return progress-bar residue, no
-temporary paths of the machine that produced them).
+temporary paths of the machine that produced them). That every recorded file is named by a page is
+``test_references.py``'s check.
 
 Each check is a function of the root directory, so it can be pointed at another checkout."""
 
@@ -103,36 +104,6 @@ def test_no_temporary_paths_outside_the_command_that_ran():
 
 def test_every_experiment_has_a_summary_naming_the_command():
     assert summary_problems(ROOT) == []
-
-
-def uncited_benchmark_results(root: pathlib.Path) -> list[str]:
-    """Files under ``benchmarks/results/`` that neither ``benchmarks/RESULTS.md`` nor the README nor a docs page names."""
-    named = [root / "benchmarks/RESULTS.md", root / "README.md", *sorted((root / "docs").glob("*.md"))]
-    pages = "".join(page.read_text(encoding="utf-8") for page in named if page.is_file())
-    return [str(p.relative_to(root)) for p in _files(root, "benchmarks/results") if p.name not in pages]
-
-
-def test_benchmark_results_are_the_raw_files_the_tables_cite():
-    assert uncited_benchmark_results(ROOT) == []
-    assert len(_files(ROOT, "benchmarks/results")) <= 30
-
-
-def test_the_lab_notebook_stays_small():
-    """Experiments keep their runs in one raw file each (``runs.jsonl``), not a file per run."""
-    assert len(_files(ROOT)) <= 120
-
-
-def test_scripts_hold_a_handful_of_general_tools():
-    tools = [p.name for p in _files(ROOT, "scripts") if "__pycache__" not in p.parts]
-    assert len(tools) <= 6, tools
-
-
-def test_an_uncited_benchmark_result_is_found(tmp_path):
-    (tmp_path / "benchmarks" / "results" / "x").mkdir(parents=True)
-    (tmp_path / "benchmarks" / "results" / "x" / "cited.json").write_text("{}")
-    (tmp_path / "benchmarks" / "results" / "x" / "stray.json").write_text("{}")
-    (tmp_path / "benchmarks" / "RESULTS.md").write_text("raw: `x/cited.json`\n")
-    assert uncited_benchmark_results(tmp_path) == ["benchmarks/results/x/stray.json"]
 
 
 def test_the_checks_catch_a_raw_log(tmp_path):

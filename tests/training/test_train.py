@@ -430,7 +430,7 @@ def test_lm_report_names_the_preset_or_the_config_file(corpus, tokenizer_dir, tm
     by_preset = summary_markdown(collect_runs([str(tmp_path / "by-preset")]), "t", "", "")
     by_config = summary_markdown(collect_runs([str(tmp_path / "by-config")]), "t", "", "")
     assert "1 runs; each: preset `tiny-*`" in by_preset
-    assert "1 runs; each: config `small.json`" in by_config
+    assert "1 runs; each: config small.json" in by_config
 
 
 def test_lm_report_summarises_eval_results_with_sample_spread(corpus, tokenizer_dir, tmp_path):

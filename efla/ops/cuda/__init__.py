@@ -14,7 +14,7 @@ On an fla release other than the one whose private stage kernels the chunk path 
 (``supported.py``), the chunk ops run fla's public ``chunk_delta_rule`` / ``chunk_gated_delta_rule``
 with our coefficients instead (``public_chunk.py``), after one warning.
 
-Design (measured: ``benchmarks/gpu_ops.py``, ``benchmarks/RESULTS.md``):
+Design (measured: ``benchmarks/gpu_ops.py``, ``docs/performance.md``):
 
 * chunk mode (training, prefill): flash-linear-attention 0.6.0's WY/UT delta-rule kernels with our
   Triton kernels around them (``chunk.py``): the exact coefficient in one pass over the keys, its

@@ -20,7 +20,7 @@ On by default on the Triton releases it was tested with (``supported.py``: any o
 through Triton, with one warning); ``EFLA_DIRECT_LAUNCH=0`` sends every launch through Triton. On
 the CPU, with a stand-in driver, the replayed launches pass Triton's own grid, stream and argument
 vector for every stage (``tests/ops/test_launch.py``); on the GPU the same file checks replayed
-chunk ops bit for bit against the ops through Triton. The speed it buys is in ``benchmarks/RESULTS.md``.
+chunk ops bit for bit against the ops through Triton. The speed it buys is in ``docs/performance.md``.
 """
 
 from __future__ import annotations

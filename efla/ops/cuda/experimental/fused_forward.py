@@ -23,7 +23,7 @@ pass here to cut into pieces, while the backward's would be cut): ``state_output
 On a GPU: its GPU tests passed on an H200 (2026-12-04: the ops against the float64 reference and
 against the ops without it; every launch setting against fla's kernels at K x V = 128 x 128, the
 64 x 96 and 256 x 256 cases cut off by the call's limit). Timed once, one round
-(``benchmarks/RESULTS.md``): faster where the host or the head count sets the pace (EFLA forward
+(``docs/performance.md``): faster where the host or the head count sets the pace (EFLA forward
 0.91x of the default at [8, 2K, 16] and [1, 8K, 96]), slower where few sequences x heads walk many
 chunks (1.13x at [4, 4K, 16] and [1, 16K, 16], Gated EFLA's forward 1.10-1.28x at the three
 largest shapes). Decided at the next GPU visit by

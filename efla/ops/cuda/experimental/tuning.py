@@ -9,7 +9,7 @@ the H200's 132 multiprocessors, and the value block and warp count that are fast
 the two. With ``EFLA_STATE_TUNING=1`` each power-of-two bucket of sequences x heads gets its own
 Triton autotuner over fla's settings.
 
-On a GPU: timed once on an H200 (2026-12-04, one round, ``benchmarks/RESULTS.md``), faster than
+On a GPU: timed once on an H200 (2026-12-04, one round, ``docs/performance.md``), faster than
 the default at the two 16K shapes (EFLA forward 0.84x and 0.90x) and slower at the two smallest
 (forward and backward 1.19x at [8, 2K, 16], 1.09x at [4, 4K, 16], not explained). Its GPU test
 (``tests/ops/test_tuning.py -m gpu``) has never passed: the H200 run of 2026-12-05 that included
