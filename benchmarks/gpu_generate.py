@@ -141,7 +141,7 @@ def per_round(row: dict, rounds: int) -> dict[str, list[float]]:
 DECODE, END_TO_END = "decode throughput (prefill taken out)", "end-to-end throughput (whole calls)"
 METHOD_NAMES = {
     "fast": "efla.generation.generate",
-    "fast-separate": "efla generate, one product per projection",
+    "fast-separate": "efla.generation.generate, one product per projection",
     "hf": "transformers generate, our model",
     "fla": "transformers generate, fla DeltaNet",
 }

@@ -40,7 +40,8 @@ RAW_DIRS = ("benchmarks/results", "docs/results")
 # their bare names.
 USER_SIDE = frozenset({"demo.json", "report.md", "config.json", "train_args.json", "train_summary.json", "eval.json"})
 SHELL_FENCES = {"bash", "sh", "shell", "console", ""}
-INLINE_CODE = re.compile(r"`([^`]+)`")
+# a code span opens and closes with the same run of backticks (``a `b` c`` is one span)
+INLINE_CODE = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.S)
 # A record's line that quotes the command as it ran, with the options of its day (test_results_layout.py)
 RECORD_LINE = re.compile(r"^\s*Command as run\b")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -76,7 +77,7 @@ def _snippets(text: str, commands_as_run: bool = True) -> list[str]:
     for match in INLINE_CODE.finditer(prose):
         line = prose[prose.rfind("\n", 0, match.start()) + 1 : match.start()]
         if commands_as_run or not RECORD_LINE.match(line):
-            spans.append(match.group(1).replace("\n", " "))
+            spans.append(match.group(2).replace("\n", " "))
     return shell + spans
 
 
