@@ -30,6 +30,15 @@ MEASUREMENT_KEYS = {"case", "metric", "unit", "better", "ours", "baseline"}
 SIDE_KEYS = {"name", "rounds"}
 
 
+def _carried_commit(root: str) -> str:
+    """A device's copy of the checkout has no .git: ``.commit`` (git-ignored, carried) names it."""
+    try:
+        with open(os.path.join(root, ".commit")) as f:
+            return f.read().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
 def _git_commit(root: str) -> str:
     """The checkout's commit, ``-dirty`` when tracked files differ from it; ``unknown`` outside git."""
     try:
@@ -38,7 +47,7 @@ def _git_commit(root: str) -> str:
         ).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True)
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return _carried_commit(root)
     return commit + ("-dirty" if dirty.stdout.strip() else "")
 
 

@@ -34,6 +34,9 @@
 # that tunes fla's kernels for several variants leaves more than that (2026-12-03: every visit did);
 # its tuning results alone come back as $OUT/triton-autotune.tar.gz.
 #
+# The records' commit: a device's copy has no .git, so before a visit run
+#   git rev-parse --short HEAD > .commit   (git-ignored) and carry .commit with .whl.
+#
 # The one-visit scripts that recorded earlier results (scripts/device_*.sh, named in docs/results)
 # are in git history up to commit a97566f.
 set -uo pipefail
