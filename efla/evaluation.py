@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from efla.data.eval_text import load_lambada, load_text
+from efla.models.configuration_efla import config_file_keys
 from efla.variants import label
 
 from efla import records
@@ -80,11 +81,26 @@ def check_model_dir(path: str, option: str = "--model") -> None:
     names = set(os.listdir(path))
     if "config.json" not in names:
         raise ValueError(f"{path} is not a model directory: no config.json ({option})")
+    _check_efla_config(os.path.join(path, "config.json"), option)
     if not any(n.endswith((".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")) for n in names):
         raise ValueError(f"{path} has a config.json but no weights (*.safetensors) ({option})")
     tokenizer_files = {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"}
     if not names & tokenizer_files:
         raise ValueError(f"{path} has no tokenizer files (tokenizer.json or tokenizer_config.json) ({option})")
+
+
+def _check_efla_config(path: str, option: str) -> None:
+    """An efla model's ``config.json`` holds only keys EFLAConfig or transformers read (any other model
+    type's config is transformers' to judge)."""
+    from efla import arg_checks as check  # noqa: PLC0415 (it raises UsageError, a ValueError like ours)
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not a readable JSON config ({' '.join(str(error).split())}) ({option})") from None
+    if isinstance(cfg, dict) and cfg.get("model_type") == "efla":
+        check.known_keys(cfg, config_file_keys(), path, option)
 
 
 def load_model(path: str, device: str = "cpu", dtype: str = "float32"):

@@ -60,6 +60,7 @@ def _check_eval_options(args, wikitext: str | None, lambada: str | None) -> None
     check.at_least(args.harness_limit, 1, "--harness-limit")
     check.at_least(args.num_fewshot, 0, "--num-fewshot")
     check.device(args.device)
+    _check_something_to_do(args, wikitext, lambada)
     check.existing_file(lambada, "--lambada")
     if lambada:
         load_lambada(lambada, args.limit)
@@ -70,6 +71,30 @@ def _check_eval_options(args, wikitext: str | None, lambada: str | None) -> None
         load_text(wikitext)
     if args.out:
         check.output_dir(args.out, "--out")
+
+
+def _check_something_to_do(args, wikitext: str | None, lambada: str | None) -> None:
+    """Some benchmark to run, and no option given for one that does not run."""
+    from efla import arg_checks as check
+
+    if wikitext is None and lambada is None and not args.harness:
+        raise UsageError(
+            "nothing to evaluate: --wikitext and --lambada are 'none' and no --harness tasks (--wikitext, --lambada)"
+        )
+    if wikitext is None:
+        check.not_ignored(
+            args,
+            {"stride": "--stride", "wikitext_max_tokens": "--wikitext-max-tokens", "prefix": "--prefix"},
+            "with --wikitext none",
+        )
+    if lambada is None and not args.harness:
+        check.not_ignored(args, {"limit": "--limit"}, "without LAMBADA or --harness tasks")
+    if not args.harness:
+        check.not_ignored(
+            args,
+            {"harness_include": "--harness-include", "harness_limit": "--harness-limit", "num_fewshot": "--num-fewshot"},
+            "without --harness tasks",
+        )
 
 
 def setup_threads(args) -> None:

@@ -55,6 +55,12 @@ def _check_options(args) -> None:
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise UsageError(f"expected a value in (0, 1], got {args.top_p:g} (--top-p)")
     check.at_least(args.seed, 0, "--seed")
+    if args.temperature == 0:
+        check.not_ignored(
+            args,
+            {"top_k": "--top-k", "top_p": "--top-p", "seed": "--seed"},
+            "with greedy decoding, the default temperature 0; sampling needs --temperature above 0",
+        )
 
 
 # -- loading and generating ------------------------------------------------------------------------

@@ -10,6 +10,7 @@ with fla's parameter names and rotary convention, and only the linear blocks cha
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import pathlib
@@ -96,11 +97,21 @@ def fla_config_to_efla(fla_cfg: dict, update_rule: str) -> EFLAConfig:
     kwargs = {f: fla_cfg[f] for f in _ARCH_FIELDS if f in fla_cfg}
     kwargs["attn"] = _single_attn_spec(fla_cfg.get("attn"))
     unknown = sorted(set(fla_cfg) - set(_ARCH_FIELDS) - _IGNORED)
+    _refuse_misspelt_fields(unknown)
     if kwargs.get("attn_mode") not in (None, "chunk", "recurrent", "fused_recurrent"):
         kwargs.pop("attn_mode")
     cfg = EFLAConfig(update_rule=update_rule, gated=FLA_MODEL_TYPES[mt], **kwargs)
     cfg.converted_from = {"model_type": mt, "ignored_fields": unknown}
     return cfg
+
+
+def _refuse_misspelt_fields(unknown: list[str]) -> None:
+    """The config is fla's, whose newer versions add fields we report as ignored; but a key within a
+    letter or two of an architecture field is that field misspelt, and converting would drop its value."""
+    for key in unknown:
+        nearest = difflib.get_close_matches(key, _ARCH_FIELDS, n=1, cutoff=0.85)
+        if nearest:
+            raise ValueError(f"src: config.json: unknown key {key!r}; did you mean {nearest[0]!r}?")
 
 
 def _single_attn_spec(attn):
