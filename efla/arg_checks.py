@@ -72,11 +72,12 @@ def known_keys(fields: dict, known, path: str, option: str) -> None:
             continue
         nearest = difflib.get_close_matches(key, sorted(known), n=1)
         hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
-        raise UsageError(f"{path}{_line_of_key(path, key)}: unknown key {key!r}{hint} ({option})")
+        raise UsageError(f"{place_of_key(path, key)}: unknown key {key!r}{hint} ({option})")
 
 
-def _line_of_key(path: str, key: str) -> str:
-    """``:N``, the first line of ``path`` where ``key`` is written as a key, else ``""``."""
+def place_of_key(path: str, key: str) -> str:
+    """``path:N``, with N the first line of ``path`` where ``key`` is written as a key (``path`` alone when
+    it is not found: the parsers we use give no line for a key)."""
     import re  # noqa: PLC0415
 
     written = re.compile(rf"""["']?{re.escape(key)}["']?\s*[:=]""")
@@ -84,10 +85,10 @@ def _line_of_key(path: str, key: str) -> str:
         with open(path, encoding="utf-8") as file:
             for number, line in enumerate(file, start=1):
                 if written.search(line):
-                    return f":{number}"
+                    return f"{path}:{number}"
     except (OSError, UnicodeDecodeError):
         pass
-    return ""
+    return path
 
 
 def given(args, dest: str) -> bool:

@@ -30,6 +30,7 @@ Definitions (the functions below return plain dicts; nothing here prints):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -448,6 +449,31 @@ def write_lambada_task(jsonl_path: str, out_dir: str, task_name: str = "lambada_
     return out_dir
 
 
+@functools.cache
+def task_manager(include_path: str | None = None):
+    """lm-eval's index of its tasks and those in ``include_path`` (built once: it reads every task YAML)."""
+    _require_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path) if include_path else TaskManager()
+
+
+def check_harness_tasks(tasks: list[str], include_path: str | None, lambada: str | None) -> None:
+    """Every task of ``tasks`` is one lm-eval knows (``lambada_openai_local`` needs ``lambada``),
+    checked before any model loads.
+
+    Raises:
+        ValueError: naming the first unknown task (--harness).
+    """
+    if "lambada_openai_local" in tasks and not include_path and not lambada:
+        raise ValueError("--harness lambada_openai_local needs --lambada FILE (--lambada)")
+    known = set(task_manager(include_path).all_tasks) | ({"lambada_openai_local"} if not include_path else set())
+    unknown = [task for task in tasks if task not in known]
+    if unknown:
+        include = f" or in {include_path}" if include_path else ""
+        raise ValueError(f"lm-eval has no task {unknown[0]!r}{include} (--harness)")
+
+
 def harness_evaluate(
     model,
     tokenizer,
@@ -465,14 +491,12 @@ def harness_evaluate(
     _require_lm_eval()
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length, device=device)
-    tm = TaskManager(include_path=include_path) if include_path else TaskManager()
     res = simple_evaluate(
         model=lm,
         tasks=list(tasks),
-        task_manager=tm,
+        task_manager=task_manager(include_path),
         limit=limit,
         num_fewshot=num_fewshot,
         bootstrap_iters=0,

@@ -43,7 +43,7 @@ def _naming_the_argument(message: str, src: str) -> str:
     argument, _, what = message.partition(": ")
     named = {"src": "SRC", "dst": "DST", "update_rule": "--update-rule"}
     if argument in named:
-        return f"{what.replace('config.json:', os.path.join(src, 'config.json') + ':', 1)} ({named[argument]})"
+        return f"{what} ({named[argument]})"
     return f"{os.path.join(src, 'config.json')}: {message} (SRC)"
 
 

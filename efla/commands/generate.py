@@ -15,7 +15,7 @@ _EPILOG = """\
 examples:
   efla generate runs/lm/efla-s0 "The meaning of life is" --max-new-tokens 40
   efla generate runs/lm/efla-s0 --prompts-file prompts.txt --temperature 0.8 --top-p 0.95 --seed 0 --json
-Temperature 0 (the default) is greedy decoding; --top-k / --top-p only act when sampling (temperature > 0).
+Temperature 0 (the default) is greedy decoding; --top-k, --top-p and --seed need sampling (temperature > 0).
 A PROMPT that starts with '-' goes after `--`.
 """
 
