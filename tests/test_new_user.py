@@ -144,7 +144,10 @@ def _inputs() -> dict[str, dict[str, str] | str]:
         "model-typo": _model_dir(_efla_config(num_hiden_layers=3)),
         "model.json": json.dumps({"hidden_size": 32, "num_heads": 2, "vocab_sise": 64}, indent=2),
         "recipe.json": json.dumps({"hidden_size": 32, "learning_rat": 1e-3}, indent=2),
-        "run": {"train_args.json": json.dumps({"data": ["corpus"], "max_steps": 2, "learnig_rate": 1e-3}, indent=2)},
+        "run": {
+            "train_args.json": json.dumps({"data": ["corpus"], "max_steps": 2, "learnig_rate": 1e-3}, indent=2),
+            "checkpoints": {"step-0000002": {}},
+        },
         "fla": {"config.json": _misspelt(json.loads(FLA_CONFIG.read_text()), "num_hidden_layers", "num_hiden_layers")},
         "blank.txt": "\n\n",
     }
@@ -173,6 +176,7 @@ MISSPELT_KEYS = [
 NOTHING_TO_DO = [
     (["train", "--out", "out"], "--data", None),
     (["train", "--data", "empty", "--out", "out"], "--data", "empty"),
+    (["train", "--data", "corpus", "--out", "out", "--max-steps", "2", "--resume"], "--resume", "out"),
     (["eval", "--model", "model", "--wikitext", "none", "--lambada", "none"], "--wikitext", None),
     (["generate", "model"], "PROMPT", None),
     (["generate", "model", "--prompts-file", "blank.txt"], "--prompts-file", "blank.txt"),

@@ -246,6 +246,7 @@ def _given_options(args) -> dict:
 
     fields = TrainConfig.__dataclass_fields__
     resuming = args.resume or args.resume_or_start or args.resume_from
+    _check_something_to_resume(args)
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(args.resume_from))) if args.resume_from else args.out
     saved = stored_train_args(run_dir) if resuming else None
     if saved is None:
@@ -267,6 +268,18 @@ def _given_options(args) -> dict:
     if not given.get("data"):
         raise UsageError("give the training text (--data)")
     return given
+
+
+def _check_something_to_resume(args) -> None:
+    """``--resume`` with no checkpoint in --out stops before the run's other settings are judged."""
+    from efla.errors import UsageError
+    from efla.training.checkpoint import list_checkpoints
+
+    if args.resume and not args.resume_or_start and not args.resume_from and not list_checkpoints(args.out):
+        raise UsageError(
+            f"{args.out} has no checkpoint to resume from; pass --resume-or-start to start a new run "
+            "when there is none (--resume)"
+        )
 
 
 def _run_length(explicit: dict) -> dict:
