@@ -268,3 +268,10 @@ def test_an_unknown_lm_eval_task_is_named_before_the_model_loads(capsys, inputs,
     monkeypatch.setattr(evaluation, "task_manager", lambda include_path=None: SimpleNamespace(all_tasks=["hellaswag", "piqa"]))
     argv = ["eval", "--model", "model", "--wikitext", "none", "--lambada", "none", "--harness", "piqa,hellaswg"]
     assert "lm-eval has no task 'hellaswg' (--harness)" in _run_mistake(argv, capsys, inputs)
+
+
+@pytest.mark.parametrize("text", ['{"modle": {"name": "a"}}', "[1, 2]", '{"records": [{"model": {}},'])
+def test_compare_reads_every_recorded_evaluation_before_evaluating(text, capsys, inputs):
+    (inputs / "old.json").write_text(text)
+    line = _run_mistake(["compare", "model-typo", "old.json", "--out", "out"], capsys, inputs)
+    assert line.startswith("efla compare: old.json: not ") and line.endswith("(MODELS)"), line
