@@ -254,8 +254,11 @@ def test_the_same_options_are_accepted_where_they_take_effect(capsys, inputs):
 def test_a_saved_config_holds_only_keys_the_check_knows(tmp_path):
     from efla.models import EFLAConfig, get_preset_config
     from efla.models.configuration_efla import config_file_keys
+    from efla.models.convert import fla_config_to_efla
 
-    for config in (get_preset_config("tiny-gated-efla"), EFLAConfig(attn={"layers": [0], "num_heads": 2}, num_hidden_layers=2)):
+    converted = fla_config_to_efla(json.loads(FLA_CONFIG.read_text()), "exact")
+    hybrid = EFLAConfig(attn={"layers": [0], "num_heads": 2}, num_hidden_layers=2)
+    for config in (get_preset_config("tiny-gated-efla"), hybrid, converted):
         config.save_pretrained(tmp_path)
         assert set(json.loads((tmp_path / "config.json").read_text())) <= config_file_keys()
 

@@ -209,6 +209,8 @@ class EFLAConfig(PretrainedConfig):
 
 # keys of a config.json that transformers reads though a config of this version does not write them back
 _OLDER_TRANSFORMERS_KEYS = frozenset({"torch_dtype", "auto_map"})
+# what efla writes beside the fields: ``efla convert``'s record of the checkpoint the weights came from
+_PROVENANCE_KEYS = frozenset({"converted_from"})
 
 
 @functools.cache
@@ -217,4 +219,4 @@ def config_file_keys() -> frozenset[str]:
     hold: EFLAConfig's own fields and what transformers writes into every config. Any other key would be
     kept as an attribute that nothing reads, so a misspelt field would leave its default in force."""
     own = set(inspect.signature(EFLAConfig.__init__).parameters) - {"self", "kwargs"}
-    return frozenset(own | set(EFLAConfig().to_dict()) | _OLDER_TRANSFORMERS_KEYS)
+    return frozenset(own | set(EFLAConfig().to_dict()) | _OLDER_TRANSFORMERS_KEYS | _PROVENANCE_KEYS)
