@@ -59,3 +59,46 @@ def device(name: str, option: str = "--device") -> None:
         raise UsageError(f"unknown device {name!r}; expected cpu or cuda ({option})")
     if kind == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"{name} requested but no CUDA device is available ({option})")
+
+
+def known_keys(fields: dict, known, path: str, option: str) -> None:
+    """Every key of ``fields`` (a mapping read from the file ``path``) is one of ``known``: a misspelt key
+    would otherwise be dropped without a word. The error names the key, the file, its line when the key is
+    found in the text, and the nearest known key."""
+    import difflib  # noqa: PLC0415 (lazy: only files with keys need it)
+
+    for key in fields:
+        if key in known:
+            continue
+        nearest = difflib.get_close_matches(key, sorted(known), n=1)
+        hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
+        raise UsageError(f"{place_of_key(path, key)}: unknown key {key!r}{hint} ({option})")
+
+
+def place_of_key(path: str, key: str) -> str:
+    """``path:N``, with N the first line of ``path`` where ``key`` is written as a key (``path`` alone when
+    it is not found: the parsers we use give no line for a key)."""
+    import re  # noqa: PLC0415
+
+    written = re.compile(rf"""["']?{re.escape(key)}["']?\s*[:=]""")
+    try:
+        with open(path, encoding="utf-8") as file:
+            for number, line in enumerate(file, start=1):
+                if written.search(line):
+                    return f"{path}:{number}"
+    except (OSError, UnicodeDecodeError):
+        pass
+    return path
+
+
+def given(args, dest: str) -> bool:
+    """The option stored in ``args.<dest>`` was on the command line (``efla.cli`` records them)."""
+    return dest in getattr(args, "given_options", ())
+
+
+def not_ignored(args, options: dict[str, str], because: str) -> None:
+    """Refuses any of ``options`` (``{dest: "--option"}``) given on the command line when the command would
+    ignore it ``because`` of another choice: a value silently dropped is a mistake found too late."""
+    for dest, option in options.items():
+        if given(args, dest):
+            raise UsageError(f"{option} has no effect {because} ({option})")

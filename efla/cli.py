@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import importlib.metadata
 import itertools
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(f"efla.commands.{name}").add_parser(sub)
     for entry_point in importlib.metadata.entry_points(group=COMMAND_ENTRY_POINTS):
         _add_installed_command(entry_point, sub)
+    _record_given_options(p)
     return p
 
 
@@ -138,6 +140,29 @@ def _add_debug_option(parser) -> None:
             default=argparse.SUPPRESS,
             help="show the full traceback of an error (same as EFLA_DEBUG=1)",
         )
+
+
+def _record_given_options(parser) -> None:
+    """Each option of every subcommand adds its ``dest`` to ``args.given_options`` when it is on the command
+    line, so a command can tell a value given (even equal to its default) from a default: ``--resume``
+    keeps the saved settings the command line does not give, and a given value that the chosen mode
+    would ignore is refused (:func:`efla.arg_checks.not_ignored`)."""
+    for sub in _subparsers(parser):
+        sub.set_defaults(given_options=())
+        for action in sub._actions:
+            if action.option_strings and not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+                action.__class__ = _recording(type(action))
+
+
+@functools.cache
+def _recording(action_class):
+    class Recording(action_class):
+        def __call__(self, parser, namespace, values, option_string=None):
+            super().__call__(parser, namespace, values, option_string)
+            if self.dest not in namespace.given_options:
+                namespace.given_options = (*namespace.given_options, self.dest)
+
+    return Recording
 
 
 def _subparsers(parser) -> list:

@@ -30,6 +30,7 @@ Definitions (the functions below return plain dicts; nothing here prints):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from efla.data.eval_text import load_lambada, load_text
+from efla.models.configuration_efla import config_file_keys
 from efla.variants import label
 
 from efla import records
@@ -80,11 +82,26 @@ def check_model_dir(path: str, option: str = "--model") -> None:
     names = set(os.listdir(path))
     if "config.json" not in names:
         raise ValueError(f"{path} is not a model directory: no config.json ({option})")
+    _check_efla_config(os.path.join(path, "config.json"), option)
     if not any(n.endswith((".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")) for n in names):
         raise ValueError(f"{path} has a config.json but no weights (*.safetensors) ({option})")
     tokenizer_files = {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"}
     if not names & tokenizer_files:
         raise ValueError(f"{path} has no tokenizer files (tokenizer.json or tokenizer_config.json) ({option})")
+
+
+def _check_efla_config(path: str, option: str) -> None:
+    """An efla model's ``config.json`` holds only keys EFLAConfig or transformers read (any other model
+    type's config is transformers' to judge)."""
+    from efla import arg_checks as check  # noqa: PLC0415 (it raises UsageError, a ValueError like ours)
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not a readable JSON config ({' '.join(str(error).split())}) ({option})") from None
+    if isinstance(cfg, dict) and cfg.get("model_type") == "efla":
+        check.known_keys(cfg, config_file_keys(), path, option)
 
 
 def load_model(path: str, device: str = "cpu", dtype: str = "float32"):
@@ -432,6 +449,31 @@ def write_lambada_task(jsonl_path: str, out_dir: str, task_name: str = "lambada_
     return out_dir
 
 
+@functools.cache
+def task_manager(include_path: str | None = None):
+    """lm-eval's index of its tasks and those in ``include_path`` (built once: it reads every task YAML)."""
+    _require_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path) if include_path else TaskManager()
+
+
+def check_harness_tasks(tasks: list[str], include_path: str | None, lambada: str | None) -> None:
+    """Every task of ``tasks`` is one lm-eval knows (``lambada_openai_local`` needs ``lambada``),
+    checked before any model loads.
+
+    Raises:
+        ValueError: naming the first unknown task (--harness).
+    """
+    if "lambada_openai_local" in tasks and not include_path and not lambada:
+        raise ValueError("--harness lambada_openai_local needs --lambada FILE (--lambada)")
+    known = set(task_manager(include_path).all_tasks) | ({"lambada_openai_local"} if not include_path else set())
+    unknown = [task for task in tasks if task not in known]
+    if unknown:
+        include = f" or in {include_path}" if include_path else ""
+        raise ValueError(f"lm-eval has no task {unknown[0]!r}{include} (--harness)")
+
+
 def harness_evaluate(
     model,
     tokenizer,
@@ -449,14 +491,12 @@ def harness_evaluate(
     _require_lm_eval()
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length, device=device)
-    tm = TaskManager(include_path=include_path) if include_path else TaskManager()
     res = simple_evaluate(
         model=lm,
         tasks=list(tasks),
-        task_manager=tm,
+        task_manager=task_manager(include_path),
         limit=limit,
         num_fewshot=num_fewshot,
         bootstrap_iters=0,

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+from efla.errors import UsageError
+
 
 def cmd_convert(args) -> int:
     import torch
@@ -12,7 +16,10 @@ def cmd_convert(args) -> int:
     check.existing_dir(args.src, "SRC")
     check.output_dir(args.dst, "DST")
     dtype = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    rep = convert_fla_checkpoint(args.src, args.dst, update_rule=args.update_rule, dtype=dtype)
+    try:
+        rep = convert_fla_checkpoint(args.src, args.dst, update_rule=args.update_rule, dtype=dtype)
+    except ValueError as error:
+        raise UsageError(_naming_the_argument(str(error), args.src)) from None
     print(
         f"Converted {rep['model_type']} checkpoint {rep['src']} -> {rep['dst']} as {rep['variant']}: "
         f"{rep['tensors']} tensors, {rep['parameters']:,} parameters."
@@ -28,6 +35,16 @@ def cmd_convert(args) -> int:
         f"AutoModelForCausalLM.from_pretrained({rep['dst']!r})"
     )
     return 0
+
+
+def _naming_the_argument(message: str, src: str) -> str:
+    """``convert_fla_checkpoint``'s ``"src: <what>"`` as ``"<what> (SRC)"``; a message naming no argument
+    is about SRC's config (a value EFLAConfig refuses)."""
+    argument, _, what = message.partition(": ")
+    named = {"src": "SRC", "dst": "DST", "update_rule": "--update-rule"}
+    if argument in named:
+        return f"{what} ({named[argument]})"
+    return f"{os.path.join(src, 'config.json')}: {message} (SRC)"
 
 
 def add_parser(sub) -> None:

@@ -28,7 +28,7 @@ def eval_options(args):
         wikitext = None
     if lambada and lambada.lower() == "none":
         lambada = None
-    _check_eval_options(args, wikitext, lambada)
+    _check_eval_options(args, wikitext, lambada, harness)
     return EvalOptions(
         wikitext=wikitext,
         lambada=lambada,
@@ -47,8 +47,9 @@ def eval_options(args):
     )
 
 
-def _check_eval_options(args, wikitext: str | None, lambada: str | None) -> None:
+def _check_eval_options(args, wikitext: str | None, lambada: str | None, harness: list[str] | None) -> None:
     from efla.data.eval_text import load_lambada, load_text
+    from efla.evaluation import check_harness_tasks
     from efla import arg_checks as check
 
     check.at_least(args.context, 2, "--context")
@@ -60,6 +61,7 @@ def _check_eval_options(args, wikitext: str | None, lambada: str | None) -> None
     check.at_least(args.harness_limit, 1, "--harness-limit")
     check.at_least(args.num_fewshot, 0, "--num-fewshot")
     check.device(args.device)
+    _check_something_to_do(args, wikitext, lambada, harness)
     check.existing_file(lambada, "--lambada")
     if lambada:
         load_lambada(lambada, args.limit)
@@ -70,6 +72,33 @@ def _check_eval_options(args, wikitext: str | None, lambada: str | None) -> None
         load_text(wikitext)
     if args.out:
         check.output_dir(args.out, "--out")
+    if harness:
+        check.existing_dir(args.harness_include, "--harness-include")
+        check_harness_tasks(harness, args.harness_include, lambada)
+
+
+def _check_something_to_do(args, wikitext: str | None, lambada: str | None, harness: list[str] | None) -> None:
+    """Some benchmark to run, and no option given for one that does not run."""
+    from efla import arg_checks as check
+
+    if wikitext is None and lambada is None and not harness:
+        raise UsageError(
+            "nothing to evaluate: --wikitext and --lambada are 'none' and no --harness tasks (--wikitext, --lambada)"
+        )
+    if wikitext is None:
+        check.not_ignored(
+            args,
+            {"stride": "--stride", "wikitext_max_tokens": "--wikitext-max-tokens", "prefix": "--prefix"},
+            "with --wikitext none",
+        )
+    if lambada is None and not harness:
+        check.not_ignored(args, {"limit": "--limit"}, "without LAMBADA or --harness tasks")
+    if not harness:
+        check.not_ignored(
+            args,
+            {"harness_include": "--harness-include", "harness_limit": "--harness-limit", "num_fewshot": "--num-fewshot"},
+            "without --harness tasks",
+        )
 
 
 def setup_threads(args) -> None:

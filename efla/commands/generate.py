@@ -15,7 +15,7 @@ _EPILOG = """\
 examples:
   efla generate runs/lm/efla-s0 "The meaning of life is" --max-new-tokens 40
   efla generate runs/lm/efla-s0 --prompts-file prompts.txt --temperature 0.8 --top-p 0.95 --seed 0 --json
-Temperature 0 (the default) is greedy decoding; --top-k / --top-p only act when sampling (temperature > 0).
+Temperature 0 (the default) is greedy decoding; --top-k, --top-p and --seed need sampling (temperature > 0).
 A PROMPT that starts with '-' goes after `--`.
 """
 
@@ -55,6 +55,12 @@ def _check_options(args) -> None:
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise UsageError(f"expected a value in (0, 1], got {args.top_p:g} (--top-p)")
     check.at_least(args.seed, 0, "--seed")
+    if args.temperature == 0:
+        check.not_ignored(
+            args,
+            {"top_k": "--top-k", "top_p": "--top-p", "seed": "--seed"},
+            "with greedy decoding, the default temperature 0; sampling needs --temperature above 0",
+        )
 
 
 # -- loading and generating ------------------------------------------------------------------------

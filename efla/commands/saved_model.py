@@ -46,6 +46,9 @@ def check_model_dir(path: str) -> None:
             f"{config}: model_type {model_type!r} is not an efla model (expected 'efla'; "
             "`efla convert` turns fla DeltaNet checkpoints into one) (MODEL_DIR)"
         )
+    from efla.models.configuration_efla import config_file_keys
+
+    check.known_keys(cfg, config_file_keys(), config, "MODEL_DIR")  # ours to refuse: the 'efla' model type
     if not any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names):
         raise UsageError(f"{path} has a config.json but no safetensors weights (*.safetensors) (MODEL_DIR)")
     if not names & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"}:

@@ -59,6 +59,13 @@ def _check_options(args) -> None:
         raise UsageError("the model name is empty (--served-model-name)")
 
 
+def _refuse_ignored_options(args) -> None:
+    from efla import arg_checks as check
+
+    if args.prefix_cache_mb == 0:
+        check.not_ignored(args, {"prefix_block": "--prefix-block"}, "while --prefix-cache-mb 0 turns the prefix cache off")
+
+
 def _read_chat_template(path: str | None) -> str | None:
     """The chat template in ``path`` (``None``: use the tokenizer's), read before the model loads."""
     if path is None:
@@ -147,6 +154,7 @@ def cmd_serve(args) -> int:
     _check_libraries()
     check_model_dir(args.model_dir)
     _check_options(args)
+    _refuse_ignored_options(args)
     chat_template = _read_chat_template(args.chat_template)
     device, dtype = checked_device_and_dtype(args)
     sock = _listen(args.host, args.port)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 
 _EPILOG = """\
@@ -174,13 +173,13 @@ def add_parser(subparsers) -> None:
         action="store_false",
         help="no progress bar and no lines for the long phases (tokenizer, tokenizing, checkpoints)",
     )
-    _record_given_options(p)
-    p.set_defaults(func=cmd_train, given_options=())
+    p.set_defaults(func=cmd_train)
 
 
 def cmd_train(args) -> int:
     from efla.training.trainer import TrainConfig, main_ddp_cleanup, train
 
+    _refuse_ignored_options(args)
     cfg = TrainConfig(**_given_options(args))
     if args.config_file:
         cfg.preset = None
@@ -219,22 +218,22 @@ def _peak_memory_text(per_gpu: list[float] | None) -> str:
     return "; peak GPU memory " + ", ".join(f"{g:.1f}" for g in per_gpu) + " GiB" + (" per GPU" if len(per_gpu) > 1 else "")
 
 
-def _record_given_options(parser) -> None:
-    """Each option of ``parser`` adds its name to ``given_options`` when it is on the command line (so a
-    value given equal to its default still counts as given)."""
-    for action in parser._actions:
-        if action.option_strings and not isinstance(action, argparse._HelpAction):
-            action.__class__ = _recording(type(action))
+def _refuse_ignored_options(args) -> None:
+    """Options given on the command line that this run would not use."""
+    from efla import arg_checks as check
 
-
-@functools.cache
-def _recording(action_class):
-    class Recording(action_class):
-        def __call__(self, parser, namespace, values, option_string=None):
-            super().__call__(parser, namespace, values, option_string)
-            namespace.given_options = (*getattr(namespace, "given_options", ()), self.dest)
-
-    return Recording
+    if not (args.resume or args.resume_or_start or args.resume_from):
+        check.not_ignored(
+            args, {"extend_at_min_lr": "--extend-at-min-lr"}, "on a new run; it extends a run continued with --resume"
+        )
+    if check.given(args, "max_steps"):
+        check.not_ignored(args, {"max_tokens": "--max-tokens"}, "with --max-steps, which sets the length of the run")
+    if args.tokenizer not in (None, "", "bpe"):
+        check.not_ignored(
+            args,
+            {"vocab_size": "--vocab-size", "tokenizer_train_chars": "--tokenizer-train-chars"},
+            "with --tokenizer NAME: they shape the BPE trained when no --tokenizer is given",
+        )
 
 
 def _given_options(args) -> dict:
@@ -247,6 +246,7 @@ def _given_options(args) -> dict:
 
     fields = TrainConfig.__dataclass_fields__
     resuming = args.resume or args.resume_or_start or args.resume_from
+    _check_something_to_resume(args)
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(args.resume_from))) if args.resume_from else args.out
     saved = stored_train_args(run_dir) if resuming else None
     if saved is None:
@@ -268,6 +268,18 @@ def _given_options(args) -> dict:
     if not given.get("data"):
         raise UsageError("give the training text (--data)")
     return given
+
+
+def _check_something_to_resume(args) -> None:
+    """``--resume`` with no checkpoint in --out stops before the run's other settings are judged."""
+    from efla.errors import UsageError
+    from efla.training.checkpoint import list_checkpoints
+
+    if args.resume and not args.resume_or_start and not args.resume_from and not list_checkpoints(args.out):
+        raise UsageError(
+            f"{args.out} has no checkpoint to resume from; pass --resume-or-start to start a new run "
+            "when there is none (--resume)"
+        )
 
 
 def _run_length(explicit: dict) -> dict:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 from transformers import PretrainedConfig
 
 from ..variants import Variant
 from .hybrid import parse_attn_spec
 
-__all__ = ["EFLAConfig"]
+__all__ = ["EFLAConfig", "config_file_keys"]
 
 
 def _check_num_v_heads(num_v_heads, num_heads: int) -> int | None:
@@ -202,3 +205,18 @@ class EFLAConfig(PretrainedConfig):
     def variant(self) -> str:
         """``"efla"``, ``"gated_efla"``, ``"deltanet"`` or ``"gated_deltanet"``."""
         return Variant.of(self.update_rule, self.gated).model_name
+
+
+# keys of a config.json that transformers reads though a config of this version does not write them back
+_OLDER_TRANSFORMERS_KEYS = frozenset({"torch_dtype", "auto_map"})
+# what efla writes beside the fields: ``efla convert``'s record of the checkpoint the weights came from
+_PROVENANCE_KEYS = frozenset({"converted_from"})
+
+
+@functools.cache
+def config_file_keys() -> frozenset[str]:
+    """The keys an EFLAConfig JSON file (``efla train --config``, a model directory's ``config.json``) may
+    hold: EFLAConfig's own fields and what transformers writes into every config. Any other key would be
+    kept as an attribute that nothing reads, so a misspelt field would leave its default in force."""
+    own = set(inspect.signature(EFLAConfig.__init__).parameters) - {"self", "kwargs"}
+    return frozenset(own | set(EFLAConfig().to_dict()) | _OLDER_TRANSFORMERS_KEYS | _PROVENANCE_KEYS)

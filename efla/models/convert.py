@@ -10,6 +10,7 @@ with fla's parameter names and rotary convention, and only the linear blocks cha
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import pathlib
@@ -103,6 +104,17 @@ def fla_config_to_efla(fla_cfg: dict, update_rule: str) -> EFLAConfig:
     return cfg
 
 
+def _refuse_misspelt_fields(fla_cfg: dict, path: pathlib.Path) -> None:
+    """The config is fla's, whose newer versions add fields we report as ignored; but a key within a
+    letter or two of an architecture field is that field misspelt, and converting would drop its value."""
+    from efla.arg_checks import place_of_key  # noqa: PLC0415
+
+    for key in sorted(set(fla_cfg) - set(_ARCH_FIELDS) - _IGNORED):
+        nearest = difflib.get_close_matches(key, _ARCH_FIELDS, n=1, cutoff=0.85)
+        if nearest:
+            raise ValueError(f"src: {place_of_key(str(path), key)}: unknown key {key!r}; did you mean {nearest[0]!r}?")
+
+
 def _single_attn_spec(attn):
     # fla also accepts a list of specifications (different attention settings per layer); one of
     # them is the same as the dict form
@@ -150,6 +162,7 @@ def convert_fla_checkpoint(src, dst, update_rule: str = "exact", dtype: torch.dt
     if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"dst: {dst} exists and is not empty")
     fla_cfg = json.loads(cfg_path.read_text())
+    _refuse_misspelt_fields(fla_cfg, cfg_path)
     cfg = fla_config_to_efla(fla_cfg, update_rule)
     tensors = _load_tensors(src)
     with torch.device("meta"):

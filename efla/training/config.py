@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from efla.data.text import expand_paths
 from efla.errors import UsageError
 from efla.models import EFLAConfig, get_preset_config
+from efla.models.configuration_efla import config_file_keys
 
 from efla import arg_checks as check
 
@@ -164,6 +165,7 @@ def _read_config_file(path: str) -> dict:
         raise UsageError(f"{path}: not a UTF-8 text file (--config)") from None
     if not isinstance(fields, dict):
         raise UsageError(f"{path}: expected a JSON object of EFLAConfig fields (--config)")
+    check.known_keys(fields, config_file_keys(), path, "--config")
     for key in ("model_type", "architectures", "transformers_version"):
         fields.pop(key, None)
     return fields
@@ -243,6 +245,7 @@ def stored_train_args(run_dir: str) -> dict | None:
         raise UsageError(f"{path}: unreadable ({e}) (--resume)") from None
     if not isinstance(stored, dict):
         raise UsageError(f"{path}: expected a JSON object of efla train options (--resume)")
+    check.known_keys(stored, {*TrainConfig.__dataclass_fields__, "resolved"}, path, "--resume")
     return stored
 
 

@@ -19,16 +19,15 @@ def cmd_compare(args) -> int:
     sources = list(args.models or []) + list(args.models_opt or [])
     if not sources:
         raise UsageError("give model directories or eval.json files (MODELS)")
+    recorded = {src: _recorded_evaluations(src) for src in sources if src.endswith(".json") and os.path.isfile(src)}
     for src in sources:
-        if not (src.endswith(".json") and os.path.isfile(src)):
+        if src not in recorded:
             check_model_dir(src, "MODELS")
     records = []
     opts = None
     for src in sources:
-        if src.endswith(".json") and os.path.isfile(src):
-            with open(src) as f:
-                obj = json.load(f)
-            recs = obj.get("records", [obj])  # an earlier `efla compare` output, or one model
+        if src in recorded:
+            recs = recorded[src]
             records.extend(recs)
             print(f"{src}: using {len(recs)} recorded evaluation(s)")
             continue
@@ -54,6 +53,20 @@ def cmd_compare(args) -> int:
     print(md)
     print(f"Wrote {os.path.join(args.out, 'table.md')} and {os.path.join(args.out, 'eval.json')}")
     return 0
+
+
+def _recorded_evaluations(path: str) -> list[dict]:
+    """The evaluations in an ``eval.json`` of ``efla eval`` (one model) or of an earlier ``efla compare``
+    (its ``records``), read before any model is evaluated."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UsageError(f"{path}: not a readable eval.json ({' '.join(str(error).split())}) (MODELS)") from None
+    recs = obj.get("records", [obj]) if isinstance(obj, dict) else None
+    if not isinstance(recs, list) or not all(isinstance(r, dict) and "model" in r for r in recs):
+        raise UsageError(f"{path}: not an eval.json of efla eval or efla compare (no 'model' record) (MODELS)")
+    return recs
 
 
 def add_parser(sub) -> None:

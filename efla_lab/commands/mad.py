@@ -118,6 +118,12 @@ def _check_arguments(args) -> None:
     check.output_dir(args.out)
     if args.cuda_graph and not str(args.device).startswith("cuda"):
         raise UsageError(f"CUDA graphs need a CUDA device, got {args.device!r} (--cuda-graph)")
+    if args.report_only:
+        check.not_ignored(
+            args,
+            {"together": "--together", "cuda_graph": "--cuda-graph", "threads": "--threads"},
+            "with --report-only, which trains nothing",
+        )
 
 
 def _check_settings(opts) -> None:
@@ -127,6 +133,14 @@ def _check_settings(opts) -> None:
         chosen_settings(opts)
     except ValueError as e:
         raise UsageError(f"{e} (--settings)") from None
+
+
+def _check_something_to_report(opts, out: str) -> None:
+    """``--report-only`` needs at least one of the planned runs stored in ``out``."""
+    from efla_lab.mad.run import load_run, plan
+
+    if not any(load_run(out, cfg, opts.time_limit, any_stored=True) for cfg in plan(opts)):
+        raise UsageError(f"nothing to report: {out} holds none of the runs these options plan (--report-only, --out)")
 
 
 def cmd_mad(args) -> int:
@@ -163,6 +177,8 @@ def cmd_mad(args) -> int:
         together=args.together,
     )
     _check_settings(opts)
+    if args.report_only:
+        _check_something_to_report(opts, args.out)
     console.rule(f"[bold]MAD[/bold] ({preset} preset) -> {args.out}")
 
     provenance = harness.Provenance(command=args.command_line, device=args.device)

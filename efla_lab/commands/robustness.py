@@ -83,6 +83,8 @@ def _check_pixel_args(args) -> None:
     check.at_least(args.train_limit, 1, "--train-limit")
     check.at_least(args.test_limit, 1, "--test-limit")
     check.existing_dir(args.data_dir, "--data-dir")
+    if args.dataset == "digits":
+        check.not_ignored(args, {"data_dir": "--data-dir"}, "with --dataset digits, which are embedded")
     check.device(args.device)
     check.output_dir(args.out)
 

@@ -365,7 +365,7 @@ def write_lm_report(
     Returns the paths written."""
     rows = collect_runs(run_dirs)
     if not rows:
-        raise ValueError("runs: none of them has finished (no train_summary.json)")
+        raise ValueError("nothing to report: none of the runs has finished (no train_summary.json) (--runs)")
     os.makedirs(out, exist_ok=True)
     files = {name: os.path.join(out, name) for name in ("lm_losses.json", "lm_losses.csv", "lm_loss_curves.png", "summary.md")}
     harness.atomic_write_json(

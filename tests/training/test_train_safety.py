@@ -258,7 +258,10 @@ def test_malformed_config_file_is_reported_with_its_line(corpus, tokenizer_dir, 
     assert main(_args(corpus, tokenizer_dir, out, "--config", str(cfg))) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert f"{cfg}:5: not valid JSON" in line and line.endswith("(--config)")
-    cfg.write_text('{"hidden_size": 64, "not_a_field_of_efla": 1, "num_heads": -3}')
+    cfg.write_text('{"hidden_size": 64,\n "not_a_field_of_efla": 1, "num_heads": 4}')
+    assert main(_args(corpus, tokenizer_dir, out, "--config", str(cfg))) == 2
+    assert f"{cfg}:2: unknown key 'not_a_field_of_efla' (--config)" in _one_error_line(capsys.readouterr().err)
+    cfg.write_text('{"hidden_size": 64, "num_heads": -3}')
     assert main(_args(corpus, tokenizer_dir, out, "--config", str(cfg))) == 2
     assert "not a valid EFLAConfig" in _one_error_line(capsys.readouterr().err)
     assert not out.exists()
