@@ -229,9 +229,10 @@ class _NgramDrafter:
     def propose(self, rows: list[int], lengths: list[int]) -> tuple[list[list[int]], list | None]:
         return [self.rows[r].propose(n) if n else [] for r, n in zip(rows, lengths)], None
 
-    def commit(self, row: int, accepted: int, tokens: list[int]) -> None:  # noqa: ARG002 (the drafters' interface)
-        for token in tokens:
-            self.rows[row].append(token)
+    def commit(self, rows: list[int], accepted: list[int], tokens: list[list[int]]) -> None:  # noqa: ARG002 (the drafters' interface)
+        for row, new in zip(rows, tokens):
+            for token in new:
+                self.rows[row].append(token)
 
 
 class _ModelDrafter:
@@ -277,17 +278,21 @@ class _ModelDrafter:
         q_rows = [torch.stack(probs[r]) if probs[r] and probs[r][0] is not None else None for r in rows]
         return [drafts[r] for r in rows], q_rows
 
-    def commit(self, row: int, accepted: int, tokens: list[int]) -> None:
-        """``tokens``: the row's new tokens of the round (its ``accepted`` drafts, then the target's)."""
-        if row not in self.round.get("rows", ()):
-            self.pending[row] = self.pending[row] + tokens
-            return
-        drafts = self.round["drafts"][row]
-        kept = min(accepted, len(drafts) - 1)  # the copy after the last draft fed, or the accepted prefix
-        i = self.round["rows"].index(row)
-        slots = torch.tensor(self.round["rows"], device=self.engine.device)
-        _restore_rows(self.engine, self.round["saved"][kept], slots, torch.tensor([i], device=self.engine.device))
-        self.pending[row] = drafts[kept:accepted] + tokens[accepted:]
+    def commit(self, rows: list[int], accepted: list[int], tokens: list[list[int]]) -> None:
+        """``tokens``: each row's new tokens of the round (its ``accepted`` drafts, then the target's)."""
+        drafting = {r: i for i, r in enumerate(self.round.get("rows", ()))}
+        by_copy: dict[int, list[int]] = {}
+        for row, kept_drafts, new in zip(rows, accepted, tokens):
+            if row not in drafting:
+                self.pending[row] = self.pending[row] + new
+                continue
+            drafts = self.round["drafts"][row]
+            kept = min(kept_drafts, len(drafts) - 1)  # the copy after the last draft fed, or the accepted prefix
+            by_copy.setdefault(kept, []).append(drafting[row])
+            self.pending[row] = drafts[kept:kept_drafts] + new[kept_drafts:]
+        slots = torch.tensor(self.round.get("rows", []), device=self.engine.device)
+        for kept, picked in by_copy.items():
+            _restore_rows(self.engine, self.round["saved"][kept], slots, torch.tensor(picked, device=self.engine.device))
 
 
 # -- the decoding loop --------------------------------------------------------------------------------------
@@ -426,10 +431,11 @@ def speculative_generate(
         drafts, q_rows = drafter.propose(active, lengths)
         outcome = _verify(engine, sampler, active, last, drafts, q_rows)
         counts["rounds"] += 1
+        new_tokens = [d[:accepted] + [token] for d, (accepted, token) in zip(drafts, outcome)]
+        drafter.commit(active, [accepted for accepted, _ in outcome], new_tokens)
         for i, r in enumerate(active):
             accepted, token = outcome[i]
-            drafter.commit(r, accepted, drafts[i][:accepted] + [token])
-            rows.add(r, drafts[i][:accepted] + [token])
+            rows.add(r, new_tokens[i])
             last[r] = token
             schedules[r].update(len(drafts[i]), accepted, k_max)
             counts["drafted"] += len(drafts[i])
