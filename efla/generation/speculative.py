@@ -61,7 +61,7 @@ class SpeculativeConfig:
         method: ``"ngram"`` (prompt lookup) or ``"draft_model"``.
         num_speculative_tokens: draft tokens per round at most (``k``). Default ``4``.
         prompt_lookup_max / prompt_lookup_min: the longest and shortest suffix the n-gram drafter
-            matches. Defaults ``3`` / ``1``.
+            matches. Defaults ``3`` / ``2`` (a single token matches by chance too often in free text).
         model: the draft model (an ``EFLAForCausalLM`` with the target's vocabulary) for
             ``"draft_model"``.
         adaptive: shrink ``k`` and pause drafting for rows whose drafts are rejected. Default ``True``.
@@ -70,7 +70,7 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 3
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 2
     model: Any = None
     adaptive: bool = True
 
@@ -138,13 +138,14 @@ def _continue_rows(engine: DecodeEngine, rows: list[list[int]], slots: list[int]
     mask = (torch.arange(width) < lengths[:, None]).long()
     cache = engine.cache
     saved = cache.slots, cache.fresh_rows
-    cache.slots, cache.fresh_rows = torch.tensor(slots, dtype=torch.long, device=engine.device), None
+    first_rows = list(slots) == list(range(len(slots)))  # views of the pool's first rows: no gather and scatter
+    cache.slots, cache.fresh_rows = (None if first_rows else torch.tensor(slots, dtype=torch.long, device=engine.device)), None
     try:
         with unchecked_values():
             hidden = engine.decoder(
                 input_ids=ids.to(engine.device),
                 attention_mask=None if bool(mask.all()) else mask.to(engine.device),
-                past_key_values=cache,
+                past_key_values=cache.first_rows(len(slots)) if first_rows else cache,
                 use_cache=True,
             ).last_hidden_state
     finally:

@@ -47,7 +47,7 @@ def ragged_batch(lengths, seed=1, vocab=256):
 
 def methods(model):
     return {
-        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
         "draft_model": {"method": "draft_model", "model": noisy_copy(model), "num_speculative_tokens": 3},
     }
 
@@ -252,6 +252,8 @@ def test_sampled_tokens_follow_the_target_distribution(method, rule, case, monke
     speculate = {"method": method, "num_speculative_tokens": 3}
     if method == "draft_model":
         speculate["model"] = case["draft"]
+    else:
+        speculate["prompt_lookup_min"] = 1  # every token is in the prompt: always a draft
     p_values = sampled_p_values(case, speculate)
     if rule == "correct":
         assert min(p_values) > 1e-4, p_values
