@@ -1,13 +1,16 @@
 """Speculative decoding with exact state rollback.
 
 Each round a drafter proposes up to ``k`` tokens per row; the target model checks them in ONE forward
-over ``k + 1`` positions per row (the row's last token, then its drafts), continuing the row's
-recurrent state in the engine's pool. A row keeps the drafts up to its first rejection, plus one
-token of the target's own. The recurrent state must then hold exactly the accepted tokens: where a
-row accepted every draft, the verification pass left it so; elsewhere the row's state from before the
-pass (saved: matrix states, convolution histories, attention lengths) is put back and the accepted
-tokens run again from it. Nothing is approximated: the state is what feeding the accepted tokens one
-by one gives, up to floating-point rounding of the chunked computation.
+over each row's unfed tokens (those its recurrent state has not taken in: the last token at least)
+followed by its drafts, continuing the row's state in the engine's pool. A row keeps the drafts up to
+its first rejection, plus one token of the target's own. The recurrent state must then hold exactly
+the kept tokens: where a row kept every draft, the pass left it so; elsewhere the row's state from
+before the pass (saved: matrix states, convolution histories, attention lengths) is put back, and the
+kept tokens join the row's unfed tokens, which the next round's pass runs ahead of its drafts (no
+pass of its own; a row whose unfed tokens would exceed ``k + 1`` runs them at once). Nothing is
+approximated: the state is what feeding the kept tokens one by one gives, up to floating-point
+rounding of the chunked computation, and at the end every row's state holds all its tokens but the
+last, as after plain decoding.
 
 Rows of different draft lengths run as one right-padded batch: padded positions are identity steps
 of the recurrence and never enter the convolution histories (``attention_mask``), and attention
@@ -417,7 +420,7 @@ def speculative_generate(
         drafter = _ModelDrafter(config, prompt_lists, max_new_tokens, sampler.choose)
     rows = _Rows(batch, max_new_tokens, stop_tokens)
     first, _ = sampler.choose(logits, list(range(batch)))
-    last = list(first)
+    unfed = [[t] for t in first]  # per row, tokens its target state has not taken in yet (the last at least)
     for r, token in enumerate(first):
         rows.add(r, [token])
     drafter.start(first)
@@ -430,19 +433,19 @@ def speculative_generate(
             0 if schedules[r].pause else min(schedules[r].k if config.adaptive else k_max, rows.room(r) - 1) for r in active
         ]
         drafts, q_rows = drafter.propose(active, lengths)
-        outcome = _verify(engine, sampler, active, last, drafts, q_rows)
+        outcome = _verify(engine, sampler, active, unfed, drafts, q_rows, k_max + 1)
         counts["rounds"] += 1
         new_tokens = [d[:accepted] + [token] for d, (accepted, token) in zip(drafts, outcome)]
         drafter.commit(active, [accepted for accepted, _ in outcome], new_tokens)
         for i, r in enumerate(active):
             accepted, token = outcome[i]
             rows.add(r, new_tokens[i])
-            last[r] = token
             schedules[r].update(len(drafts[i]), accepted, k_max)
             counts["drafted"] += len(drafts[i])
             counts["accepted"] += accepted
         if streamer is not None:
             streamed = _put_columns(streamer, rows, streamed, pad_token)
+    _feed_all_but_last(engine, unfed, list(range(batch)))  # each row's state after all but its last token
     if stats is not None:
         stats.update(counts, tokens=sum(map(len, rows.new)))
     return rows.new
@@ -458,25 +461,38 @@ def _check_draft_model(model, draft) -> None:
         raise ValueError("speculate: the draft model is on another device than the model")
 
 
-def _verify(engine, sampler, active, last, drafts, q_rows) -> list[tuple[int, int]]:
-    """One target pass over every active row's last token and drafts; per row ``(drafts kept, next
-    token)``, its state left after exactly the kept tokens."""
+def _verify(engine, sampler, active, unfed, drafts, q_rows, most_unfed: int) -> list[tuple[int, int]]:
+    """One target pass over every active row's unfed tokens and drafts; per row ``(drafts kept, next
+    token)``. A row that kept every draft is left after them; a row that rejected one gets its state
+    from before the pass back, and its unfed tokens become the old ones, the kept drafts and the next
+    token (run by the next pass), unless they would exceed ``most_unfed``: then all but the next token
+    run now."""
     slots = torch.tensor(active, device=engine.device)
-    speculating = any(drafts)
-    saved = _saved_rows(engine, slots) if speculating else None
-    logits = _continue_rows(engine, [[last[r]] + d for r, d in zip(active, drafts)], active)
+    saved = _saved_rows(engine, slots) if any(drafts) else None
+    logits = _continue_rows(engine, [unfed[r] + d for r, d in zip(active, drafts)], active)
+    starts = [len(unfed[r]) - 1 for r in active]  # the position whose logits score the first draft
     if sampler.greedy:
         predicted = logits.argmax(-1).tolist()
-        outcome = [_accept_greedy(predicted[i], d) for i, d in enumerate(drafts)]
+        outcome = [_accept_greedy(predicted[i][start:], d) for i, (start, d) in enumerate(zip(starts, drafts))]
     else:
         probs = sampler.probs(logits)
         outcome = [
-            _accept_sampled(probs[i, : len(d) + 1], q_rows[i] if q_rows else None, d, sampler.generators[r])
-            for i, (r, d) in enumerate(zip(active, drafts))
+            _accept_sampled(probs[i, start : start + len(d) + 1], q_rows[i] if q_rows else None, d, sampler.generators[r])
+            for i, (r, start, d) in enumerate(zip(active, starts, drafts))
         ]
     rejected = [i for i, (accepted, _) in enumerate(outcome) if accepted < len(drafts[i])]
     if rejected:
         _restore_rows(engine, saved, slots, torch.tensor(rejected, device=engine.device))
-        prefixes = [[last[active[i]]] + drafts[i][: outcome[i][0]] for i in rejected]
-        _continue_rows(engine, prefixes, [active[i] for i in rejected], logits=False)
+    for i, (r, (accepted, token)) in enumerate(zip(active, outcome)):
+        unfed[r] = (unfed[r] + drafts[i][:accepted] if accepted < len(drafts[i]) else []) + [token]
+    _feed_all_but_last(engine, unfed, [r for r in active if len(unfed[r]) > most_unfed])
     return outcome
+
+
+def _feed_all_but_last(engine, unfed: list[list[int]], rows: list[int]) -> None:
+    """Run the ``rows``' unfed tokens but their last into their states (one pass)."""
+    rows = [r for r in rows if len(unfed[r]) > 1]
+    if rows:
+        _continue_rows(engine, [unfed[r][:-1] for r in rows], rows, logits=False)
+        for r in rows:
+            unfed[r] = unfed[r][-1:]
