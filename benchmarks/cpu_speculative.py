@@ -100,22 +100,24 @@ def run_case(model, case, batch, args) -> tuple[list[dict], dict]:
     fast_out = call(model, ids, args.new_tokens, case, SPECULATE, stats)[1]
     if case != "free" and not torch.equal(plain_out, fast_out):
         raise SystemExit(f"{case}, batch {batch}: speculative greedy output differs from plain greedy")
-    ours, baseline, acceptance, per_pass = [], [], [], []
+    ours, baseline, acceptance, per_pass, drafted = [], [], [], [], []
     for _ in range(args.rounds):
         stats = {}
         ours.append(batch * args.new_tokens / call(model, ids, args.new_tokens, case, SPECULATE, stats)[0])
         baseline.append(batch * args.new_tokens / call(model, ids, args.new_tokens, case, None)[0])
         acceptance.append(stats["accepted"] / max(1, stats["drafted"]))
         per_pass.append(stats["tokens"] / batch / stats["rounds"])
+        drafted.append(stats["drafted"] / stats["tokens"])
     name = f"{args.preset} {case} batch {batch}"
     rows = [
+        measurement(name, "drafted tokens per new token", "fraction", "lower", ("speculative (ngram)", drafted), None),
         measurement(name, "new tokens/s", "tokens/s", "higher", ("speculative (ngram)", ours), ("plain generate", baseline)),
         measurement(
             name,
             "acceptance rate",
             "fraction",
             "higher",
-            ("speculative (ngram)", [stats["accepted"] / max(1, stats["drafted"])]),
+            ("speculative (ngram)", acceptance),
             None,
         ),
         measurement(
@@ -123,7 +125,7 @@ def run_case(model, case, batch, args) -> tuple[list[dict], dict]:
             "new tokens per target pass",
             "tokens",
             "higher",
-            ("speculative (ngram)", [stats["tokens"] / batch / stats["rounds"]]),
+            ("speculative (ngram)", per_pass),
             None,
         ),
     ]
