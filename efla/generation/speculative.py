@@ -252,7 +252,7 @@ class _ModelDrafter:
         self.engine = engine_for(config.model)
         self.engine.check_weights()
         batch = len(prompts)
-        self.engine.reserve(batch, max(map(len, prompts)) + max_new_tokens + config.num_speculative_tokens + 1)
+        self.engine.reserve(batch, max(map(len, prompts)) + max_new_tokens + 2 * config.num_speculative_tokens + 2)
         rows = torch.arange(batch, device=self.engine.device)
         self.engine.prefill([torch.tensor(p) for p in prompts], rows)
         self.choose = choose  # (logits [n, V], rows) -> (tokens, probabilities or None)
@@ -410,16 +410,17 @@ def speculative_generate(
     """Each row's new tokens (up to and including its stop token); see the module's doc. ``stats``,
     when given, gets ``rounds`` (target passes), ``drafted`` and ``accepted`` (draft tokens) and
     ``tokens`` (new tokens)."""
+    if config.method == "draft_model":
+        _check_draft_model(model, config.model)
     batch = len(prompts)
     k_max = config.num_speculative_tokens
-    engine.reserve(batch, max(len(p) for p in prompts) + max_new_tokens + k_max + 1)
+    engine.reserve(batch, max(len(p) for p in prompts) + max_new_tokens + 2 * k_max + 2)  # room for unfed tokens and drafts
     slots = torch.arange(batch, device=engine.device)
     logits = engine.prefill(prompts, slots)
     prompt_lists = [p.tolist() for p in prompts]
     if config.method == "ngram":
         drafter = _NgramDrafter(config, prompt_lists)
     else:
-        _check_draft_model(model, config.model)
         drafter = _ModelDrafter(config, prompt_lists, max_new_tokens, sampler.choose)
     rows = _Rows(batch, max_new_tokens, stop_tokens)
     first, _ = sampler.choose(logits, list(range(batch)))
