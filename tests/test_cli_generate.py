@@ -143,6 +143,32 @@ def test_each_prompt_samples_with_its_own_seed_in_both_modes(model_dir, capsys):
     assert texts[0] != texts[2]  # 12 tokens at temperature 1 from ~300: two seeds differ
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_prints_the_same_greedy_text(method, model_dir, tmp_path, capsys):
+    """--speculate leaves greedy text as it is, streamed and in --json (the draft model: a copy of the
+    model with its weights moved a little, so some drafts are kept and some rejected)."""
+    from efla.models import EFLAForCausalLM
+
+    speculate = ["--speculate", method, "--num-speculative-tokens", "3"]
+    if method == "draft_model":
+        draft = EFLAForCausalLM.from_pretrained(model_dir)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in draft.parameters():
+                p.add_(0.1 * p.std().nan_to_num(0) * torch.randn(p.shape, generator=g))
+        draft.save_pretrained(tmp_path / "draft")
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (model_dir / name).exists():
+                shutil.copy(model_dir / name, tmp_path / "draft" / name)
+        speculate += ["--draft-model", str(tmp_path / "draft")]
+    for mode in (["--json"], []):
+        assert main(["generate", str(model_dir), *PROMPTS, "--max-new-tokens", "24", *mode]) == 0
+        plain = capsys.readouterr()
+        assert main(["generate", str(model_dir), *PROMPTS, "--max-new-tokens", "24", *mode, *speculate]) == 0
+        fast = capsys.readouterr()
+        assert fast.out == plain.out and fast.err == ""
+
+
 def test_help_runs_as_a_module():
     result = subprocess.run(
         [sys.executable, "-m", "efla", "generate", "--help"], capture_output=True, text=True, cwd=REPO, timeout=120
@@ -174,6 +200,12 @@ def _other_model_type(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> pathli
         ("prompts-file-blank", "no prompt given: {tmp}/blank.txt has no prompt lines (--prompts-file)"),
         ("float16-on-cpu", "(--dtype)"),
         ("unknown-device", "(--device)"),
+        ("draft-model-missing", "--speculate draft_model needs a draft model directory (--draft-model)"),
+        ("draft-model-without-speculate", "(--draft-model)"),
+        ("draft-model-not-a-dir", "no such directory: {tmp}/no-draft (--draft-model)"),
+        ("speculative-tokens-0", "expected a value >= 1, got 0 (--num-speculative-tokens)"),
+        ("lookup-without-speculate", "a speculative setting without --speculate (--prompt-lookup-max)"),
+        ("unknown-method", "expected ngram or draft_model, got 'medusa' (--speculate)"),
     ],
 )
 def test_user_mistakes_are_one_line_with_status_2(case, expected, model_dir, tmp_path, capsys):
@@ -194,6 +226,12 @@ def test_user_mistakes_are_one_line_with_status_2(case, expected, model_dir, tmp
         "prompts-file-blank": [model, "--prompts-file", str(tmp_path / "blank.txt")],
         "float16-on-cpu": [model, "hi", "--device", "cpu", "--dtype", "float16"],
         "unknown-device": [model, "hi", "--device", "tpu"],
+        "draft-model-missing": [model, "hi", "--speculate", "draft_model"],
+        "draft-model-without-speculate": [model, "hi", "--draft-model", model],
+        "draft-model-not-a-dir": [model, "hi", "--speculate", "draft_model", "--draft-model", str(tmp_path / "no-draft")],
+        "speculative-tokens-0": [model, "hi", "--speculate", "ngram", "--num-speculative-tokens", "0"],
+        "lookup-without-speculate": [model, "hi", "--prompt-lookup-max", "2"],
+        "unknown-method": [model, "hi", "--speculate", "medusa"],
     }[case]
     assert main(["generate", *argv]) == 2
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]

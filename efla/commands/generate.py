@@ -15,6 +15,8 @@ _EPILOG = """\
 examples:
   efla generate runs/lm/efla-s0 "The meaning of life is" --max-new-tokens 40
   efla generate runs/lm/efla-s0 --prompts-file prompts.txt --temperature 0.8 --top-p 0.95 --seed 0 --json
+  efla generate runs/lm/efla-s0 "def main(" --speculate ngram --num-speculative-tokens 4
+  efla generate runs/lm/efla-s0 "The model" --speculate draft_model --draft-model runs/lm/tiny-efla
 Temperature 0 (the default) is greedy decoding; --top-k, --top-p and --seed need sampling (temperature > 0).
 A PROMPT that starts with '-' goes after `--`.
 """
@@ -61,6 +63,43 @@ def _check_options(args) -> None:
             {"top_k": "--top-k", "top_p": "--top-p", "seed": "--seed"},
             "with greedy decoding, the default temperature 0; sampling needs --temperature above 0",
         )
+    _check_speculation(args)
+
+
+def _check_speculation(args) -> None:
+    if args.speculate not in (None, "ngram", "draft_model"):
+        raise UsageError(f"expected ngram or draft_model, got {args.speculate!r} (--speculate)")
+    check.at_least(args.num_speculative_tokens, 1, "--num-speculative-tokens")
+    check.at_least(args.prompt_lookup_max, 1, "--prompt-lookup-max")
+    if args.speculate == "draft_model" and args.draft_model is None:
+        raise UsageError("--speculate draft_model needs a draft model directory (--draft-model)")
+    if args.draft_model is not None and args.speculate != "draft_model":
+        raise UsageError("a draft model is only used with --speculate draft_model (--draft-model)")
+    for value, option in (
+        (args.num_speculative_tokens, "--num-speculative-tokens"),
+        (args.prompt_lookup_max, "--prompt-lookup-max"),
+    ):
+        if value is not None and args.speculate is None:
+            raise UsageError(f"a speculative setting without --speculate ({option})")
+    if args.prompt_lookup_max is not None and args.speculate != "ngram":
+        raise UsageError("prompt lookup's setting is only used with --speculate ngram (--prompt-lookup-max)")
+    if args.draft_model is not None:
+        check_model_dir(args.draft_model, "--draft-model")
+
+
+def _speculation(args, model, tokenizer, device, dtype) -> dict | None:
+    """``generate``'s ``speculate`` argument from the options (the draft model loaded and checked)."""
+    if args.speculate is None:
+        return None
+    settings = {"method": args.speculate, "num_speculative_tokens": args.num_speculative_tokens or 4}
+    if args.speculate == "ngram":
+        return {**settings, "prompt_lookup_max": args.prompt_lookup_max or 3}
+    draft, draft_tokenizer = load_model(args.draft_model, device, dtype)
+    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise UsageError(f"{args.draft_model}: its tokenizer differs from the model's (--draft-model)")
+    if draft.get_output_embeddings().out_features != model.get_output_embeddings().out_features:
+        raise UsageError(f"{args.draft_model}: its vocabulary size differs from the model's (--draft-model)")
+    return {**settings, "model": draft}
 
 
 # -- loading and generating ------------------------------------------------------------------------
@@ -132,7 +171,7 @@ def _encode(tokenizer, prompts: list[str]) -> list[list[int]]:
     return encoded
 
 
-def _sampling(args, positions: range) -> dict:
+def _sampling(args, positions: range, speculate=None) -> dict:
     """``generate``'s sampling settings for the prompts at ``positions``: prompt ``i`` samples with
     seed ``--seed + i``, so no two prompts share a sample and a prompt's text does not depend on
     the prompts beside it (streamed one by one or in one ``--json`` batch)."""
@@ -142,10 +181,11 @@ def _sampling(args, positions: range) -> dict:
         top_k=args.top_k or None,
         top_p=None if args.top_p in (None, 1.0) else args.top_p,
         seed=None if args.seed is None else [args.seed + i for i in positions],
+        speculate=speculate,
     )
 
 
-def _stream(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args) -> None:
+def _stream(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args, speculate) -> None:
     import torch
 
     from efla.generation import generate
@@ -162,11 +202,11 @@ def _stream(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args) -> No
             eos_token_id=stop_tokens,
             pad_token_id=pad_id,
             streamer=streamer,
-            **_sampling(args, range(i, i + 1)),
+            **_sampling(args, range(i, i + 1), speculate),
         )
 
 
-def _json_lines(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args) -> None:
+def _json_lines(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args, speculate) -> None:
     import torch
 
     from efla.generation import generate
@@ -185,7 +225,7 @@ def _json_lines(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args) -
         attention_mask=mask.to(device),
         eos_token_id=stop_tokens,
         pad_token_id=pad_id,
-        **_sampling(args, range(len(encoded))),
+        **_sampling(args, range(len(encoded)), speculate),
     )
     for prompt, row in zip(prompts, out[:, width:].tolist()):
         new, reason = _until_stop(row, stop_tokens)
@@ -206,15 +246,16 @@ def cmd_generate(args) -> int:
         raise UsageError("no prompt given (PROMPT or --prompts-file)")
 
     model, tokenizer = load_model(args.model_dir, device, dtype)
+    speculate = _speculation(args, model, tokenizer, device, dtype)
     encoded = _encode(tokenizer, prompts)
     stop_tokens = stop_tokens_of(model, tokenizer)
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = stop_tokens[0] if stop_tokens else 0
     if args.json:
-        _json_lines(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args)
+        _json_lines(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args, speculate)
     else:
-        _stream(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args)
+        _stream(model, tokenizer, prompts, encoded, stop_tokens, pad_id, args, speculate)
     return 0
 
 
@@ -261,6 +302,29 @@ def add_parser(sub) -> None:
         default=None,
         metavar="S",
         help="sampling seed: prompt i samples with seed S + i (same seed, same output)",
+    )
+    p.add_argument(
+        "--speculate",
+        default=None,
+        metavar="METHOD",
+        help="speculative decoding: ngram (prompt lookup: drafts copied from the prompt and text so far) or "
+        "draft_model (a smaller efla model with the same tokenizer, --draft-model); greedy output is unchanged, "
+        "sampled output keeps its distribution",
+    )
+    p.add_argument("--draft-model", default=None, metavar="DIR", help="the draft model's directory (--speculate draft_model)")
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="draft tokens checked per model pass at most (default: 4; fewer where drafts are rejected)",
+    )
+    p.add_argument(
+        "--prompt-lookup-max",
+        type=int,
+        default=None,
+        metavar="N",
+        help="longest n-gram that prompt lookup matches (default: 3)",
     )
     p.add_argument(
         "--json", action="store_true", help="one JSON object per prompt per line: prompt, text, new_tokens, finish_reason"

@@ -26,33 +26,34 @@ def checked_device_and_dtype(args):
     return device, check_dtype(args.dtype, device)
 
 
-def check_model_dir(path: str) -> None:
-    """A saved efla model: config.json with model_type 'efla', safetensors weights, tokenizer files."""
+def check_model_dir(path: str, option: str = "MODEL_DIR") -> None:
+    """A saved efla model: config.json with model_type 'efla', safetensors weights, tokenizer files
+    (``option``: the argument named in a mistake's message)."""
     from efla import arg_checks as check
 
-    check.existing_dir(path, "MODEL_DIR")
+    check.existing_dir(path, option)
     names = set(os.listdir(path))
     config = os.path.join(path, "config.json")
     if "config.json" not in names:
-        raise UsageError(f"{path} is not a model directory: no config.json (MODEL_DIR)")
+        raise UsageError(f"{path} is not a model directory: no config.json ({option})")
     try:
         with open(config, encoding="utf-8") as f:
             cfg = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise UsageError(f"{config}: not a readable JSON config ({' '.join(str(error).split())}) (MODEL_DIR)") from None
+        raise UsageError(f"{config}: not a readable JSON config ({' '.join(str(error).split())}) ({option})") from None
     model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
     if model_type != "efla":
         raise UsageError(
             f"{config}: model_type {model_type!r} is not an efla model (expected 'efla'; "
-            "`efla convert` turns fla DeltaNet checkpoints into one) (MODEL_DIR)"
+            f"`efla convert` turns fla DeltaNet checkpoints into one) ({option})"
         )
     from efla.models.configuration_efla import config_file_keys
 
     check.known_keys(cfg, config_file_keys(), config, "MODEL_DIR")  # ours to refuse: the 'efla' model type
     if not any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names):
-        raise UsageError(f"{path} has a config.json but no safetensors weights (*.safetensors) (MODEL_DIR)")
+        raise UsageError(f"{path} has a config.json but no safetensors weights (*.safetensors) ({option})")
     if not names & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"}:
-        raise UsageError(f"{path} has no tokenizer files (tokenizer.json or tokenizer_config.json) (MODEL_DIR)")
+        raise UsageError(f"{path} has no tokenizer files (tokenizer.json or tokenizer_config.json) ({option})")
 
 
 def check_device(name: str) -> str:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .engine import DecodeEngine, engine_for
+from .speculative import _Sampler, speculative_config, speculative_generate
 
 __all__ = ["generate"]
 
@@ -157,6 +158,8 @@ def generate(
     *,
     pad_token_id: int | None = None,
     use_cuda_graph: bool | None = None,
+    speculate=None,
+    speculation_stats: dict | None = None,
 ) -> torch.Tensor:
     """Generate up to ``max_new_tokens`` tokens after each prompt, like transformers'
     ``model.generate``, through the decoding engine (``efla.generation.DecodeEngine``).
@@ -178,6 +181,14 @@ def generate(
         pad_token_id: ``None``: the model's ``generation_config.pad_token_id``, else the first stop
             token, else 0.
         use_cuda_graph: replay each step from a CUDA graph (default: on CUDA).
+        speculate: speculative decoding (``efla.generation.speculative``): ``None`` (off), a
+            ``SpeculativeConfig`` or a dict of its fields with vLLM's names, e.g.
+            ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}`` (prompt lookup)
+            or ``{"method": "draft_model", "model": draft, "num_speculative_tokens": 4}``. Greedy
+            tokens are the same as without; sampled tokens have the same distribution (not the same
+            draws for a seed). The steps run eagerly (no CUDA graph).
+        speculation_stats: a dict that speculation fills with ``rounds`` (target passes),
+            ``drafted``, ``accepted`` and ``tokens``.
 
     Returns:
         ``[B, T + n]`` long: ``input_ids`` followed by the ``n <= max_new_tokens`` new tokens.
@@ -190,9 +201,25 @@ def generate(
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
     prompts = _prompts(input_ids, attention_mask)
     stop_tokens = _stop_tokens(model, eos_token_id)
+    speculation = speculative_config(speculate)
     engine = engine_for(model, use_cuda_graph)
     engine.check_weights()
     batch = len(prompts)
+    if speculation is not None:
+        return _speculative(
+            model,
+            engine,
+            input_ids,
+            prompts,
+            speculation,
+            max_new_tokens,
+            (temperature, top_k, top_p),
+            seed,
+            stop_tokens,
+            _pad_token(model, pad_token_id, stop_tokens),
+            streamer,
+            speculation_stats,
+        )
     engine.reserve(batch, max(len(p) for p in prompts) + max_new_tokens)
     engine.set_stop_tokens(stop_tokens, _pad_token(model, pad_token_id, stop_tokens))
     bucket = engine.bucket(batch)
@@ -232,3 +259,28 @@ def generate(
         streamer.end()
     kept = _new_tokens_needed(new_tokens, steps, engine)
     return torch.cat([input_ids.to(new_tokens.device).long(), new_tokens[:, :kept]], dim=1)
+
+
+def _speculative(
+    model, engine, input_ids, prompts, config, max_new_tokens, settings, seed, stop_tokens, pad_token, streamer, stats
+):
+    """``generate`` through speculative decoding: the same output shape and padding."""
+    batch = len(prompts)
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != batch:
+            raise ValueError(f"seed: expected one seed per prompt ({batch}), got {len(seed)}")
+        generators = [_generator(engine.device, s) for s in seed]
+    else:
+        generators = [_generator(engine.device, seed)] * batch
+    sampler = _Sampler(*settings, generators, engine.device)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    new = speculative_generate(model, engine, prompts, config, max_new_tokens, sampler, stop_tokens, pad_token, streamer, stats)
+    if streamer is not None:
+        streamer.end()
+    stopped = all(row and row[-1] in stop_tokens for row in new)
+    kept = max(map(len, new)) if stopped else max_new_tokens
+    out = torch.full((batch, kept), pad_token, dtype=torch.long)
+    for r, row in enumerate(new):
+        out[r, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return torch.cat([input_ids.long(), out.to(input_ids.device)], dim=1)

@@ -134,36 +134,41 @@ class Attention(nn.Module):
         kv = (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
         return {"kv_pool": kv, "lengths": torch.zeros(num_slots, dtype=torch.long, device=device)}
 
-    def _pool_step(self, hidden_states, pool, cache):
-        """One token per row against the key/value buffers of a slot cache: write the new key and
-        value at the row's length, attend over the positions up to it (within the window)."""
+    def _pool_step(self, hidden_states, pool, cache, mask=None):
+        """Tokens of each row against the key/value buffers of a slot cache: write the new keys and
+        values from the row's length on, attend over the positions up to each query (within the
+        window). ``mask [B, T, 1]`` pads rows on the right (a speculative verification's rows of
+        different lengths): padded tokens write nothing and do not count in the row's length."""
         B, T = hidden_states.shape[:2]
-        if T != 1:
-            raise ValueError(
-                f"hidden_states: a slot cache's attention layers take one token per row, got {T} "
-                "(prefill into an EFLACache and copy it over with write_slots)"
-            )
         keys, values = pool["kv_pool"]
         slots = cache.slots if cache.slots is not None else torch.arange(B, device=hidden_states.device)
         # rows past the buffer's end can only be the engine's scratch row (padding of a batch bucket)
-        position = pool["lengths"].index_select(0, slots).clamp(max=keys.shape[1] - 1)
-        q = self.q_proj(hidden_states).view(B, 1, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden_states).view(B, 1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden_states).view(B, 1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, position[:, None], self.rope_theta), apply_rotary(k, position[:, None], self.rope_theta)
-        keys.index_put_((slots, position), k[:, 0])
-        values.index_put_((slots, position), v[:, 0])
+        start = pool["lengths"].index_select(0, slots)
+        position = (start[:, None] + torch.arange(T, device=start.device)).clamp(max=keys.shape[1] - 1)
+        q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, position, self.rope_theta), apply_rotary(k, position, self.rope_theta)
+        row_slots = slots[:, None].expand(B, T)
+        if mask is None:
+            keys.index_put_((row_slots, position), k)
+            values.index_put_((row_slots, position), v)
+        else:
+            real = mask[..., 0].bool()
+            keys.index_put_((row_slots[real], position[real]), k[real])
+            values.index_put_((row_slots[real], position[real]), v[real])
         # on the CPU (no graph to keep static) only the positions written so far
         span = int(position.max()) + 1 if keys.device.type == "cpu" else keys.shape[1]
         key_position = torch.arange(span, device=keys.device)
-        allowed = key_position[None, :] <= position[:, None]
+        allowed = key_position <= position[..., None]  # [B, T, span]
         if self.window_size is not None:
-            allowed &= key_position[None, :] > position[:, None] - self.window_size
+            allowed &= key_position > position[..., None] - self.window_size
         rows = (lambda t: t[:B, :span]) if cache.slots is None else (lambda t: t[:, :span].index_select(0, slots))
-        o = self._attend(q, rows(keys), rows(values), allowed[:, None, None, :])
-        pool["lengths"].index_copy_(0, slots, position + 1)
-        cache.advance_layer(self.layer_idx)
-        return self.o_proj(o.reshape(B, 1, self.hidden_size))
+        o = self._attend(q, rows(keys), rows(values), allowed[:, None])
+        pool["lengths"].index_copy_(0, slots, start + (T if mask is None else mask[:, :, 0].long().sum(1)))
+        cache.advance_layer(self.layer_idx, T)
+        o = self.o_proj(o.reshape(B, T, self.hidden_size))
+        return o if mask is None else o * mask
 
     def _positions(self, B, T, mask, last_state, cu_seqlens, device):
         """``positions [B, T]`` of the new tokens (-1 at padding), ``segments [B, T]`` (packed input,
@@ -233,9 +238,9 @@ class Attention(nn.Module):
         mask = padding_mask(attention_mask, B, T, cu_seqlens)
         last_state = get_layer_state(past_key_values, self.layer_idx)
         if last_state is not None and "kv_pool" in last_state:
-            if mask is not None or cu_seqlens is not None:
-                raise ValueError("attention_mask, cu_seqlens: a slot cache's attention layers take one unpadded token per row")
-            return self._pool_step(hidden_states, last_state, past_key_values), None, past_key_values
+            if cu_seqlens is not None:
+                raise ValueError("cu_seqlens: a slot cache's attention layers take rows of tokens, not packed sequences")
+            return self._pool_step(hidden_states, last_state, past_key_values, mask), None, past_key_values
         use_cache = bool(use_cache) and past_key_values is not None
 
         q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim)
