@@ -12,6 +12,9 @@ logprobs or penalties. Resident memory (``VmRSS`` of ``/proc/self/status``) is r
 the first stays within ``--tolerance`` (5%) of the first. After the run, the scheduler's tables must
 be back to their idle size (every slot free, nothing waiting, prefilling or decoding).
 
+``--trim``: after each reading, also the RSS once glibc's ``malloc_trim(0)`` returned the free pages
+of its heaps (later readings then start from the trimmed heap).
+
 ``--tracemalloc``: also snapshot Python's allocations at each reading and print the lines that grew
 most since the first (to find what a leak holds).
 
@@ -52,6 +55,15 @@ def resident_mb() -> float:
     with open("/proc/self/status") as f:
         kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     return kb / 1024
+
+
+def release_free_heap() -> float:
+    """RSS (MB) after glibc's ``malloc_trim(0)`` hands the free pages of its heaps back (a diagnostic:
+    memory that comes back here was free, not leaked)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return resident_mb()
 
 
 def tiny_model(preset: str):
@@ -204,9 +216,10 @@ def run_server(model, tokenizer, cache_mb: int, args) -> list[float]:
             tables = wait_idle(scheduler)
             gc.collect()
             readings.append(resident_mb())
+            trimmed = f", {release_free_heap():.1f} MB once glibc returned its free pages" if args.trim else ""
             cache_entries = scheduler.prefix_cache.stats()["entries"] if scheduler.prefix_cache else 0
             print(
-                f"prefix cache {cache_mb} MB: {start + args.every} requests, RSS {readings[-1]:.1f} MB "
+                f"prefix cache {cache_mb} MB: {start + args.every} requests, RSS {readings[-1]:.1f} MB{trimmed} "
                 f"({time.perf_counter() - began:.1f} s; cache entries {cache_entries}; tables {tables})",
                 flush=True,
             )
@@ -232,6 +245,7 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=24)
     p.add_argument("--tolerance", type=float, default=0.05, help="allowed growth over the first reading (default: 5%%)")
     p.add_argument("--tracemalloc", action="store_true")
+    p.add_argument("--trim", action="store_true", help="after each reading, also read RSS after glibc's malloc_trim(0)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", default=None, help="write the run here (benchmarks/evidence.py's shape)")
     args = p.parse_args(argv)
