@@ -67,6 +67,8 @@ def _check_options(args) -> None:
 
 
 def _check_speculation(args) -> None:
+    from efla import arg_checks as check
+
     if args.speculate not in (None, "ngram", "draft_model"):
         raise UsageError(f"expected ngram or draft_model, got {args.speculate!r} (--speculate)")
     check.at_least(args.num_speculative_tokens, 1, "--num-speculative-tokens")

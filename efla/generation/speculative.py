@@ -63,8 +63,9 @@ class SpeculativeConfig:
     Args:
         method: ``"ngram"`` (prompt lookup) or ``"draft_model"``.
         num_speculative_tokens: draft tokens per round at most (``k``). Default ``4``.
-        prompt_lookup_max / prompt_lookup_min: the longest and shortest suffix the n-gram drafter
-            matches. Defaults ``3`` / ``2`` (a single token matches by chance too often in free text).
+        prompt_lookup_max: the longest suffix the n-gram drafter matches. Default ``3``.
+        prompt_lookup_min: the shortest suffix it matches. Default ``2`` (a single token matches by
+            chance too often in free text).
         model: the draft model (an ``EFLAForCausalLM`` with the target's vocabulary) for
             ``"draft_model"``.
         adaptive: shrink ``k`` and pause drafting for rows whose drafts are rejected. Default ``True``.
