@@ -145,3 +145,14 @@ def test_check_run_rejects_a_record_out_of_shape(change, complaint):
     with pytest.raises(ValueError, match=complaint) as caught:
         evidence.check_run(_broken(change), "broken.json")
     assert "broken.json" in str(caught.value)
+
+
+def test_the_readme_quotes_the_latest_headline_run_and_no_diagnostics(tree):
+    older = _four_rounds() | {"title": "older four rounds", "date": "2026-12-04 06:00 UTC"}
+    diagnostic = _four_rounds() | {"title": "slot counts", "benchmark": "serve_slots"}
+    for name, run in (("older.json", older), ("slots.json", diagnostic)):
+        (tree / "results" / "cpu" / name).write_text(json.dumps(run))
+    readme = _outputs(tree)[str(tree / "README.md")]
+    block = readme[readme.index(report.START) : readme.index(report.END)]
+    assert "| four rounds |" in block
+    assert "older four rounds" not in block and "slot counts" not in block
