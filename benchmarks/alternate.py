@@ -38,6 +38,11 @@ def default_out(benchmark: str) -> str:
     return os.path.join(ROOT, "benchmarks", "results", "cpu", f"{date}_{benchmark}.json")
 
 
+def load_average() -> str:
+    """The 1, 5 and 15-minute load averages, for a record's notes."""
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def spread(m: dict) -> str:
     """A measurement's per-round speed-up over its baseline as ``median (min-max)``, for the console."""
     median, low, high = evidence.summary(evidence.ratios(m))

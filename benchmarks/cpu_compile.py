@@ -26,7 +26,7 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from alternate import alternate, default_out, spread
+from alternate import alternate, default_out, load_average, spread
 
 from efla.models import EFLAForCausalLM, get_preset_config
 
@@ -87,7 +87,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    load_before = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    load_before = load_average()
     print(f"### CPU, `torch.compile` (inductor) vs eager, training steps ({datetime.date.today()})\n")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch} x {args.seq} tokens, "

@@ -21,7 +21,7 @@ from functools import partial
 import evidence
 import torch
 import transformers
-from alternate import alternate, default_out, seconds, spread
+from alternate import alternate, default_out, load_average, seconds, spread
 
 from efla.generation import generate
 from efla.models import EFLAForCausalLM, get_preset_config
@@ -82,7 +82,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
-    load_before = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    load_before = load_average()
     measurements = []
     for preset in args.presets.split(","):
         torch.manual_seed(0)

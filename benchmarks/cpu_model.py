@@ -22,7 +22,7 @@ from functools import partial
 import evidence
 import torch
 import transformers
-from alternate import alternate, default_out, spread
+from alternate import alternate, default_out, load_average, spread
 
 from efla.models import EFLAForCausalLM, get_preset_config
 
@@ -71,7 +71,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     transformers.logging.set_verbosity_error()
     thread_counts = [int(t) for t in args.threads.split(",")] if args.threads else [torch.get_num_threads()]
-    load_before = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    load_before = load_average()
     measurements = []
     for n in thread_counts:
         torch.set_num_threads(n)

@@ -23,7 +23,7 @@ from functools import partial
 
 import evidence
 import torch
-from alternate import alternate, default_out, seconds, spread
+from alternate import alternate, default_out, load_average, seconds, spread
 
 from efla.ops import chunk_efla, chunk_gated_delta_rule, chunk_gated_efla, efla_coefficient, recurrent_efla
 
@@ -121,6 +121,7 @@ def main(argv=None):
     ap.add_argument("--out", default=default_out("cpu_ops"), help="the JSON record (benchmarks/evidence.py's shape)")
     ap.add_argument("--skip-recurrent", action="store_true")
     args = ap.parse_args(argv)
+    load_before = load_average()
 
     measurements, differences = [], []
     for op, (make_inputs, ours, theirs, baseline) in OPS.items():
@@ -153,6 +154,7 @@ def main(argv=None):
         "is Gated DeltaNet with the same g and beta (a different rule, what a gated-model user would run instead).",
         "Max relative output difference against transformers, same rule (for the gated op: our chunk_gated_delta_rule): "
         + "; ".join(differences),
+        f"load average before: {load_before}",
     ]
     title = "CPU ops, fwd+bwd float32: chunk_efla / chunk_gated_efla vs transformers' pure-PyTorch torch_chunk_gated_delta_rule"
     evidence.write_run(args.out, "cpu_ops", title, args.rounds, measurements, notes)
