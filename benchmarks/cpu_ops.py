@@ -5,21 +5,25 @@ its backward. For ``chunk_efla`` it runs with ``g = 0`` and ``beta = alpha`` (th
 coefficient), i.e. the same recurrence (the table shows the outputs' difference). For
 ``chunk_gated_efla`` it runs Gated DeltaNet with the same log gate ``g`` and ``beta``, what a user of
 a gated model would run instead; the rules differ (EFLA's exact step), so the table checks our
-``chunk_gated_delta_rule`` against it on the same inputs instead. Both timed fwd+bwd in float32,
-alternating runs, medians. Also times ``recurrent_efla`` against ``chunk_efla`` at [1, 4096, 4, 64].
+``chunk_gated_delta_rule`` against it on the same inputs instead. Both timed fwd+bwd in float32:
+one warm-up call each, then ``--rounds`` rounds alternating ours and theirs, every round kept. Also
+times ``chunk_efla`` against our token-by-token ``recurrent_efla`` at [1, 4096, 4, 64].
 
-Usage: python benchmarks/cpu_ops.py [--reps 5] [--out benchmarks/results_cpu_ops.md]
+Usage: python benchmarks/cpu_ops.py [--rounds 7] [--skip-recurrent] [--out FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
+import os
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 
+import evidence
 import torch
+from alternate import alternate, default_out, load_average, seconds, spread
 
 from efla.ops import chunk_efla, chunk_gated_delta_rule, chunk_gated_efla, efla_coefficient, recurrent_efla
 
@@ -68,12 +72,11 @@ def _fwd_bwd_hf(q, k, v, beta):
     o.sum().backward()
 
 
-def _time(fn, args):
+def _time(fn, args, clock=time.perf_counter) -> float:
+    """Seconds of one fwd+bwd call, gradients cleared first (not timed)."""
     for x in args:
         x.grad = None
-    t0 = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t0
+    return seconds(fn, *args, clock=clock)
 
 
 def _same_rule_difference(op: str, inp) -> float:
@@ -92,74 +95,70 @@ def _same_rule_difference(op: str, inp) -> float:
     return ((o_ref - o_ours).abs().max() / o_ref.abs().max()).item()
 
 
-def _compare(op, shape, inp, ours, theirs, reps):
-    err = _same_rule_difference(op, inp)
-    _time(ours, inp)  # warm-up
-    _time(theirs, inp)
-    t_ours, t_hf = [], []
-    for _ in range(reps):  # alternate the two
-        t_ours.append(_time(ours, inp))
-        t_hf.append(_time(theirs, inp))
-    mo, mh = statistics.median(t_ours), statistics.median(t_hf)
-    print(
-        f"{op} {shape}: ours {mo * 1e3:.1f} ms, transformers {mh * 1e3:.1f} ms, speed-up {mh / mo:.2f}x, max rel diff {err:.1e}",
-        flush=True,
-    )
-    return op, shape, mo, mh, mh / mo, err
+def compare(case: str, ours: tuple[str, Callable[[], float]], theirs: tuple[str, Callable[[], float]], rounds: int) -> dict:
+    """``ours`` and ``theirs`` are ``(name, a call returning its seconds)``: one warm-up call each,
+    then ``rounds`` rounds of ours then theirs; the measurement keeps every round in ms."""
+    per_round, _ = alternate(dict([ours, theirs]), rounds)
+    in_ms = lambda name: (name, [t * 1e3 for t in per_round[name]])  # noqa: E731
+    return evidence.measurement(case, "fwd+bwd time", "ms", "lower", in_ms(ours[0]), in_ms(theirs[0]))
+
+
+def _print_row(m: dict) -> None:
+    ours, theirs = (statistics.median(m[side]["rounds"]) for side in ("ours", "baseline"))
+    print(f"{m['case']}: {m['ours']['name']} {ours:.1f} ms, baseline {theirs:.1f} ms, speed-up {spread(m)}", flush=True)
+
+
+HF_RULE = "transformers torch_chunk_gated_delta_rule"
+OPS = {  # op: (inputs, ours, the baseline, the baseline's name)
+    "chunk_efla": (_inputs, _fwd_bwd_efla, _fwd_bwd_hf, f"{HF_RULE} (g = 0, beta = alpha)"),
+    "chunk_gated_efla": (_gated_inputs, _fwd_bwd_gated, _fwd_bwd_hf_gated, f"{HF_RULE} (Gated DeltaNet, same g, beta)"),
+}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default=None, help="write the Markdown table here")
+    ap.add_argument("--rounds", type=int, default=7, help="alternated rounds per case (every one is recorded)")
+    ap.add_argument("--out", default=default_out("cpu_ops"), help="the JSON record (benchmarks/evidence.py's shape)")
     ap.add_argument("--skip-recurrent", action="store_true")
     args = ap.parse_args(argv)
+    load_before = load_average()
 
-    rows = [_compare("chunk_efla", shape, _inputs(*shape), _fwd_bwd_efla, _fwd_bwd_hf, args.reps) for shape in SHAPES]
-    rows += [
-        _compare("chunk_gated_efla", shape, _gated_inputs(*shape), _fwd_bwd_gated, _fwd_bwd_hf_gated, args.reps)
-        for shape in SHAPES
-    ]
-
-    rec_row = None
+    measurements, differences = [], []
+    for op, (make_inputs, ours, theirs, baseline) in OPS.items():
+        for shape in SHAPES:
+            inp = make_inputs(*shape)
+            differences.append(f"{op} {list(shape)}: {_same_rule_difference(op, inp):.1e}")
+            m = compare(
+                f"{op} {list(shape)}", (op, partial(_time, ours, inp)), (baseline, partial(_time, theirs, inp)), args.rounds
+            )
+            _print_row(m)
+            measurements.append(m)
     if not args.skip_recurrent:
         inp = _inputs(1, 4096, 4, 64)
-        _time(_fwd_bwd_efla, inp)
-        tc, tr = [], []
-        for _ in range(max(1, args.reps // 2)):
-            tc.append(_time(_fwd_bwd_efla, inp))
-            tr.append(_time(lambda *a: _fwd_bwd_efla(*a, fn=recurrent_efla), inp))
-        mc, mr = statistics.median(tc), statistics.median(tr)
-        rec_row = (mc, mr)
-        print(f"[1, 4096, 4, 64]: recurrent_efla {mr * 1e3:.0f} ms vs chunk_efla {mc * 1e3:.0f} ms = {mr / mc:.1f}x", flush=True)
+        recurrent = partial(_time, partial(_fwd_bwd_efla, fn=recurrent_efla), inp)
+        m = compare(
+            "chunk_efla vs recurrent_efla [1, 4096, 4, 64]",
+            ("chunk_efla", partial(_time, _fwd_bwd_efla, inp)),
+            ("recurrent_efla (ours, token by token)", recurrent),
+            args.rounds,
+        )
+        _print_row(m)
+        measurements.append(m)
 
-    lines = [
-        f"### CPU, float32, fwd+bwd (`benchmarks/cpu_ops.py`, {datetime.date.today()})",
-        "",
-        f"Machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}; "
-        f"transformers {__import__('transformers').__version__}; medians of {args.reps} alternating runs.",
-        "",
-        "| op | [B, T, H, D] | ours | transformers `torch_chunk_gated_delta_rule` | speed-up | max rel. diff, same rule |",
-        "| --- | --- | --- | --- | --- | --- |",
+    notes = [
+        "Each call: the op's forward on [B, T, H, D] float32 inputs, then o.sum().backward() (fwd+bwd); "
+        "gradients cleared before each call, untimed.",
+        f"{torch.get_num_threads()} torch threads; per case one warm-up call of each side, then {args.rounds} rounds "
+        "alternating ours then the baseline in one process; every round kept.",
+        "chunk_efla's baseline runs the same recurrence (g = 0, beta = EFLA's alpha). chunk_gated_efla's baseline "
+        "is Gated DeltaNet with the same g and beta (a different rule, what a gated-model user would run instead).",
+        "Max relative output difference against transformers, same rule (for the gated op: our chunk_gated_delta_rule): "
+        + "; ".join(differences),
+        f"load average before: {load_before}",
     ]
-    for op, shape, mo, mh, sp, err in rows:
-        lines.append(f"| `{op}` | {list(shape)} | {mo * 1e3:.1f} ms | {mh * 1e3:.1f} ms | {sp:.2f}x | {err:.1e} |")
-    lines += [
-        "",
-        "Baseline: `g = 0, beta = alpha` (the same recurrence) for `chunk_efla`; Gated DeltaNet with the same "
-        "`g` and `beta` for `chunk_gated_efla` (its difference column: our `chunk_gated_delta_rule` vs it).",
-    ]
-    if rec_row:
-        mc, mr = rec_row
-        lines += [
-            "",
-            f"`recurrent_efla` fwd+bwd at [1, 4096, 4, 64]: {mr * 1e3:.0f} ms = {mr / mc:.1f}x `chunk_efla` ({mc * 1e3:.0f} ms).",
-        ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    title = "CPU ops, fwd+bwd float32: chunk_efla / chunk_gated_efla vs transformers' pure-PyTorch torch_chunk_gated_delta_rule"
+    evidence.write_run(args.out, "cpu_ops", title, args.rounds, measurements, notes)
+    print(f"wrote {os.path.relpath(args.out)}")
 
 
 if __name__ == "__main__":

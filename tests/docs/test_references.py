@@ -220,7 +220,7 @@ def unknown_efla_options(root: Path, parser=None) -> list[str]:
 SCRIPT = re.compile(r"(benchmarks|scripts)/[\w/]+\.py$")
 # Runs each script as __main__ until it asks argparse to parse, and prints the options its parser has.
 READ_PARSERS = """
-import argparse, json, runpy, sys
+import argparse, json, os, runpy, sys
 class Parsed(Exception):
     pass
 def stop(parser, *args, **kwargs):
@@ -231,6 +231,7 @@ for script in sys.argv[1:]:
     found[script] = []
     if "ArgumentParser" in open(script, encoding="utf-8").read():
         sys.argv = [script]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script` does
         try:
             runpy.run_path(script, run_name="__main__")
         except Parsed as parsed:
