@@ -4,14 +4,15 @@ front of a ``Scheduler``.
 
 Handlers tokenize (chat messages through the tokenizer's chat template, or the one the server was
 given), check and submit a ``Run``; streamed responses are server-sent events ending with
-``data: [DONE]``. With an API key, every ``/v1`` route and the tokenizer routes need
-``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open for probes and scrapers. The
-server writes no files.
+``data: [DONE]``. With an API key, every route but ``/health`` (open for probes) needs
+``Authorization: Bearer KEY``. Each request's body is read first, bounded in size and time and checked
+for UTF-8 and JSON nesting (``efla.serving.limits``). The server writes no files.
 """
 
 from __future__ import annotations
 
-import secrets
+import hashlib
+import hmac
 import time
 from contextlib import asynccontextmanager
 
@@ -23,9 +24,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .chat import render_chat
 from .responses import ChatResponse, CompletionResponse
+from .limits import DEFAULT_MAX_BODY_BYTES, BodyGuard
 from .metrics import Metrics
 from .protocol import (
     DEFAULTS_ONLY,
+    RETRY_AFTER_DRAINING_S,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,10 +53,13 @@ def create_app(
     model_name: str,
     api_key: str | None = None,
     chat_template: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    read_timeout: float = 10.0,
 ) -> FastAPI:
     """The HTTP app serving ``scheduler``'s model as ``model_name``; it starts the scheduler and, when
     the server shuts down, ends what is still queued or running and stops it. ``chat_template``: a
-    Jinja chat template used instead of the tokenizer's own."""
+    Jinja chat template used instead of the tokenizer's own; ``max_body_bytes``, ``read_timeout``: a
+    request body's limits (413, 408)."""
     created = int(time.time())
     metrics = Metrics(scheduler)
     grammars = Grammars(tokenizer, scheduler.vocab, scheduler.stop_tokens)
@@ -66,9 +72,10 @@ def create_app(
 
     app = FastAPI(title="efla", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
+    app.add_middleware(BodyGuard, max_bytes=max_body_bytes, read_timeout=read_timeout)
     keyed = [Depends(_key_check(api_key))]
     v1 = APIRouter(prefix="/v1", dependencies=keyed)
-    tokenizer_routes = APIRouter(dependencies=keyed)
+    keyed_routes = APIRouter(dependencies=keyed)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -119,7 +126,7 @@ def create_app(
             return StreamingResponse(response.stream(request), media_type="text/event-stream")
         return await response.result(request)
 
-    @tokenizer_routes.post("/tokenize")
+    @keyed_routes.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)
         if body.messages is not None:
@@ -131,35 +138,46 @@ def create_app(
             ids = list(tokenizer(body.prompt, add_special_tokens=add_special)["input_ids"])
         return {"tokens": ids, "count": len(ids), "max_model_len": scheduler.max_context}
 
-    @tokenizer_routes.post("/detokenize")
+    @keyed_routes.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
         if any(not 0 <= t < scheduler.vocab for t in body.tokens):
             raise APIError(400, f"tokens: token ids must be in [0, {scheduler.vocab})", param="tokens")
         return {"prompt": tokenizer.decode(body.tokens)}
 
-    @app.get("/metrics")
+    @keyed_routes.get("/metrics")
     async def prometheus_metrics():
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/health")
     async def health():
-        alive = scheduler.running
+        state = "ok" if scheduler.accepting else "draining"
+        state = state if scheduler.running else "stopped"
+        headers = {"Retry-After": str(RETRY_AFTER_DRAINING_S)} if state != "ok" else None
         return JSONResponse(
-            {"status": "ok" if alive else "stopped", "model": model_name, **scheduler.status()}, status_code=200 if alive else 503
+            {"status": state, "model": model_name, **scheduler.status()},
+            status_code=200 if state == "ok" else 503,
+            headers=headers,
         )
 
     app.include_router(v1)
-    app.include_router(tokenizer_routes)
+    app.include_router(keyed_routes)
     return app
 
 
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
 def _key_check(api_key: str | None):
+    # digests compared in constant time: neither the key's bytes nor its length show in the timing
+    wanted = _digest(api_key) if api_key is not None else None
+
     async def check(authorization: str | None = Header(None)) -> None:
-        if api_key is None:
+        if wanted is None:
             return
         scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), api_key.encode()):
+        if not hmac.compare_digest(_digest(key.strip()), wanted) or scheme.lower() != "bearer":
             raise APIError(
                 401, "Missing or incorrect API key: send the header 'Authorization: Bearer KEY'", code="invalid_api_key"
             )
@@ -229,7 +247,7 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_request: Request, error: APIError):
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_request: Request, error: RequestValidationError):
