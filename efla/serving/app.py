@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import time
 from contextlib import asynccontextmanager
+from functools import cache, partial
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +27,7 @@ from .chat import render_chat
 from .responses import ChatResponse, CompletionResponse
 from .limits import DEFAULT_MAX_BODY_BYTES, BodyGuard
 from .metrics import Metrics
+from .openapi import ChatCompletion, Completion, Health, ModelCard, ModelList, Text, Tokens, documented, server_openapi
 from .protocol import (
     DEFAULTS_ONLY,
     RETRY_AFTER_DRAINING_S,
@@ -86,16 +88,16 @@ def create_app(
                 code="model_not_found",
             )
 
-    @v1.get("/models")
+    @v1.get("/models", **documented(ModelList))
     async def models():
         return model_list(model_name, created, scheduler.max_context)
 
-    @v1.get("/models/{model:path}")
+    @v1.get("/models/{model:path}", **documented(ModelCard, 404))
     async def model(model: str):
         check_model(model)
         return model_card(model_name, created, scheduler.max_context)
 
-    @v1.post("/completions")
+    @v1.post("/completions", **documented(Completion, *_GENERATION_ERRORS, stream=True))
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         prompts = await run_in_threadpool(_encode, tokenizer, body.prompts)
@@ -112,7 +114,7 @@ def create_app(
             return StreamingResponse(response.stream(request), media_type="text/event-stream")
         return await response.result(request)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", **documented(ChatCompletion, *_GENERATION_ERRORS, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         prompt = await run_in_threadpool(render_chat, tokenizer, body.messages, chat_template, True)
@@ -126,7 +128,7 @@ def create_app(
             return StreamingResponse(response.stream(request), media_type="text/event-stream")
         return await response.result(request)
 
-    @keyed_routes.post("/tokenize")
+    @keyed_routes.post("/tokenize", **documented(Tokens, *_BODY_ERRORS))
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)
         if body.messages is not None:
@@ -138,18 +140,18 @@ def create_app(
             ids = list(tokenizer(body.prompt, add_special_tokens=add_special)["input_ids"])
         return {"tokens": ids, "count": len(ids), "max_model_len": scheduler.max_context}
 
-    @keyed_routes.post("/detokenize")
+    @keyed_routes.post("/detokenize", **documented(Text, *_BODY_ERRORS))
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
         if any(not 0 <= t < scheduler.vocab for t in body.tokens):
             raise APIError(400, f"tokens: token ids must be in [0, {scheduler.vocab})", param="tokens")
         return {"prompt": tokenizer.decode(body.tokens)}
 
-    @keyed_routes.get("/metrics")
+    @keyed_routes.get("/metrics", **documented(None, media_type="text/plain"))
     async def prometheus_metrics():
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses={200: {"model": Health}, 503: {"model": Health}})
     async def health():
         state = "ok" if scheduler.accepting else "draining"
         state = state if scheduler.running else "stopped"
@@ -160,9 +162,26 @@ def create_app(
             headers=headers,
         )
 
+    @keyed_routes.get("/openapi.json", include_in_schema=False)
+    async def openapi():
+        return app.openapi()
+
     app.include_router(v1)
     app.include_router(keyed_routes)
+    schema_of_this_server = partial(
+        server_openapi,
+        app,
+        model_name=model_name,
+        max_context=scheduler.max_context,
+        max_batch=scheduler.max_batch,
+        vocab=scheduler.vocab,
+    )
+    app.openapi = cache(schema_of_this_server)
     return app
+
+
+_BODY_ERRORS = (400, 404, 408, 413)
+_GENERATION_ERRORS = (*_BODY_ERRORS, 429, 500)
 
 
 def _digest(key: str) -> bytes:
