@@ -137,7 +137,9 @@ def create_app(
             )
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = list(tokenizer(body.prompt, add_special_tokens=add_special)["input_ids"])
+            # off the event loop: a prompt of megabytes takes the tokenizer seconds
+            encoded = await run_in_threadpool(tokenizer, body.prompt, add_special_tokens=add_special)
+            ids = list(encoded["input_ids"])
         return {"tokens": ids, "count": len(ids), "max_model_len": scheduler.max_context}
 
     @keyed_routes.post("/detokenize", **documented(Text, *_BODY_ERRORS))
@@ -145,7 +147,7 @@ def create_app(
         check_model(body.model)
         if any(not 0 <= t < scheduler.vocab for t in body.tokens):
             raise APIError(400, f"tokens: token ids must be in [0, {scheduler.vocab})", param="tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": await run_in_threadpool(tokenizer.decode, body.tokens)}
 
     @keyed_routes.get("/metrics", **documented(None, media_type="text/plain"))
     async def prometheus_metrics():
