@@ -32,6 +32,16 @@ def switches():
         yield lambda **values: stack.enter_context(environment.override(**values))
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--serve-fuzz-examples",
+        type=int,
+        default=12,
+        help="requests per route and mode of tests/serving/test_fuzz.py (default: %(default)s, a CI-size run; "
+        "a nightly run: 2000)",
+    )
+
+
 def pytest_configure(config):
     """``EFLA_TEST_FIRST_CONFIG=1``: every autotuned Triton kernel runs its first launch setting
     without benchmarking the others. The GPU tests check results, which every setting must get

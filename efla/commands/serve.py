@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
 import sys
 
@@ -23,8 +22,9 @@ examples:
        -d '{"model": "efla-s0", "prompt": "The meaning of life is", "max_tokens": 32, "temperature": 0}'
 Endpoints: POST /v1/completions and /v1/chat/completions (OpenAI's; top_k as an extension), GET
 /v1/models, POST /tokenize and /detokenize (vLLM's), GET /metrics (Prometheus), GET /health (slots,
-queue, prefix-cache hit rate). SIGTERM: stop taking requests, finish those in flight (up to
---shutdown-timeout seconds, then cancel them), exit 0. The server writes no files.
+queue, prefix-cache hit rate; the only route open without the --api-key). SIGTERM or SIGINT: new
+requests get 503 while those in flight finish (up to --shutdown-timeout seconds, then each ends
+with finish_reason "length"), exit 0. The server writes no files.
 """
 
 
@@ -52,6 +52,10 @@ def _check_options(args) -> None:
     check.at_least(args.prefix_cache_mb, 0, "--prefix-cache-mb")
     check.at_least(args.prefix_block, 1, "--prefix-block")
     check.at_least(args.shutdown_timeout, 0, "--shutdown-timeout")
+    check.at_least(args.max_body_bytes, 1024, "--max-body-bytes")
+    check.positive(args.read_timeout, "--read-timeout")
+    check.positive(args.write_timeout, "--write-timeout")
+    check.at_least(args.max_connections, 1, "--max-connections")
     check.at_least(args.seed, 0, "--seed")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("the API key is empty (--api-key or EFLA_API_KEY)")
@@ -134,18 +138,11 @@ def _scheduler(model, tokenizer, args):
 
 
 def _serve(app, sock: socket.socket, scheduler, args) -> None:
-    import uvicorn
+    from efla.serving.server import ConnectionLimits, DrainingServer, server_config
 
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            scheduler.stop_accepting()  # requests arriving while in-flight ones finish get 503
-            super().handle_exit(sig, frame)
-
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
-    # uvicorn raises the signal it shut down for again once it is done; a SIGTERM that ended a
-    # graceful shutdown is the normal way out here (exit 0), not a death by signal
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    Server(config).run(sockets=[sock])
+    limits = ConnectionLimits(args.read_timeout, args.write_timeout, args.max_connections)
+    config = server_config(app, limits, log_level=args.log_level)
+    DrainingServer(config, scheduler, grace=args.shutdown_timeout).run(sockets=[sock])
 
 
 def cmd_serve(args) -> int:
@@ -166,7 +163,15 @@ def cmd_serve(args) -> int:
         from efla.serving import create_app
 
         name = args.served_model_name or os.path.basename(os.path.abspath(args.model_dir))
-        app = create_app(scheduler, tokenizer, model_name=name, api_key=args.api_key, chat_template=chat_template)
+        app = create_app(
+            scheduler,
+            tokenizer,
+            model_name=name,
+            api_key=args.api_key,
+            chat_template=chat_template,
+            max_body_bytes=args.max_body_bytes,
+            read_timeout=args.read_timeout,
+        )
         host, port = sock.getsockname()[:2]
         cache = f"prefix cache {args.prefix_cache_mb} MB" if scheduler.prefix_cache is not None else "no prefix cache"
         print(
@@ -212,7 +217,7 @@ def add_parser(sub) -> None:
         "--api-key",
         default=environment.get("EFLA_API_KEY"),
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1 (default: $EFLA_API_KEY, else no key)",
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: $EFLA_API_KEY, else no key)",
     )
     p.add_argument(
         "--chat-template",
@@ -261,7 +266,39 @@ def add_parser(sub) -> None:
         type=float,
         default=30.0,
         metavar="S",
-        help="on SIGTERM, seconds for requests in flight to finish before they are cancelled (default: %(default)s)",
+        help="on SIGTERM or SIGINT, seconds for requests in flight to finish (new ones get 503) before each "
+        "ends with finish_reason 'length' (default: %(default)s)",
+    )
+    limits = p.add_argument_group("limits on clients")
+    limits.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 << 20,
+        metavar="N",
+        help="the largest request body; larger ones get 413 (default: %(default)s, 8 MiB)",
+    )
+    limits.add_argument(
+        "--read-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="a connection whose request headers have not arrived S seconds after it opened is closed, "
+        "and a body that has not arrived S seconds after them gets 408 (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--write-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="a client that reads nothing of its response for S seconds while it waits to be sent is "
+        "dropped and its requests end (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="open connections beyond N get 503 (default: %(default)s)",
     )
     p.add_argument(
         "--seed", type=int, default=None, metavar="S", help="seeds the sampling of requests without a seed of their own"

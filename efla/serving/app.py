@@ -4,16 +4,18 @@ front of a ``Scheduler``.
 
 Handlers tokenize (chat messages through the tokenizer's chat template, or the one the server was
 given), check and submit a ``Run``; streamed responses are server-sent events ending with
-``data: [DONE]``. With an API key, every ``/v1`` route and the tokenizer routes need
-``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open for probes and scrapers. The
-server writes no files.
+``data: [DONE]``. With an API key, every route but ``/health`` (open for probes) needs
+``Authorization: Bearer KEY``. Each request's body is read first, bounded in size and time and checked
+for UTF-8 and JSON nesting (``efla.serving.limits``). The server writes no files.
 """
 
 from __future__ import annotations
 
-import secrets
+import hashlib
+import hmac
 import time
 from contextlib import asynccontextmanager
+from functools import cache, partial
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,9 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .chat import render_chat
 from .responses import ChatResponse, CompletionResponse
+from .limits import DEFAULT_MAX_BODY_BYTES, BodyGuard
 from .metrics import Metrics
+from .openapi import ChatCompletion, Completion, Health, ModelCard, ModelList, Text, Tokens, documented, server_openapi
 from .protocol import (
     DEFAULTS_ONLY,
+    RETRY_AFTER_DRAINING_S,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,10 +55,13 @@ def create_app(
     model_name: str,
     api_key: str | None = None,
     chat_template: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    read_timeout: float = 10.0,
 ) -> FastAPI:
     """The HTTP app serving ``scheduler``'s model as ``model_name``; it starts the scheduler and, when
     the server shuts down, ends what is still queued or running and stops it. ``chat_template``: a
-    Jinja chat template used instead of the tokenizer's own."""
+    Jinja chat template used instead of the tokenizer's own; ``max_body_bytes``, ``read_timeout``: a
+    request body's limits (413, 408)."""
     created = int(time.time())
     metrics = Metrics(scheduler)
     grammars = Grammars(tokenizer, scheduler.vocab, scheduler.stop_tokens)
@@ -66,9 +74,10 @@ def create_app(
 
     app = FastAPI(title="efla", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
+    app.add_middleware(BodyGuard, max_bytes=max_body_bytes, read_timeout=read_timeout)
     keyed = [Depends(_key_check(api_key))]
     v1 = APIRouter(prefix="/v1", dependencies=keyed)
-    tokenizer_routes = APIRouter(dependencies=keyed)
+    keyed_routes = APIRouter(dependencies=keyed)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -79,16 +88,16 @@ def create_app(
                 code="model_not_found",
             )
 
-    @v1.get("/models")
+    @v1.get("/models", **documented(ModelList))
     async def models():
         return model_list(model_name, created, scheduler.max_context)
 
-    @v1.get("/models/{model:path}")
+    @v1.get("/models/{model:path}", **documented(ModelCard, 404))
     async def model(model: str):
         check_model(model)
         return model_card(model_name, created, scheduler.max_context)
 
-    @v1.post("/completions")
+    @v1.post("/completions", **documented(Completion, *_GENERATION_ERRORS, stream=True))
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         prompts = await run_in_threadpool(_encode, tokenizer, body.prompts)
@@ -105,7 +114,7 @@ def create_app(
             return StreamingResponse(response.stream(request), media_type="text/event-stream")
         return await response.result(request)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", **documented(ChatCompletion, *_GENERATION_ERRORS, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         prompt = await run_in_threadpool(render_chat, tokenizer, body.messages, chat_template, True)
@@ -119,7 +128,7 @@ def create_app(
             return StreamingResponse(response.stream(request), media_type="text/event-stream")
         return await response.result(request)
 
-    @tokenizer_routes.post("/tokenize")
+    @keyed_routes.post("/tokenize", **documented(Tokens, *_BODY_ERRORS))
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)
         if body.messages is not None:
@@ -128,38 +137,68 @@ def create_app(
             )
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = list(tokenizer(body.prompt, add_special_tokens=add_special)["input_ids"])
+            # off the event loop: a prompt of megabytes takes the tokenizer seconds
+            encoded = await run_in_threadpool(tokenizer, body.prompt, add_special_tokens=add_special)
+            ids = list(encoded["input_ids"])
         return {"tokens": ids, "count": len(ids), "max_model_len": scheduler.max_context}
 
-    @tokenizer_routes.post("/detokenize")
+    @keyed_routes.post("/detokenize", **documented(Text, *_BODY_ERRORS))
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
         if any(not 0 <= t < scheduler.vocab for t in body.tokens):
             raise APIError(400, f"tokens: token ids must be in [0, {scheduler.vocab})", param="tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": await run_in_threadpool(tokenizer.decode, body.tokens)}
 
-    @app.get("/metrics")
+    @keyed_routes.get("/metrics", **documented(None, media_type="text/plain"))
     async def prometheus_metrics():
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses={200: {"model": Health}, 503: {"model": Health}})
     async def health():
-        alive = scheduler.running
+        state = "ok" if scheduler.accepting else "draining"
+        state = state if scheduler.running else "stopped"
+        headers = {"Retry-After": str(RETRY_AFTER_DRAINING_S)} if state != "ok" else None
         return JSONResponse(
-            {"status": "ok" if alive else "stopped", "model": model_name, **scheduler.status()}, status_code=200 if alive else 503
+            {"status": state, "model": model_name, **scheduler.status()},
+            status_code=200 if state == "ok" else 503,
+            headers=headers,
         )
 
+    @keyed_routes.get("/openapi.json", include_in_schema=False)
+    async def openapi():
+        return app.openapi()
+
     app.include_router(v1)
-    app.include_router(tokenizer_routes)
+    app.include_router(keyed_routes)
+    schema_of_this_server = partial(
+        server_openapi,
+        app,
+        model_name=model_name,
+        max_context=scheduler.max_context,
+        max_batch=scheduler.max_batch,
+        vocab=scheduler.vocab,
+    )
+    app.openapi = cache(schema_of_this_server)
     return app
 
 
+_BODY_ERRORS = (400, 404, 408, 413)
+_GENERATION_ERRORS = (*_BODY_ERRORS, 429, 500)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
 def _key_check(api_key: str | None):
+    # digests compared in constant time: neither the key's bytes nor its length show in the timing
+    wanted = _digest(api_key) if api_key is not None else None
+
     async def check(authorization: str | None = Header(None)) -> None:
-        if api_key is None:
+        if wanted is None:
             return
         scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), api_key.encode()):
+        if not hmac.compare_digest(_digest(key.strip()), wanted) or scheme.lower() != "bearer":
             raise APIError(
                 401, "Missing or incorrect API key: send the header 'Authorization: Bearer KEY'", code="invalid_api_key"
             )
@@ -229,7 +268,7 @@ def _sampling(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_request: Request, error: APIError):
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_request: Request, error: RequestValidationError):

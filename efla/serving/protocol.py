@@ -42,16 +42,25 @@ MAX_LOGPROBS = 20  # OpenAI's limit on logprobs and top_logprobs
 MAX_CHOICES = 128  # OpenAI's limit on n and best_of
 DEFAULTS_ONLY = ("suffix",)
 MAX_LOGIT_BIAS = 100  # OpenAI's range: -100 to 100
+RETRY_AFTER_BUSY_S = 1  # a full queue: a place frees as soon as one request ends
+RETRY_AFTER_DRAINING_S = 5  # a server shutting down: about the time a replacement takes to start
 
 
 class APIError(Exception):
     """An error answered in OpenAI's shape with an HTTP status."""
 
     def __init__(
-        self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from fastapi import Request as HTTPRequest
 
 from .metrics import Metrics
-from .protocol import APIError
+from .protocol import RETRY_AFTER_BUSY_S, RETRY_AFTER_DRAINING_S, APIError
 from .requests import ErrorEvent, FinishEvent, QueueFull, Request, SamplingParams, ShuttingDown, TokenEvent, TokenLogprob
 from .scheduler import Scheduler
 
@@ -68,9 +68,21 @@ class Run:
         try:
             self.requests = scheduler.submit(prompts, params, on_event, choices)
         except QueueFull as error:
-            raise APIError(429, f"The server is busy: {error}; retry later", type="rate_limit_error", code="queue_full") from None
+            raise APIError(
+                429,
+                f"The server is busy: {error}; retry later",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_BUSY_S)},
+            ) from None
         except ShuttingDown as error:
-            raise APIError(503, f"{error}; retry on another server", type="server_error", code="shutting_down") from None
+            raise APIError(
+                503,
+                f"{error}; retry on another server",
+                type="server_error",
+                code="shutting_down",
+                headers={"Retry-After": str(RETRY_AFTER_DRAINING_S)},
+            ) from None
         except ValueError as error:
             raise APIError(400, str(error), param=str(error).split(":")[0]) from None
         self.choices = [Choice(request) for request in self.requests]

@@ -208,6 +208,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._holding = 0  # requests holding a slot
         self._accepting, self._stopping = True, False
+        self._ending: str | None = None  # end_all's reason, until the loop has ended them
         self._cancellations = False  # some request was cancelled since the last look
         self._free_slots = list(range(max_batch - 1, -1, -1))
         self._prefilling: list[Request] = []
@@ -310,6 +311,18 @@ class Scheduler:
         with self._cond:
             self._accepting = False
 
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def end_all(self, reason: str = "length") -> None:
+        """End every queued and running request at its next step with ``reason``, as a request that
+        reached its end does (its text so far, then a ``FinishEvent``); for a shutdown's end."""
+        with self._cond:
+            self._ending = reason
+            self._cancellations = True  # wakes the loop as a cancellation does
+            self._cond.notify()
+
     def close(self, timeout: float | None = None) -> None:
         """Refuse new requests, end every queued and running one (an error event: the server is
         shutting down) and stop the thread."""
@@ -373,6 +386,7 @@ class Scheduler:
             self._deliver(self._pending)
         self._pending = read
         clock.lap("deliver")
+        self._end_all_now()
         self._drop_cancelled()
         self._admit()
         clock.lap("admit")
@@ -492,6 +506,17 @@ class Scheduler:
                 self._finish(request, "cancelled")
         self._prefilling = [r for r in self._prefilling if not r.done]
         self._forked = [r for r in self._forked if not r.done]
+
+    def _end_all_now(self) -> None:
+        if self._ending is None:
+            return
+        with self._cond:
+            reason, self._ending = self._ending, None
+            waiting, self._waiting = list(self._waiting), deque()
+        for request in itertools.chain(waiting, self._prefilling, self._forked, self._rows):
+            if not request.done:
+                self._finish(request, reason)
+        self._prefilling, self._forked = [], []
 
     def _admit(self) -> None:
         """Waiting requests into free slots, first come first served: a request with its forks when

@@ -104,7 +104,7 @@ def reference(reference_model):
 
 
 class Served:
-    """A running server: its base URL, scheduler and uvicorn server."""
+    """A running server: its base URL, scheduler and uvicorn server (``DrainingServer``)."""
 
     def __init__(self, url: str, scheduler, server):
         self.url, self.scheduler, self.server = url, scheduler, server
@@ -131,11 +131,25 @@ class Served:
 
 
 @contextlib.contextmanager
-def serve(model, tokenizer, *, api_key: str | None = None, prefix_cache=None, chat_template: str | None = None, **options):
-    """A server for ``model`` on a free port of 127.0.0.1, uvicorn in a thread; stopped on exit."""
-    import uvicorn
-
+def serve(
+    model,
+    tokenizer,
+    *,
+    api_key: str | None = None,
+    prefix_cache=None,
+    chat_template: str | None = None,
+    limits=None,
+    app_options: dict | None = None,
+    grace: float = 5.0,
+    send_buffer: int | None = None,
+    **options,
+):
+    """A server for ``model`` on a free port of 127.0.0.1, uvicorn in a thread as ``efla serve`` runs
+    it; stopped on exit. ``limits``: its ``ConnectionLimits``; ``app_options``: ``create_app``'s limits;
+    ``grace``: the drain after ``server.handle_exit``; ``send_buffer``: the sockets' kernel send buffer
+    in bytes (small: a client that does not read fills it soon)."""
     from efla.serving import Scheduler, create_app
+    from efla.serving.server import ConnectionLimits, DrainingServer, server_config
 
     options = {"max_batch": 16, "max_queue": 64, "max_context": 512, **options}
     scheduler = Scheduler(
@@ -146,10 +160,15 @@ def serve(model, tokenizer, *, api_key: str | None = None, prefix_cache=None, ch
         pad_token=tokenizer.pad_token_id,
         **options,
     )
-    app = create_app(scheduler, tokenizer, model_name=MODEL_NAME, api_key=api_key, chat_template=chat_template)
+    app = create_app(
+        scheduler, tokenizer, model_name=MODEL_NAME, api_key=api_key, chat_template=chat_template, **(app_options or {})
+    )
     sock = socket.socket()
+    if send_buffer is not None:  # accepted connections inherit it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    config = server_config(app, limits or ConnectionLimits(), log_level="warning", timeout_graceful_shutdown=5)
+    server = DrainingServer(config, scheduler, grace)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:

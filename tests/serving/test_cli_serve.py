@@ -30,6 +30,10 @@ GOOD_BODY = {"model": MODEL_NAME, "prompt": "def main(", "max_tokens": 4, "tempe
         (["--max-queue", "-1"], "--max-queue"),
         (["--prefill-chunk", "0"], "--prefill-chunk"),
         (["--api-key", " "], "--api-key"),
+        (["--max-body-bytes", "10"], "--max-body-bytes"),
+        (["--read-timeout", "0"], "--read-timeout"),
+        (["--write-timeout", "-1"], "--write-timeout"),
+        (["--max-connections", "0"], "--max-connections"),
     ],
 )
 def test_a_wrong_option_is_one_line_with_status_2(model_dir, capsys, options, option):
@@ -121,6 +125,31 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(model_dir, reference
         assert process.wait(60) == 0
         err = process.stderr.read()
         assert "Traceback" not in err, err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_sigterm_past_the_grace_period_ends_streams_with_length_and_exits_0(model_dir):
+    process, url = _start(model_dir, "--shutdown-timeout", "1")
+    try:
+        body = {**GOOD_BODY, "max_tokens": 4000, "ignore_eos": True, "stream": True}  # longer than the grace
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            first = json.loads(next(lines)[len("data: ") :])
+            process.send_signal(signal.SIGTERM)
+            refused = httpx.post(f"{url}/v1/completions", json=GOOD_BODY, timeout=10)  # the listener is still open
+            rest = [line for line in lines if line]
+        assert refused.status_code == 503 and error_of(refused)["code"] == "shutting_down"
+        assert int(refused.headers["retry-after"]) >= 1
+        assert rest[-1] == "data: [DONE]"
+        chunks = [first] + [json.loads(line[len("data: ") :]) for line in rest[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(1 for c in chunks if c["choices"][0]["finish_reason"] is not None) == 1
+        assert process.wait(60) == 0
+        err = process.stderr.read()
+        assert "Traceback" not in err and "CancelledError" not in err, err
     finally:
         if process.poll() is None:
             process.kill()
