@@ -41,7 +41,7 @@ CONVENTIONS = (
     "throughput / the baseline's; above 1 ours is better: faster, or less memory) with its lowest and "
     "highest round and the number of rounds n. The two sides of a round ran alternated in one process. A table without a "
     "baseline lists plain figures. A run that kept fewer than three rounds, or only medians, is under "
-    "its area's *Spread unknown*: its ratio is one number with no spread, and it is not quoted in the "
+    "its area's *spread unknown*: its medians are listed with no ratio, and it is not quoted in the "
     "README."
 )
 
@@ -204,11 +204,9 @@ def plain_table(metric: str, unit: str, ms: list[dict]) -> list[str]:
 def compared_table(key: tuple, ms: list[dict], run: dict) -> list[str]:
     metric, unit, better, ours, baseline = key
     lines = [f"{metric} ({unit}, {better} is better), {ours} against {baseline}:", ""]
-    if not run["rounds_kept"]:
-        lines += [f"| case | {ours} | {baseline} | ratio (spread unknown) |", "| --- | --- | --- | --- |"]
-        for m in ms:
-            ratio = evidence.ratios(m)[0]
-            lines.append(f"| {m['case']} | {median_cell(m['ours'])} | {median_cell(m['baseline'])} | {ratio:.2f}x |")
+    if not spread_known(run):  # no ratio is quoted without its spread over three rounds or more
+        lines += [f"| case | {ours} | {baseline} |", "| --- | --- | --- |"]
+        lines += [f"| {m['case']} | {median_cell(m['ours'])} | {median_cell(m['baseline'])} |" for m in ms]
         return lines + [""]
     lines += [f"| case | {ours} | {baseline} | ratio | lowest-highest | n |", "| --- | --- | --- | --- | --- | --- |"]
     for m in ms:
@@ -261,7 +259,8 @@ def render_area(title: str, about: str, runs: list[tuple[str, dict]]) -> list[st
         lines += [
             f"### {title}: spread unknown",
             "",
-            "These runs kept fewer than three rounds or only medians: one ratio each, no spread.",
+            "These runs kept fewer than three rounds or only medians: their medians are listed as measured, "
+            "and no ratio is quoted until a run of three rounds or more measures its spread.",
             "",
         ]
         for path, run in unknown:

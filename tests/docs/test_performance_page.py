@@ -156,3 +156,10 @@ def test_the_readme_quotes_the_latest_headline_run_and_no_diagnostics(tree):
     block = readme[readme.index(report.START) : readme.index(report.END)]
     assert "| four rounds |" in block
     assert "older four rounds" not in block and "slot counts" not in block
+
+
+def test_a_run_without_a_known_spread_quotes_no_ratio(tree):
+    page = _outputs(tree)[str(tree / "performance.md")]
+    two_rounds = page[page.index("#### two rounds") :]
+    assert "| case C | 1 | 2 |" in two_rounds
+    assert "x |" not in two_rounds.split("####")[1]
