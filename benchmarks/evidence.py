@@ -81,6 +81,15 @@ def library_versions() -> dict:
     return found
 
 
+# Variables that change what a benchmark measures, named in its record when set
+SETTINGS = ("EFLA_", "OMP_", "MKL_", "ONEDNN_", "DNNL_", "MALLOC_", "TORCH_", "TRITON_", "CUDA_VISIBLE_DEVICES", "PYTHONMALLOC")
+
+
+def _setting_notes() -> list[str]:
+    found = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(SETTINGS))
+    return [f"set in the environment: {' '.join(found)}"] if found else []
+
+
 def measurement(
     case: str, metric: str, unit: str, better: str, ours: tuple[str, list], baseline: tuple[str, list] | None
 ) -> dict:
@@ -107,7 +116,7 @@ def write_run(
         "command": shlex.join(["python", os.path.relpath(sys.argv[0], root), *(sys.argv[1:] if argv is None else argv)]),
         "rounds": rounds,
         "rounds_kept": True,
-        "notes": list(notes) + [f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}"],
+        "notes": list(notes) + _setting_notes() + [f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}"],
         "measurements": measurements,
     }
     check_run(run, path)
