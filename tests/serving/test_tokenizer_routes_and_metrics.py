@@ -63,6 +63,11 @@ def _metrics(url: str) -> dict[str, float]:
     return {s.name: s.value for family in text_string_to_metric_families(response.text) for s in family.samples}
 
 
+def _observations(metrics: dict[str, float], histogram: str) -> float:
+    """How many values a latency histogram took in (its count, not a duration)."""
+    return metrics[f"{histogram}_seconds_count"]
+
+
 def test_metrics_follow_the_requests_served(loaded, reference):
     from efla.serving import PrefixCache
 
@@ -78,7 +83,7 @@ def test_metrics_follow_the_requests_served(loaded, reference):
         assert after["efla_prompt_tokens_total"] == 2 * prompt_tokens
         assert after["efla_generation_tokens_total"] == sum(r.usage.completion_tokens for r in responses)
         assert after["efla_prefix_cache_queries_total"] == 2 and after["efla_prefix_cache_hits_total"] == 1
-        assert after["efla_time_to_first_token_seconds_count"] == 2
-        assert after["efla_time_per_output_token_seconds_count"] == sum(r.usage.completion_tokens > 1 for r in responses)
+        assert _observations(after, "efla_time_to_first_token") == 2
+        assert _observations(after, "efla_time_per_output_token") == sum(r.usage.completion_tokens > 1 for r in responses)
         assert after["efla_slots_in_use"] == 0
         assert _metrics(other.url)["efla_prompt_tokens_total"] == 0  # each app counts its own
