@@ -103,14 +103,59 @@ def test_gpu_ops_compares_what_ran_every_round(bench):
     _checked(ev, 3, found)
 
 
-def test_serve_load_pairs_the_server_with_static_batching_round_by_round(bench):
-    def server(tps, itl):
-        return dict(stage="server, 8 streams", requests=16, tokens_per_s=tps, ttft_ms=[1.0, 2.0], itl_ms=itl, tpot_ms=[3.0, 4.0])
+def test_serve_load_pairs_each_server_side_with_the_faster_static_order_round_by_round(bench):
+    import types
 
-    static = [dict(stage="static generate, batches of 8", requests=16, tokens_per_s=t) for t in (50.0, 40.0, 100.0)]
-    closed = [server(100.0, [1.0, 5.0]), server(120.0, [2.0, 4.0]), server(50.0, [1.0, 3.0])]
-    found = bench["serve_load"].measurements(closed, static)
-    assert bench["evidence"].ratios(found[0]) == [2.0, 3.0, 0.5]
-    assert _by(found, "inter-token latency, p99", "server")["ours"]["rounds"] == [5.0, 4.0, 3.0]
-    assert bench["serve_load"].median_row(closed)["itl_ms"] == [1.0, 4.0]
-    _checked(bench["evidence"], 3, found)
+    def static(kind, tps, prefill, decode):
+        return dict(kind=kind, tokens_per_s=tps, prefill_tokens_per_s=prefill, decode_tokens_per_s=decode)
+
+    def server(kind, tps, itl, deliver):
+        phases = dict(decode=1.0, deliver=deliver, admit=0.0, prefill=2.0, rebuild=0.5, total=3.5 + deliver)
+        latency = dict(ttft_ms=[1.0, 2.0], itl_ms=itl, itl_p99_over_p50=itl[1] / itl[0], tpot_ms=[3.0, 4.0])
+        return dict(kind=kind, tokens_per_s=tps, loop_ms_per_step=phases, **latency)
+
+    arrival, ordered, closed, http = [50.0, 40.0, 100.0], [60.0, 30.0, 80.0], [100.0, 120.0, 50.0], [30.0, 40.0, 50.0]
+    rounds = [
+        [
+            static("static-arrival", arrival[r], 1000.0 + r, 10.0),
+            static("static-sorted", ordered[r], 900.0, 20.0 + r),
+            server("server", closed[r], [1.0, [5.0, 4.0, 3.0][r]], 4.0 + r),
+            server("http", http[r], [2.0, 4.0], 8.0),
+        ]
+        + ([dict(kind="rates", tokens_per_s=7.0)] if r == 0 else [])
+        for r in range(3)
+    ]
+    serve_load, ev = bench["serve_load"], bench["evidence"]
+    found = serve_load.measurements(rounds, types.SimpleNamespace(concurrency=8, waves=2))
+    assert found[0]["case"] == "16 requests, 8 streams against batches of 8"
+    in_process = _by(found, "output throughput", "efla serve's scheduler (in process)")
+    # the faster order each round: 60 (sorted), 40 (arrival), 100 (arrival)
+    assert in_process["baseline"] == {"name": "static generate, the faster order of the round", "rounds": [60.0, 40.0, 100.0]}
+    assert ev.ratios(in_process) == pytest.approx([100 / 60, 3.0, 0.5])
+    assert ev.ratios(_by(found, "output throughput", "efla serve over HTTP (streaming clients)")) == pytest.approx(
+        [0.5, 1.0, 0.5]
+    )
+    assert ev.ratios(_by(found, "output throughput", "static generate, sorted by output length")) == [1.2, 0.75, 0.8]
+    assert _by(found, "decode throughput (prefill and first tokens taken out)", "static generate, sorted by output length")[
+        "ours"
+    ]["rounds"] == [20.0, 21.0, 22.0]
+    assert _by(found, "inter-token latency, p99 / p50", "efla serve's scheduler (in process)")["ours"]["rounds"] == [
+        5.0,
+        4.0,
+        3.0,
+    ]
+    deliver = _by(found, "scheduler loop per decoding step, deliver", "efla serve's scheduler (in process)")
+    assert deliver["ours"]["rounds"] == [4.0, 5.0, 6.0] and deliver["baseline"] is None
+    lines, checks = serve_load.targets(rounds)
+    assert checks["server"]["throughput_vs_static"] == {
+        "value": 100 / 60,
+        "rounds": pytest.approx([100 / 60, 3.0, 0.5]),
+        "pass": True,
+    }
+    assert checks["http"]["throughput_vs_static"]["value"] == 0.5 and not checks["http"]["throughput_vs_static"]["pass"]
+    assert checks["server"]["itl_p99_over_p50"] == {"value": 4.0, "rounds": [5.0, 4.0, 3.0], "pass": False}
+    assert checks["http"]["itl_p99_over_p50"]["pass"]  # 2.0 <= 3
+    assert lines[0].startswith("- efla serve's scheduler (in process): 1.67x (0.50-3.00x over 3 rounds)") and lines[0].endswith(
+        "PASS"
+    )
+    _checked(ev, 3, found)
