@@ -65,6 +65,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -90,6 +91,7 @@ NAMES = {
 }
 BEST_STATIC = "static generate, the faster order of the round"
 MODEL_NAME = "bench"  # the served model's name in the HTTP stage
+STAGE_TIMEOUT_S = 600  # a stage that hangs ends (failed) before a visit's time limit takes the rest
 
 
 @dataclass
@@ -184,7 +186,8 @@ class Stage:
         pass
 
     def wait(self) -> float:
-        self.done.wait()
+        if not self.done.wait(STAGE_TIMEOUT_S):
+            raise RuntimeError(f"{len(self.jobs) - self.ended} of {len(self.jobs)} requests did not end in {STAGE_TIMEOUT_S} s")
         return time.perf_counter() - self.start
 
 
@@ -475,24 +478,37 @@ class ProfiledScheduler(Scheduler):
     window = (100, 50)
 
     def _run(self) -> None:
-        from torch.profiler import ProfilerActivity, profile, schedule
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.engine.device.type == "cuda" else [])
-        skipped, recorded = self.window
-        self.torch_ops = None
-        plan = schedule(wait=max(skipped - 1, 0), warmup=1, active=recorded, repeat=1)
+        self.torch_ops, self.torch_error = None, None
         self.python_profile = cProfile.Profile()
-        with profile(activities=activities, schedule=plan, on_trace_ready=self._keep_ops) as self.torch_profile:
+        with contextlib.ExitStack() as stack:
+            self.torch_profile = self._start_torch_profile(stack)
             self.python_profile.enable()
             try:
                 super()._run()
             finally:
                 self.python_profile.disable()
 
+    def _start_torch_profile(self, stack: contextlib.ExitStack):
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.engine.device.type == "cuda" else [])
+        skipped, recorded = self.window
+        plan = schedule(wait=max(skipped - 1, 0), warmup=1, active=recorded, repeat=1)
+        try:
+            return stack.enter_context(profile(activities=activities, schedule=plan, on_trace_ready=self._keep_ops))
+        except Exception as error:  # the loop goes on without it (an exception here would end the thread)
+            self.torch_error = f"{type(error).__name__}: {error}"
+            return None
+
     def _iterate(self) -> None:
         super()._iterate()
+        if self.torch_profile is None:
+            return
         self.python_profile.disable()  # the torch profiler's own work (at its window's end: its events) is not the loop's
-        self.torch_profile.step()
+        try:
+            self.torch_profile.step()
+        except Exception as error:  # as above: keep the loop, lose the torch profile
+            self.torch_profile, self.torch_error = None, f"{type(error).__name__}: {error}"
         self.python_profile.enable()
 
     def _keep_ops(self, profiler) -> None:
@@ -562,7 +578,9 @@ def profile_stage(model, tokenizer, args, jobs: list[Job]) -> dict:
     return dict(
         row | split,
         python=python_top(scheduler.python_profile, max(split["steps"], 1), args.profile_top),
-        torch_window=dict(skipped=skipped, recorded=recorded, reached=scheduler.torch_ops is not None),
+        torch_window=dict(
+            skipped=skipped, recorded=recorded, reached=scheduler.torch_ops is not None, error=scheduler.torch_error
+        ),
         torch_ops=torch_top(scheduler.torch_ops, recorded, args.profile_top),
     )
 
@@ -618,25 +636,34 @@ def same_output(reference: list[Job], stages: dict[str, list[Job]], tokenizer) -
 # -- one round ----------------------------------------------------------------------------------------
 
 
-def run_round(model, tokenizer, args, requests: list[Job], rng: random.Random, first: bool) -> tuple[list[dict], dict]:
+def run_round(model, tokenizer, args, requests: list[Job], rng: random.Random, first: bool, failures: list[str]):
     """Every stage of ``--stages`` once (the rates stage in the first round only) on fresh copies of
-    ``requests``; the rows, and per stage the requests whose output differs from the reference's
-    (static batching in arrival order, else the server in process)."""
-    rows, outputs = [], {}
-    if "static" in args.stages:
-        outputs[ARRIVAL], outputs[SORTED] = fresh(requests), fresh(requests)
-        rows += static_stages(model, outputs, args)
+    ``requests``. Returns the rows, and per stage the requests whose output differs from the
+    reference's (static batching in arrival order, else the server in process). A stage that fails
+    is added to ``failures`` and the others go on (the round keeps what ran)."""
     rates = args.rates if first and "rates" in args.stages else []
+    stages = []
+    if "static" in args.stages:
+        stages.append(
+            ("static", {ARRIVAL: fresh(requests), SORTED: fresh(requests)}, lambda jobs: static_stages(model, jobs, args))
+        )
     if "server" in args.stages or rates:
-        jobs = fresh(requests)
-        rows += server_stages(model, tokenizer, args, rng, jobs, rates)
-        if "server" in args.stages:
-            outputs[SERVER] = jobs
-        gc.collect()
+        stages.append(
+            ("server", {SERVER: fresh(requests)}, lambda jobs: server_stages(model, tokenizer, args, rng, jobs[SERVER], rates))
+        )
     if "http" in args.stages:
-        outputs[HTTP] = fresh(requests)
-        rows.append(http_stage(model, tokenizer, args, outputs[HTTP]))
+        stages.append(("http", {HTTP: fresh(requests)}, lambda jobs: [http_stage(model, tokenizer, args, jobs[HTTP])]))
+    rows, outputs = [], {}
+    for name, jobs, run in stages:
+        try:
+            rows += run(jobs)
+            outputs |= jobs
+        except Exception as error:  # a visit's minutes are few: keep the other stages' results
+            traceback.print_exc()
+            failures.append(f"{name} stage: {type(error).__name__}: {error}")
         gc.collect()
+    if "server" not in args.stages:
+        outputs.pop(SERVER, None)  # the scheduler ran only the rates stage
     reference = outputs.get(ARRIVAL) or outputs.get(SERVER)
     if reference is None:
         return rows, {}
@@ -840,20 +867,38 @@ def profile_lines(profile: dict | None, shown: int = 12) -> list[str]:
     return lines
 
 
-def report_lines(info: dict, rows: list[dict], differing: list[dict], target_text: list[str], profile: dict | None) -> list[str]:
-    lines = ["# Serving load", "", *(f"- {k}: {v}" for k, v in info.items()), "", *stage_table(rows), ""]
+@dataclass
+class Results:
+    """What the run has measured so far."""
+
+    info: dict
+    rounds: list[list[dict]] = field(default_factory=list)  # each round's rows
+    differing: list[dict] = field(default_factory=list)  # each round's requests whose output differs, per stage
+    failures: list[str] = field(default_factory=list)
+    profile: dict | None = None
+
+    @property
+    def rows(self) -> list[dict]:
+        return [row for rows in self.rounds for row in rows]
+
+
+def report_lines(results: Results, target_text: list[str]) -> list[str]:
+    rows = results.rows
+    lines = ["# Serving load", "", *(f"- {k}: {v}" for k, v in results.info.items()), "", *stage_table(rows), ""]
     lines += ["## Static batching: prefill and decoding apart", "", *static_table(rows), ""]
     lines += ["## The scheduler's loop per decoding step", "", *loop_table(rows), ""]
     lines += ["## Outputs", ""]
-    for r, found in enumerate(differing):
+    for r, found in enumerate(results.differing):
         counts = ", ".join(f"{NAMES[k]} {n}" for k, n in found.items()) or "nothing compared"
         lines.append(f"- round {r}: requests whose output differs from the reference's: {counts}")
     short = [r for r in rows if r["output_tokens"] != r["expected_tokens"]]
     lines.append(f"- stages whose output tokens differ from their requests' max_tokens: {len(short)}")
-    return [*lines, "", "## Targets", "", *target_text, "", *profile_lines(profile)]
+    lines += [f"- FAILED: {failure}" for failure in results.failures]
+    return [*lines, "", "## Targets", "", *target_text, "", *profile_lines(results.profile)]
 
 
-def run_notes(info: dict, rows: list[dict], differing: list[dict]) -> list[str]:
+def run_notes(results: Results) -> list[str]:
+    info, rows = results.info, results.rows
     open_loop = [
         f"server in process, Poisson arrivals at {r['rate']} requests/s (first round only): {r['tokens_per_s']:,.0f} tokens/s"
         for r in rows
@@ -869,26 +914,33 @@ def run_notes(info: dict, rows: list[dict], differing: list[dict]) -> list[str]:
         *open_loop,
         *([f"HTTP clients' busiest process's CPU share of its run, per round: {', '.join(clients)}"] if clients else []),
         "requests whose output differs from the reference's (static batching in arrival order), per round: "
-        + "; ".join(", ".join(f"{k} {n}" for k, n in found.items()) for found in differing),
+        + "; ".join(", ".join(f"{k} {n}" for k, n in found.items()) for found in results.differing),
+        *(f"failed: {failure}" for failure in results.failures),
     ]
 
 
-def write_outputs(args, info: dict, rounds: list[list[dict]], differing: list[dict], profile: dict | None) -> None:
+def write_outputs(args, results: Results) -> None:
     from efla.records import atomic_write, atomic_write_json
 
-    rows = [row for round_rows in rounds for row in round_rows]
-    target_text, checks = targets(rounds)
-    lines = report_lines(info, rows, differing, target_text, profile)
-    atomic_write(os.path.join(args.out, "serve_load.md"), "\n".join(lines) + "\n")
-    record = dict(info=info, rows=rows, differing_outputs=differing, targets=checks, profile=profile)
+    target_text, checks = targets(results.rounds)
+    atomic_write(os.path.join(args.out, "serve_load.md"), "\n".join(report_lines(results, target_text)) + "\n")
+    record = dict(
+        info=results.info,
+        rows=results.rows,
+        differing_outputs=results.differing,
+        failures=results.failures,
+        targets=checks,
+        profile=results.profile,
+    )
     atomic_write_json(os.path.join(args.out, "serve_load.json"), record)
-    if profile:
-        atomic_write_json(os.path.join(args.out, "serve_profile.json"), profile)
-    found = measurements(rounds, args)
+    if results.profile:
+        atomic_write_json(os.path.join(args.out, "serve_profile.json"), results.profile)
+    found = measurements(results.rounds, args)
     if found:
-        title = f"Serving load, {info['model']}"
-        notes = run_notes(info, rows, differing)
-        write_run(os.path.join(args.out, "serve_load_run.json"), "serve_load", title, len(rounds), found, notes)
+        title = f"Serving load, {results.info['model']}"
+        write_run(
+            os.path.join(args.out, "serve_load_run.json"), "serve_load", title, len(results.rounds), found, run_notes(results)
+        )
 
 
 # -- the command --------------------------------------------------------------------------------------
@@ -1022,18 +1074,22 @@ def main(argv=None) -> int:
         threads=torch.get_num_threads(),
     )
     print(f"{info['model']} on {args.device} ({args.dtype}): stages {info['stages']}, {args.rounds} rounds", flush=True)
-    rounds, differing, profile = [], [], None
+    results = Results(info)
     for r in range(args.rounds):
-        rows, found = run_round(model, tokenizer, args, requests, rng, first=r == 0)
-        rounds.append([dict(row, round=r) for row in rows])
-        differing.append(found)
-        write_outputs(args, info, rounds, differing, profile)  # a run stopped early keeps the rounds it ended
+        rows, differing = run_round(model, tokenizer, args, requests, rng, r == 0, results.failures)
+        results.rounds.append([dict(row, round=r) for row in rows])
+        results.differing.append(differing)
+        write_outputs(args, results)  # a run stopped early keeps the rounds it ended
     if "profile" in args.stages:
-        profile = profile_stage(model, tokenizer, args, fresh(requests))
-        write_outputs(args, info, rounds, differing, profile)
+        try:
+            results.profile = profile_stage(model, tokenizer, args, fresh(requests))
+        except Exception as error:  # the rounds are written; report the profile's failure with them
+            traceback.print_exc()
+            results.failures.append(f"profile stage: {type(error).__name__}: {error}")
+        write_outputs(args, results)
     with open(os.path.join(args.out, "serve_load.md")) as f:
         print(f.read(), flush=True)
-    return 0
+    return 1 if results.failures else 0
 
 
 if __name__ == "__main__":

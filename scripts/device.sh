@@ -21,7 +21,14 @@
 #   model     benchmarks/gpu_model.py: 340M and 1.3B training steps against fla's models (MODEL_ARGS
 #             replaces its options, e.g. "--sizes 1.3b --models fla,efla,efla+triton")
 #   generate  benchmarks/gpu_generate.py: generation speed (340M), then the kernel and profile stages
-#   serve     benchmarks/serve_load.py: the server's scheduler under load beside static batching
+#   serve     benchmarks/serve_load.py, 340M, 512 requests at 256 streams, 3 rounds: static batching in arrival
+#             order and sorted by output length (every batch run once untimed first; prefill timed apart),
+#             the scheduler in process, efla serve over HTTP with streaming client processes (fastapi,
+#             starlette, pydantic, uvicorn: carry their wheels in .whl/; without them the phase runs the other
+#             stages), the rates stage (64/s, all at once) and the profile stage; SERVE_ARGS: more of its options.
+#             Run it with LIMIT=420: about 200 s estimated (a round's static runs about 7 s warm, the first
+#             round's warm-up up to 30 s of compiling and tuning, each server stage's capture a few seconds);
+#             it writes its files after every round, so a run stopped at the limit keeps the rounds it ended
 #   distributed  benchmarks/gpu_distributed.py over every GPU of the machine (nvidia-h200-x2 or more):
 #             DIST_ARGS picks stages and sizes (e.g. "--stages ddp,resume,cp --budget 420"; LIMIT=560);
 #             it trains on .devdata/corpus, git-ignored: carry it after
@@ -62,7 +69,13 @@ run_phase() {
     stages) python3 benchmarks/gpu_stages.py --out "$OUT/stages" ${STAGES_ARGS:-} ;;
     model) python3 benchmarks/gpu_model.py ${MODEL_ARGS:---sizes 340m,1.3b} --out "$OUT/model" ;;
     generate) python3 benchmarks/gpu_generate.py --sizes 340m --stages speed,kernel,profile --out "$OUT/generate" ;;
-    serve) python3 benchmarks/serve_load.py --rates 64,inf --requests 512 --out "$OUT/serve" ;;
+    serve) stages=static,server,http,rates,profile
+           python3 -c "import fastapi, uvicorn, httpx, prometheus_client, jinja2" 2>/dev/null || {
+             echo "device.sh: no HTTP stack (carry the wheels of fastapi, starlette, pydantic, uvicorn): serve runs without its http stage"
+             stages=static,server,rates,profile
+           }
+           python3 benchmarks/serve_load.py --concurrency 256 --waves 2 --requests 512 --rates 64,inf --rounds 3 \
+             --stages "$stages" --out "$OUT/serve" ${SERVE_ARGS:-} ;;
     distributed) python3 benchmarks/gpu_distributed.py --data .devdata/corpus --out "$OUT/distributed" \
                    --nproc "$(nvidia-smi -L | wc -l)" ${DIST_ARGS:-} ;;
     *) echo "device.sh: unknown phase $1 (tests, gentests, optests, ops, stages, model, generate, serve, distributed)"; return 2 ;;
