@@ -96,11 +96,15 @@ AREAS = (
     Area(
         "Serving",
         ("serve_load",),
-        "`benchmarks/serve_load.py`: the scheduler of `efla serve` driven in process, without HTTP "
-        "(no network, no JSON encoding), under Poisson arrivals and with a fixed number of streams, "
-        "beside static batches through `efla.generation.generate` on the same requests. Static "
-        "batching's tokens/s counts each request's own output only. Latencies are from a request's "
-        "arrival (time to first token) and between its tokens as handed out.",
+        "`benchmarks/serve_load.py`: the scheduler of `efla serve` driven in process (no network, no "
+        "JSON encoding) and `efla serve`'s app over HTTP on a loopback port with streaming clients in "
+        "processes of their own, with a fixed number of streams (and under Poisson arrivals, in process), "
+        "beside static batches through `efla.generation.generate` on the same requests, in arrival order "
+        "and sorted by output length, every batch run once untimed first. A run without an HTTP or a "
+        "sorted side was recorded before the benchmark had them (its static side then included the "
+        "compilation of its second batch's shapes). Static batching's tokens/s counts each request's own "
+        "output only. Latencies are from a request's arrival (time to first token) and between its tokens "
+        "as handed out (over HTTP, as the client reads them).",
     ),
     Area(
         "CPU ops",
