@@ -91,7 +91,7 @@ NAMES = {
 }
 BEST_STATIC = "static generate, the faster order of the round"
 MODEL_NAME = "bench"  # the served model's name in the HTTP stage
-STAGE_TIMEOUT_S = 600  # a stage that hangs ends (failed) before a visit's time limit takes the rest
+STAGE_TIMEOUT_S = 300  # a stage at 256 streams ends in seconds on a GPU
 
 
 @dataclass
@@ -186,7 +186,7 @@ class Stage:
         pass
 
     def wait(self) -> float:
-        if not self.done.wait(STAGE_TIMEOUT_S):
+        if not self.done.wait(STAGE_TIMEOUT_S):  # ended (failed) before a visit's time limit takes the other stages
             raise RuntimeError(f"{len(self.jobs) - self.ended} of {len(self.jobs)} requests did not end in {STAGE_TIMEOUT_S} s")
         return time.perf_counter() - self.start
 
@@ -322,7 +322,7 @@ def http_server(scheduler: Scheduler, tokenizer, model_name: str):
     thread.start()
     while not server.started:
         if not thread.is_alive():
-            raise RuntimeError("serve_load.py: the HTTP server did not start")
+            raise RuntimeError("the HTTP server did not start")
         time.sleep(0.01)
     try:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -332,23 +332,28 @@ def http_server(scheduler: Scheduler, tokenizer, model_name: str):
         sock.close()
 
 
-def start_clients(url: str, jobs: list[Job], args) -> list[subprocess.Popen]:
+@contextlib.contextmanager
+def client_processes(url: str, jobs: list[Job], args):
     """``--http-clients`` processes, each with every n-th job and its share of the streams, warmed up
-    (connections open) and waiting for the word to start."""
+    (connections open) and waiting for the word to start; any still running at the end are killed."""
     count = min(args.http_clients, args.concurrency)
     clients = []
-    for i in range(count):
-        share = jobs[i::count]
-        streams = args.concurrency // count + (i < args.concurrency % count)
-        config = dict(url=url, model=MODEL_NAME, streams=streams, jobs=[[j.prompt, j.output] for j in share])
-        client = subprocess.Popen([sys.executable, CLIENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        client.stdin.write(json.dumps(config) + "\n")
-        client.stdin.flush()
-        clients.append(client)
-    for client in clients:
-        if client.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"serve_load.py: a client process did not start (exit status {client.wait()})")
-    return clients
+    try:
+        for i in range(count):
+            streams = args.concurrency // count + (i < args.concurrency % count)
+            config = dict(url=url, model=MODEL_NAME, streams=streams, jobs=[[j.prompt, j.output] for j in jobs[i::count]])
+            clients.append(subprocess.Popen([sys.executable, CLIENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            clients[-1].stdin.write(json.dumps(config) + "\n")
+            clients[-1].stdin.flush()
+        for client in clients:
+            if client.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a client process did not start (exit status {client.wait()})")
+        yield clients
+    finally:
+        for client in clients:
+            if client.poll() is None:
+                client.kill()
+                client.wait()
 
 
 def run_clients(clients: list[subprocess.Popen], jobs: list[Job]) -> tuple[float, list[float]]:
@@ -361,7 +366,7 @@ def run_clients(clients: list[subprocess.Popen], jobs: list[Job]) -> tuple[float
     for client in clients:
         line = client.stdout.readline()
         if client.wait() != 0 or not line:
-            raise RuntimeError(f"serve_load.py: a client process failed (exit status {client.returncode})")
+            raise RuntimeError(f"a client process failed (exit status {client.returncode})")
         reports.append(json.loads(line))
     count = len(clients)
     for i, report in enumerate(reports):
@@ -374,13 +379,15 @@ def run_clients(clients: list[subprocess.Popen], jobs: list[Job]) -> tuple[float
 
 def http_stage(model, tokenizer, args, jobs: list[Job]) -> dict:
     scheduler = new_scheduler(model, tokenizer, args)
-    with http_server(scheduler, tokenizer, MODEL_NAME) as url:
-        clients = start_clients(url, jobs, args)
-        reset_memory(args)
-        before = loop_counters(scheduler)
-        seconds, client_cpu = run_clients(clients, jobs)
-        label = f"server over HTTP, {args.concurrency} streams from {len(clients)} client processes"
-        row = stage_row(HTTP, label, jobs, seconds, "closed loop", args) | loop_split(scheduler, before)
+    try:
+        with http_server(scheduler, tokenizer, MODEL_NAME) as url, client_processes(url, jobs, args) as clients:
+            reset_memory(args)
+            before = loop_counters(scheduler)
+            seconds, client_cpu = run_clients(clients, jobs)
+            label = f"server over HTTP, {args.concurrency} streams from {len(clients)} client processes"
+            row = stage_row(HTTP, label, jobs, seconds, "closed loop", args) | loop_split(scheduler, before)
+    finally:
+        scheduler.close()  # stopping the server closes it too, unless the server never started
     log(row)
     return dict(row, client_cpu_share=client_cpu)
 
@@ -435,8 +442,8 @@ def static_stage(model, kind: str, plan: list[list[Job]], args) -> dict:
         out, seconds = timed_generate(model, ids, mask, longest, args)
         whole += seconds
         padded += longest * len(batch)
-        for row, job in enumerate(batch):
-            job.tokens = out[row, ids.shape[1] : ids.shape[1] + job.output].tolist()
+        for job, tokens in zip(batch, out[:, ids.shape[1] :].tolist()):
+            job.tokens = tokens[: job.output]
             job.counted = len(job.tokens)
     jobs = [j for batch in plan for j in batch]
     row = stage_row(kind, f"{NAMES[kind]}, batches of {args.concurrency}", jobs, whole, "-", args)
@@ -538,14 +545,14 @@ def function_name(where: tuple[str, int, str]) -> str:
     return f"{short}:{line}({name})"
 
 
-def torch_top(ops, steps: int, top: int) -> list[dict]:
-    """torch's ops over the recorded iterations with the most host time of their own, per iteration."""
+def torch_top(ops, steps: int, top: int) -> dict:
+    """torch's ops over the recorded iterations with the most host time of their own, and with the most
+    device time of their own (kernels), per iteration."""
     if ops is None:
-        return []
+        return {"by_host_time": [], "by_device_time": []}
 
-    def device_us(event, total: bool) -> float:
-        names = ("device_time_total", "cuda_time_total") if total else ("self_device_time_total", "self_cuda_time_total")
-        return next((getattr(event, n) for n in names if hasattr(event, n)), 0.0)
+    def device_us(event) -> float:  # named self_cuda_time_total before torch 2.4
+        return next((getattr(event, n) for n in ("self_device_time_total", "self_cuda_time_total") if hasattr(event, n)), 0.0)
 
     rows = [
         dict(
@@ -553,11 +560,15 @@ def torch_top(ops, steps: int, top: int) -> list[dict]:
             calls=e.count,
             self_host_ms_per_step=e.self_cpu_time_total / 1e3 / steps,
             host_ms_per_step=e.cpu_time_total / 1e3 / steps,
-            self_device_ms_per_step=device_us(e, False) / 1e3 / steps,
+            self_device_ms_per_step=device_us(e) / 1e3 / steps,
         )
         for e in ops
     ]
-    return sorted(rows, key=lambda r: -r["self_host_ms_per_step"])[:top]
+    on_device = [r for r in rows if r["self_device_ms_per_step"] > 0]
+    return {
+        "by_host_time": sorted(rows, key=lambda r: -r["self_host_ms_per_step"])[:top],
+        "by_device_time": sorted(on_device, key=lambda r: -r["self_device_ms_per_step"])[:top],
+    }
 
 
 def profile_stage(model, tokenizer, args, jobs: list[Job]) -> dict:
@@ -843,28 +854,38 @@ def loop_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def python_table(title: str, rows: list[dict]) -> list[str]:
+    lines = ["", title, "", "| function | calls | own ms / step | in all ms / step |", "| --- | --- | --- | --- |"]
+    return lines + [
+        f"| `{r['function']}` | {r['calls']} | {r['self_ms_per_step']:.3f} | {r['total_ms_per_step']:.3f} |" for r in rows
+    ]
+
+
+def torch_table(title: str, rows: list[dict]) -> list[str]:
+    if not rows:  # no device ops on the CPU
+        return []
+    lines = ["", title, "", "| op | calls | host own ms | host in all ms | device own ms |", "| --- | --- | --- | --- | --- |"]
+    return lines + [
+        f"| `{r['op']}` | {r['calls']} | {r['self_host_ms_per_step']:.3f} | {r['host_ms_per_step']:.3f} | "
+        f"{r['self_device_ms_per_step']:.3f} |"
+        for r in rows
+    ]
+
+
 def profile_lines(profile: dict | None, shown: int = 12) -> list[str]:
     if not profile:
         return []
     lines = ["## Profile of the server in process", ""]
     lines += [f"- {profile['stage']}: {profile['tokens_per_s']:,.0f} tokens/s under the profilers, {profile['steps']} steps", ""]
-    lines += loop_table([dict(profile, round="profile")]) + ["", "Python, by time of its own (ms per decoding step):", ""]
-    lines += ["| function | calls | own ms / step | in all ms / step |", "| --- | --- | --- | --- |"]
-    for r in profile["python"]["by_self_time"][:shown]:
-        lines.append(f"| `{r['function']}` | {r['calls']} | {r['self_ms_per_step']:.3f} | {r['total_ms_per_step']:.3f} |")
-    window = profile["torch_window"]
-    lines += [
-        "",
-        f"torch ops over iterations {window['skipped']} to {window['skipped'] + window['recorded']} (ms per iteration):",
-        "",
-    ]
-    lines += ["| op | calls | host own ms | host in all ms | device own ms |", "| --- | --- | --- | --- | --- |"]
-    for r in profile["torch_ops"][:shown]:
-        lines.append(
-            f"| `{r['op']}` | {r['calls']} | {r['self_host_ms_per_step']:.3f} | {r['host_ms_per_step']:.3f} | "
-            f"{r['self_device_ms_per_step']:.3f} |"
-        )
-    return lines
+    lines += loop_table([dict(profile, round="profile")])
+    lines += python_table("Python, by time of its own (ms per decoding step):", profile["python"]["by_self_time"][:shown])
+    lines += python_table("Python, by time in all (ms per decoding step):", profile["python"]["by_total_time"][:shown])
+    window, ops = profile["torch_window"], profile["torch_ops"]
+    where = f"over iterations {window['skipped']} to {window['skipped'] + window['recorded']} (ms per iteration)"
+    if not window["reached"]:
+        return [*lines, "", f"torch's profiler recorded nothing {where}: {window['error'] or 'the run had fewer iterations'}"]
+    lines += torch_table(f"torch ops by host time of their own, {where}:", ops["by_host_time"][:shown])
+    return lines + torch_table(f"torch ops by device time of their own, {where}:", ops["by_device_time"][:shown])
 
 
 @dataclass
