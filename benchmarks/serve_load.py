@@ -1110,6 +1110,7 @@ def main(argv=None) -> int:
         write_outputs(args, results)
     with open(os.path.join(args.out, "serve_load.md")) as f:
         print(f.read(), flush=True)
+    print("\n".join(["Summary:", *targets(results.rounds)[0], *(f"FAILED: {f}" for f in results.failures)]), flush=True)
     return 1 if results.failures else 0
 
 
