@@ -42,11 +42,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from efla.generation import choose_tokens
+from efla.generation.speculative import speculative_config
 
 from .logprobs import ServingEngine, logprobs_of, prompt_logprobs, token_logprob
 from .prefill import ROW_TOKENS, plan_rounds, plan_rows, run_round, run_rows, to_device
 from .prefix_cache import PrefixCache
 from .processors import RowProcessors, uses_processors
+from .speculation import SpeculativeRounds
 from .requests import ErrorEvent, FinishEvent, QueueFull, Request, SamplingParams, ShuttingDown, TokenEvent, TokenLogprob
 from .states import copy_row, has_attention_layers, restore_row, snapshot_row
 from .structured import new_matcher
@@ -156,6 +158,9 @@ class Scheduler:
         seed: seeds the noise of unseeded sampling requests.
         use_cuda_graph: replay captured steps on CUDA (default: on CUDA); all buckets are captured
             when the scheduler starts.
+        speculate: speculative decoding, as ``efla.generation.generate``'s ``speculate`` (a dict of
+            ``SpeculativeConfig``'s fields or one; ``None``: off): each decoding iteration is then one
+            speculative round (``efla.serving.speculation``).
     """
 
     def __init__(
@@ -173,6 +178,7 @@ class Scheduler:
         pad_token: int | None = None,
         seed: int | None = None,
         use_cuda_graph: bool | None = None,
+        speculate=None,
     ):
         default_chunk, default_every = prefill_defaults(next(model.parameters()).device)
         prefill_chunk = default_chunk if prefill_chunk is None else prefill_chunk
@@ -192,7 +198,12 @@ class Scheduler:
         self._last_prefill_step = 0
         self.engine = ServingEngine(model, use_cuda_graph)
         self.engine.check_weights()
-        self.engine.reserve(max_batch, max_context + 2)  # + 2: a finished row may step once more
+        speculation = speculative_config(speculate)
+        room = 2 if speculation is None else 2 * speculation.num_speculative_tokens + 2  # a finished row's step, or drafts
+        self.engine.reserve(max_batch, max_context + room)
+        self.speculation = (
+            None if speculation is None else SpeculativeRounds(speculation, model, self.engine, max_batch, max_context + room)
+        )
         self.stop_tokens = [int(t) for t in stop_tokens]
         self._stop_set = set(self.stop_tokens)
         self.engine.set_stop_tokens(
@@ -358,6 +369,7 @@ class Scheduler:
             "prompt_tokens_prefilled": self.prompt_tokens_prefilled,
             "prefill_calls": self.prefill_calls,
             "prefix_cache": cache,
+            "speculation": {"enabled": False} if self.speculation is None else {"enabled": True, **self.speculation.stats()},
             "loop_seconds": {k: round(v, 3) for k, v in self.phase_seconds.items()},
         }
 
@@ -380,7 +392,9 @@ class Scheduler:
 
     def _iterate(self) -> None:
         clock = _PhaseClock(self.phase_seconds)
-        read = self._launch_step() if self._rows else None
+        if self.speculation is not None:
+            self._speculative_round()
+        read = self._launch_step() if self._rows and self.speculation is None else None
         clock.lap("decode")
         if self._pending is not None:
             self._deliver(self._pending)
@@ -392,7 +406,9 @@ class Scheduler:
         clock.lap("admit")
         joined, first_tokens = self._prefill() if self._prefill_due() else ([], None)
         clock.lap("prefill")
-        if joined or any(r.done for r in self._rows):
+        if self.speculation is not None:
+            self._join_speculating(joined, first_tokens)
+        elif joined or any(r.done for r in self._rows):
             self._rebuild(joined, first_tokens)
         clock.lap("rebuild")
 
@@ -411,6 +427,30 @@ class Scheduler:
             read.joined, read.first_tokens, read.first_logprobs = self._joined
             self._joined = None
         return read
+
+    def _speculative_round(self) -> None:
+        """One speculative round of the decoding requests, their tokens handed out at once."""
+        requests = [r for r in self._rows if not r.done]
+        if not requests:
+            return
+        processors = self._processors(requests, len(requests))
+        results = self.speculation.run(requests, processors, self.engine.history, self._generator)
+        self.steps += 1
+        self.peak_batch = max(self.peak_batch, len(requests))
+        for request, (tokens, logprob_rows) in zip(requests, results):
+            for token, row in zip(tokens, logprob_rows or [None] * len(tokens)):
+                wanted = row is not None and not request.done
+                self._accept(request, token, token_logprob(token, *row, request.params.logprobs) if wanted else None)
+
+    def _join_speculating(self, joined: list[Request], first_tokens) -> None:
+        """Hand out the first tokens of the requests that joined; those still going decode from now on."""
+        if joined:
+            tokens, logprobs = first_tokens
+            self._accept_all(joined, _HostCopy(tokens), logprobs)
+            for request, token in zip(joined, tokens.tolist()):
+                if not request.done:
+                    self.speculation.join(request, token)
+        self._rows = [r for r in self._rows + joined if not r.done]
 
     def _fill_noise(self, noise: torch.Tensor) -> None:
         noise.exponential_(generator=self._generator)
