@@ -84,6 +84,8 @@ class SpeculativeRounds:
         )
         self.rounds = self.drafted = self.accepted = 0
         self._generator: torch.Generator | None = None
+        self._draft_lengths: dict[int, int] = {}  # this round's draft length per slot
+        self._draft_step = 0  # the draft model's step within this round
 
     def stats(self) -> dict:
         return {"method": self.config.method, "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted}
@@ -130,7 +132,9 @@ class SpeculativeRounds:
                 window = processed[i : i + 1]  # no drafts: one position, processed as a plain step's
             outcome.append(self._accept(request, window, drafts[i], q_rows[i]))
         if processors is not None:
-            firsts = torch.tensor([(d[:kept] + [token])[0] for d, (kept, token) in zip(drafts, outcome)], device=self.engine.device)
+            firsts = torch.tensor(
+                [(d[:kept] + [token])[0] for d, (kept, token) in zip(drafts, outcome)], device=self.engine.device
+            )
             history.record(slot_rows, firsts, processors.active)  # a processed row's one new token
         self._settle(requests, drafts, outcome, saved, slot_rows)
         return [self._result(r, logits[i], starts[i], drafts[i], outcome[i]) for i, r in enumerate(requests)]
@@ -146,6 +150,7 @@ class SpeculativeRounds:
         lengths = [self._draft_length(r) for r in requests]
         slots = [r.slot for r in requests]
         if self.draft_model is not None:
+            self._draft_lengths, self._draft_step = dict(zip(slots, lengths)), 0
             return self.draft_model.propose(slots, lengths)
         return [self.indexes[s].propose(n) if n else [] for s, n in zip(slots, lengths)], [None] * len(slots)
 
@@ -166,14 +171,17 @@ class SpeculativeRounds:
 
     def _draft_choice(self, logits: torch.Tensor, slots: list[int]) -> tuple[list[int], torch.Tensor]:
         """The draft model's token per slot of ``logits [n, V]``, chosen as its request chooses, and
-        the probabilities it was drawn from (a greedy request's are never read)."""
+        the probabilities it was drawn from (a greedy request's are never read). A request draws
+        only for the drafts it asked for: its noise must not depend on its neighbours' draft lengths."""
         requests = [self.requests[s] for s in slots]
         settings = [torch.cat(column) for column in zip(*(self._sampling_rows(r, 1) for r in requests))]
         probs = filter_logits(logits, *settings).softmax(-1)
+        drawing = [r.params.temperature > 0 and self._draft_step < self._draft_lengths[s] for s, r in zip(slots, requests)]
         tokens = [
-            int(logits[i].argmax()) if r.params.temperature == 0 else _draw(probs[i], r.generator or self._generator)
+            _draw(probs[i], r.generator or self._generator) if drawing[i] else int(logits[i].argmax())
             for i, r in enumerate(requests)
         ]
+        self._draft_step += 1
         return tokens, probs
 
     def _settle(self, requests, drafts, outcome, saved, slot_rows) -> None:
