@@ -16,6 +16,8 @@ import torch
 
 from efla.serving import FinishEvent, PrefixCache, SamplingParams, Scheduler, TokenEvent
 
+from .conftest import MODEL_NAME, http_stack, serve
+
 EOS = 2
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 
@@ -346,3 +348,31 @@ def test_sampled_sequences_follow_the_plain_servers_distribution():
     table = [[c.get(k, 0) for k in keys] for c in counts]
     assert len(keys) > 2
     assert chi2_contingency(table).pvalue > 1e-3, table
+
+
+def test_over_http_streams_join_to_the_plain_servers_text_and_metrics_count_drafts(server, loaded):
+    """A speculating server's streamed and plain completions (several prompts at once, one with n =
+    2 and a stop string) are the plain server's texts; /metrics and /health count its drafts."""
+    http_stack()
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    prompts = ["def main(self):\n    return self.main(", "import torch\nimport torch", "class EFLA"]
+    plain = server.client().completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=40, temperature=0, n=2, stop=["):"])
+    with serve(*loaded, speculate=NGRAM) as served:
+        client = served.client()
+        got = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=40, temperature=0, n=2, stop=["):"])
+        assert [(c.text, c.finish_reason) for c in got.choices] == [(c.text, c.finish_reason) for c in plain.choices]
+        for i, prompt in enumerate(prompts):
+            chunks = list(
+                client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=40, temperature=0, stop=["):"], stream=True)
+            )
+            assert len(chunks) > 1 and "".join(c.choices[0].text for c in chunks) == plain.choices[2 * i].text
+        metrics = httpx.get(f"{served.url}/metrics", timeout=10).text
+        health = served.health()
+    samples = {s.name: s.value for family in text_string_to_metric_families(metrics) for s in family.samples}
+    counts = health["speculation"]
+    assert samples["efla_spec_draft_tokens_total"] == counts["drafted"] > 0
+    assert samples["efla_spec_accepted_tokens_total"] == counts["accepted"] > 0
+    assert samples["efla_spec_rounds_total"] == counts["rounds"] > 0
+    assert "efla_spec_draft_tokens_total" not in httpx.get(f"{server.url}/metrics", timeout=10).text
