@@ -310,7 +310,8 @@ class Scheduler:
 
     def start(self) -> None:
         if self._thread is None:
-            self.engine.capture_all(self.max_batch)
+            if self.speculation is None:  # speculative rounds run eagerly: no decoding step to capture
+                self.engine.capture_all(self.max_batch)
             if not self.hybrid:
                 self.engine.capture_prefill(self.prefill_chunk, min(ROW_TOKENS, self.prefill_chunk))
             _start_cpu_threads_here(self.engine.device)
@@ -524,6 +525,8 @@ class Scheduler:
         queued before anything the next request writes there)."""
         request.done = True
         if request.slot is not None:
+            if self.speculation is not None:
+                self.speculation.leave(request.slot)
             self._free_slots.append(request.slot)
             request.slot = None
             with self._cond:

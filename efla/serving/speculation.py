@@ -101,6 +101,11 @@ class SpeculativeRounds:
             sizes = range(self.config.prompt_lookup_min, self.config.prompt_lookup_max + 1)
             self.indexes[slot] = _NgramIndex(request.prompt + [first_token], sizes)
 
+    def leave(self, slot: int) -> None:
+        """The slot's request ended: forget it (a draft model's row is overwritten by the next join)."""
+        for table in (self.unfed, self.schedules, self.indexes, self.requests):
+            table.pop(slot, None)
+
     # -- one round ------------------------------------------------------------------------------------
     def run(
         self,

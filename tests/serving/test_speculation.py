@@ -376,3 +376,30 @@ def test_over_http_streams_join_to_the_plain_servers_text_and_metrics_count_draf
     assert samples["efla_spec_accepted_tokens_total"] == counts["accepted"] > 0
     assert samples["efla_spec_rounds_total"] == counts["rounds"] > 0
     assert "efla_spec_draft_tokens_total" not in httpx.get(f"{server.url}/metrics", timeout=10).text
+
+
+def test_structured_requests_beside_speculating_ones_follow_their_schema_and_keep_the_plain_tokens(server, loaded):
+    """A grammar's request takes no drafts but its matcher sees each of its tokens once: greedy, the
+    plain server's tokens; greedy and sampled, a valid value. The free request beside it speculates."""
+    pytest.importorskip("xgrammar")
+    import json
+
+    from efla.serving.structured import Grammars
+
+    model, tokenizer = loaded
+    grammar = Grammars(tokenizer, model.get_output_embeddings().out_features, [tokenizer.eos_token_id]).compile(
+        {"type": "json_object"}
+    )
+    prompt = tokenizer("def forward(self, x):")["input_ids"]
+    submissions = [
+        (prompt, SamplingParams(max_tokens=120, grammar=grammar)),
+        (prompt, SamplingParams(max_tokens=120, temperature=1.0, seed=3, grammar=grammar)),
+        (tokenizer("import torch\nimport torch")["input_ids"], SamplingParams(max_tokens=40)),
+    ]
+    plain, _, _ = _serve(model, submissions, tokenizer, stop_tokens=(tokenizer.eos_token_id,))
+    speculative, _, status = _serve(model, submissions, tokenizer, stop_tokens=(tokenizer.eos_token_id,), speculate=NGRAM)
+    assert [speculative[i].tokens for i in (0, 2)] == [plain[i].tokens for i in (0, 2)]  # the greedy ones
+    for request in speculative[:2]:
+        assert request.tokens[-1] == tokenizer.eos_token_id
+        assert isinstance(json.loads(tokenizer.decode(request.tokens[:-1])), dict)
+    assert status["speculation"]["drafted"] > 0
