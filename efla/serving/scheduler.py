@@ -310,8 +310,7 @@ class Scheduler:
 
     def start(self) -> None:
         if self._thread is None:
-            if self.speculation is None:  # speculative rounds run eagerly: no decoding step to capture
-                self.engine.capture_all(self.max_batch)
+            self.engine.capture_all(self.max_batch)
             if not self.hybrid:
                 self.engine.capture_prefill(self.prefill_chunk, min(ROW_TOKENS, self.prefill_chunk))
             _start_cpu_threads_here(self.engine.device)
@@ -430,18 +429,38 @@ class Scheduler:
         return read
 
     def _speculative_round(self) -> None:
-        """One speculative round of the decoding requests, their tokens handed out at once."""
+        """One speculative round of the decoding requests, their tokens handed out at once; a plain
+        decoding step when none of them drafted."""
         requests = [r for r in self._rows if not r.done]
         if not requests:
             return
+        drafts, q_rows = self.speculation.propose(requests, self._generator)
+        if self.speculation.plain_step_will_do(requests, drafts):
+            self._plain_round(requests)
+            return
         processors = self._processors(requests, len(requests))
-        results = self.speculation.run(requests, processors, self.engine.history, self._generator)
+        results = self.speculation.verify(requests, drafts, q_rows, processors, self.engine.history)
         self.steps += 1
         self.peak_batch = max(self.peak_batch, len(requests))
         for request, (tokens, logprob_rows) in zip(requests, results):
             for token, row in zip(tokens, logprob_rows or [None] * len(tokens)):
                 wanted = row is not None and not request.done
                 self._accept(request, token, token_logprob(token, *row, request.params.logprobs) if wanted else None)
+
+    def _plain_round(self, requests: list[Request]) -> None:
+        """The decoding step of the plain scheduler over ``requests`` (captured on the GPU), its
+        tokens handed out at once."""
+        n = len(requests)
+        bucket = self.engine.bucket(n)
+        self.engine.assign(bucket, self._device_long([r.slot for r in requests]))
+        bucket.tokens[:n] = self._device_long(self.speculation.last_tokens(requests))
+        bucket.finished[:n] = False
+        bucket.temperature[:n], bucket.top_k[:n], bucket.top_p[:n] = self._sampling_rows(requests)
+        bucket.processors = self._processors(requests, bucket.size)
+        self._rows, self._bucket = requests, bucket
+        read = self._launch_step()
+        self.speculation.stepped(requests, read.tokens.values())
+        self._accept_all(read.rows, read.tokens, read.logprobs)
 
     def _join_speculating(self, joined: list[Request], first_tokens) -> None:
         """Hand out the first tokens of the requests that joined; those still going decode from now on."""

@@ -68,7 +68,8 @@ class _SlotDraftModel(_ModelDrafter):
 
 class SpeculativeRounds:
     """The speculative state of every slot (unfed tokens, n-gram index or draft-model row, adaptive
-    draft length) and the round itself; counts ``rounds``, ``drafted`` and ``accepted`` tokens."""
+    draft length) and the round itself; counts ``rounds``, ``row_rounds`` (a round of ``n`` requests
+    adds ``n``), ``drafted`` and ``accepted`` tokens."""
 
     def __init__(self, config: SpeculativeConfig, model, engine: DecodeEngine, slots: int, max_length: int):
         if config.method == "draft_model":
@@ -82,13 +83,19 @@ class SpeculativeRounds:
         self.draft_model = (
             _SlotDraftModel(config, slots, max_length, self._draft_choice) if config.method == "draft_model" else None
         )
-        self.rounds = self.drafted = self.accepted = 0
+        self.rounds = self.row_rounds = self.drafted = self.accepted = 0
         self._generator: torch.Generator | None = None
         self._draft_lengths: dict[int, int] = {}  # this round's draft length per slot
         self._draft_step = 0  # the draft model's step within this round
 
     def stats(self) -> dict:
-        return {"method": self.config.method, "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted}
+        return {
+            "method": self.config.method,
+            "rounds": self.rounds,
+            "row_rounds": self.row_rounds,  # requests taken through a round, summed over rounds
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+        }
 
     def join(self, request: Request, first_token: int) -> None:
         """``request`` decodes from its slot, whose state holds its prompt; ``first_token`` is unfed."""
@@ -107,19 +114,42 @@ class SpeculativeRounds:
             table.pop(slot, None)
 
     # -- one round ------------------------------------------------------------------------------------
-    def run(
-        self,
-        requests: list[Request],
-        processors: RowProcessors | None,
-        history: SlotHistory | None,
-        generator: torch.Generator,
-    ) -> list[RoundResult]:
-        """One round over ``requests`` (decoding, in slots that joined); each one's new tokens.
-        ``processors``: the requests' logit processors as rows (``None``: none has any);
+    def propose(self, requests: list[Request], generator: torch.Generator) -> tuple[list[list[int]], list]:
+        """The round's drafts of ``requests`` (decoding, in slots that joined) and the drafter's
+        probabilities of them (``None`` per request: prompt lookup's point masses, or greedy);
         ``generator``: the noise of sampling requests without a generator of their own."""
         self._generator = generator
+        lengths = [self._draft_length(r) for r in requests]
         slots = [r.slot for r in requests]
-        drafts, q_rows = self._propose(requests)
+        if self.draft_model is not None:
+            self._draft_lengths, self._draft_step = dict(zip(slots, lengths)), 0
+            return self.draft_model.propose(slots, lengths)
+        return [self.indexes[s].propose(n) if n else [] for s, n in zip(slots, lengths)], [None] * len(slots)
+
+    def plain_step_will_do(self, requests: list[Request], drafts: list[list[int]]) -> bool:
+        """Whether no request drafted and each slot's state holds all its tokens but the last: then
+        the round is a plain decoding step (the caller's, then ``stepped``)."""
+        return not any(drafts) and all(len(self.unfed[r.slot]) == 1 for r in requests)
+
+    def last_tokens(self, requests: list[Request]) -> list[int]:
+        return [self.unfed[r.slot][-1] for r in requests]
+
+    def stepped(self, requests: list[Request], tokens: list[int]) -> None:
+        """A plain decoding step gave each of ``requests`` its next token (after ``propose``)."""
+        self._settle(requests, [[] for _ in requests], [(0, token) for token in tokens], None, None)
+
+    def verify(
+        self,
+        requests: list[Request],
+        drafts: list[list[int]],
+        q_rows: list,
+        processors: RowProcessors | None,
+        history: SlotHistory | None,
+    ) -> list[RoundResult]:
+        """The round's pass over every request's unfed tokens and ``drafts`` (``propose``'s); each
+        request's new tokens. ``processors``: the requests' logit processors as rows (``None``: none
+        has any)."""
+        slots = [r.slot for r in requests]
         slot_rows = torch.tensor(slots, device=self.engine.device)
         saved = _saved_rows(self.engine, slot_rows) if any(drafts) else None
         logits = _continue_rows(self.engine, [self.unfed[s] + d for s, d in zip(slots, drafts)], slots)
@@ -150,14 +180,6 @@ class SpeculativeRounds:
             return 0
         room = request.params.max_tokens - len(request.tokens)
         return max(0, min(schedule.k if self.config.adaptive else self.k_max, room - 1))
-
-    def _propose(self, requests: list[Request]) -> tuple[list[list[int]], list]:
-        lengths = [self._draft_length(r) for r in requests]
-        slots = [r.slot for r in requests]
-        if self.draft_model is not None:
-            self._draft_lengths, self._draft_step = dict(zip(slots, lengths)), 0
-            return self.draft_model.propose(slots, lengths)
-        return [self.indexes[s].propose(n) if n else [] for s, n in zip(slots, lengths)], [None] * len(slots)
 
     def _sampling_rows(self, request: Request, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         params, device = request.params, self.engine.device
@@ -192,7 +214,7 @@ class SpeculativeRounds:
     def _settle(self, requests, drafts, outcome, saved, slot_rows) -> None:
         """Put back the state of the slots that rejected a draft, update the unfed tokens, drafters,
         draft lengths and counts."""
-        rejected = [i for i, (kept, _) in enumerate(outcome) if kept < len(drafts[i])]
+        rejected = [i for i, (kept, _) in enumerate(outcome) if kept < len(drafts[i])]  # none without drafts
         if rejected:
             _restore_rows(self.engine, saved, slot_rows, torch.tensor(rejected, device=self.engine.device))
         slots = [r.slot for r in requests]
@@ -210,6 +232,7 @@ class SpeculativeRounds:
                 for token in tokens:
                     self.indexes[slot].append(token)
         self.rounds += 1
+        self.row_rounds += len(requests)
 
     @staticmethod
     def _result(request: Request, logits: torch.Tensor, start: int, drafts: list[int], outcome) -> RoundResult:

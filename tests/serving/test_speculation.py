@@ -107,14 +107,14 @@ def test_rows_accept_runs_of_different_lengths_in_one_round(monkeypatch):
     import efla.serving.speculation as speculation
 
     taken: list[list[int]] = []
-    run = speculation.SpeculativeRounds.run
+    verify = speculation.SpeculativeRounds.verify
 
     def recording(self, requests, *args):
-        results = run(self, requests, *args)
+        results = verify(self, requests, *args)
         taken.append([len(tokens) for tokens, _ in results])
         return results
 
-    monkeypatch.setattr(speculation.SpeculativeRounds, "run", recording)
+    monkeypatch.setattr(speculation.SpeculativeRounds, "verify", recording)
     model = _model()
     submissions = [(p, SamplingParams(max_tokens=40)) for p in _prompts((7, 3, 20, 11))]
     plain, speculative, counts = _both(model, submissions)
@@ -174,19 +174,25 @@ def test_a_draft_model_with_n_choices_and_the_prefix_cache():
 
 
 def _recording_runs(monkeypatch) -> dict:
-    """Every speculative round's tokens per request (``id(request)``: its runs, in order)."""
+    """Every round's tokens per request (``id(request)``: its runs, in order; a plain step's one token)."""
     import efla.serving.speculation as speculation
 
     runs: dict[int, list[list[int]]] = {}
-    run = speculation.SpeculativeRounds.run
+    verify, stepped = speculation.SpeculativeRounds.verify, speculation.SpeculativeRounds.stepped
 
-    def recording(self, requests, *args):
-        results = run(self, requests, *args)
+    def verifying(self, requests, *args):
+        results = verify(self, requests, *args)
         for request, (tokens, _) in zip(requests, results):
             runs.setdefault(id(request), []).append(tokens)
         return results
 
-    monkeypatch.setattr(speculation.SpeculativeRounds, "run", recording)
+    def stepping(self, requests, tokens):
+        stepped(self, requests, tokens)
+        for request, token in zip(requests, tokens):
+            runs.setdefault(id(request), []).append([token])
+
+    monkeypatch.setattr(speculation.SpeculativeRounds, "verify", verifying)
+    monkeypatch.setattr(speculation.SpeculativeRounds, "stepped", stepping)
     return runs
 
 
