@@ -95,12 +95,14 @@ AREAS = (
     ),
     Area(
         "Serving",
-        ("serve_load",),
+        ("serve_load", "serve_speculative"),
         "`benchmarks/serve_load.py`: the scheduler of `efla serve` driven in process, without HTTP "
         "(no network, no JSON encoding), under Poisson arrivals and with a fixed number of streams, "
         "beside static batches through `efla.generation.generate` on the same requests. Static "
         "batching's tokens/s counts each request's own output only. Latencies are from a request's "
-        "arrival (time to first token) and between its tokens as handed out.",
+        "arrival (time to first token) and between its tokens as handed out. "
+        "`benchmarks/serve_speculative.py`: the same scheduler with speculative decoding (prompt "
+        "lookup) against it without, in process, the same requests served by each in turn.",
     ),
     Area(
         "CPU ops",
