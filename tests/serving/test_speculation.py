@@ -247,24 +247,50 @@ def test_max_tokens_ends_requests_at_the_right_token():
     _kept_and_rejected(counts)
 
 
-def test_stop_strings_inside_accepted_runs_end_the_text_where_the_plain_servers_does(loaded):
+def _stop_string_inside_a_run(tokenizer, tokens: list[int], runs: list[list[int]]) -> str | None:
+    """A 3-character string of the text of ``tokens`` that the server's stop-string check finds at a
+    token inside a round's run (not its last)."""
+    from efla.serving.completion_text import CompletionText
+
+    inside, position = set(), 1  # the first token comes from the prefill
+    for run in runs:
+        inside.update(range(position, position + len(run) - 1))
+        position += len(run)
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    for start in range(len(text) - 2):
+        stop = text[start : start + 3]
+        if not (stop.isprintable() and stop.strip()) or "\ufffd" in stop:
+            continue
+        completion = CompletionText(tokenizer, [stop])
+        at = next((i for i, token in enumerate(tokens) if completion.add(token) or completion.stopped), None)
+        if at in inside:
+            return stop
+    return None
+
+
+def test_stop_strings_inside_accepted_runs_end_the_text_where_the_plain_servers_does(loaded, monkeypatch):
+    """A stop string completed inside a round's run: the plain server's tokens and text, the stop
+    string not shown, the run's tokens after it dropped."""
+    runs = _recording_runs(monkeypatch)
     model, tokenizer = loaded
-    prompt = tokenizer("def main(self):\n    return self.main(self)\n")["input_ids"]
-    free, _, _ = _serve(model, [(prompt, SamplingParams(max_tokens=48))], tokenizer, stop_tokens=())
-    text = tokenizer.decode(free[0].tokens)
-    stop = text[len(text) // 2 : len(text) // 2 + 3]
-    assert stop.strip(), text
+    base = tokenizer("def main(self):\n    return self.main(self)\n")["input_ids"]
+    looped, _, _ = _serve(model, [(base, SamplingParams(max_tokens=40))], tokenizer, stop_tokens=())
+    prompt = base + looped[0].tokens  # the model's own loop, which prompt lookup drafts from the start
+    free, _, _ = _serve(model, [(prompt, SamplingParams(max_tokens=48))], tokenizer, stop_tokens=(), speculate=NGRAM)
+    stop = _stop_string_inside_a_run(tokenizer, free[0].tokens, runs[id(free[0])])
+    assert stop is not None, "no stop string inside a run"
     submissions = [(prompt, SamplingParams(max_tokens=48, stop=(stop,))), (prompt[:5], SamplingParams(max_tokens=48))]
     plain, plain_events, _ = _serve(model, submissions, tokenizer, stop_tokens=())
     speculative, events, status = _serve(model, submissions, tokenizer, stop_tokens=(), speculate=NGRAM)
     assert [r.tokens for r in speculative] == [r.tokens for r in plain]
     assert len(plain[0].tokens) < 48
+    assert sum(map(len, runs[id(speculative[0])])) + 1 > len(speculative[0].tokens)  # tokens after the end dropped
 
     def text_of(ev, request):
         return "".join(e.text for e in ev.by_request[id(request)])
 
     assert [text_of(events, r) for r in speculative] == [text_of(plain_events, r) for r in plain]
-    assert stop not in text_of(events, speculative[0])
+    assert stop not in text_of(events, speculative[0]) and events.by_request[id(speculative[0])][-1].reason == "stop"
     assert status["speculation"]["accepted"] > 0
 
 
