@@ -27,6 +27,10 @@ ends when the grammar allows only the end-of-sequence token; its bucket's steps 
 of the step before, which its grammar must see first. A seeded sampling request draws its noise
 from its own generator (see ``DecodeEngine.step``'s ``fill_noise``), so it gives the same tokens
 whatever runs beside it; greedy requests give ``efla.generation.generate``'s tokens.
+
+With ``speculate``, step 1 is a speculative round instead (``efla.serving.speculation``): drafts
+checked in one pass, one to ``k + 1`` tokens per request handed out at once, through the same ends;
+a round in which no request drafted is the plain step. Step 5 then only adds the requests that joined.
 """
 
 from __future__ import annotations
@@ -392,9 +396,11 @@ class Scheduler:
 
     def _iterate(self) -> None:
         clock = _PhaseClock(self.phase_seconds)
+        read = None
         if self.speculation is not None:
-            self._speculative_round()
-        read = self._launch_step() if self._rows and self.speculation is None else None
+            self._speculative_round()  # its tokens are handed out at once: nothing read one step late
+        elif self._rows:
+            read = self._launch_step()
         clock.lap("decode")
         if self._pending is not None:
             self._deliver(self._pending)

@@ -15,7 +15,8 @@ Requests with logit processors (penalties, ``logit_bias``, ``min_tokens``, ``ign
 grammar) take part with no drafts: their processors depend on every token before, so only the
 pass's first position is theirs, a plain decoding step inside the same pass. Log-probabilities come
 from the pass's logits at each kept token's position, the distribution the plain step reports.
-Rounds run eagerly (no CUDA graphs).
+A round with drafts runs eagerly (no CUDA graphs); one in which no request drafted (and every
+slot's state holds all its tokens but the last) is the scheduler's plain decoding step instead.
 """
 
 from __future__ import annotations

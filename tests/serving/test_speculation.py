@@ -70,6 +70,8 @@ def _serve(model, submissions, tokenizer=None, stop_tokens=(EOS,), choices: int 
         for _ in requests:
             assert events.ended.acquire(timeout=120), "a request did not end"
         status = scheduler.status()
+        if scheduler.speculation is not None:  # ended requests leave nothing behind
+            assert not (scheduler.speculation.unfed or scheduler.speculation.requests or scheduler.speculation.indexes)
     finally:
         scheduler.close(30)
     for request in requests:
