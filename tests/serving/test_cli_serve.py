@@ -198,3 +198,17 @@ def test_speculate_with_a_draft_model_directory_serves_the_plain_greedy_text(mod
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_a_draft_model_with_another_tokenizer_is_one_line(model_dir, tmp_path, capsys):
+    from efla.data.tokenizer import train_bpe_tokenizer
+
+    from .conftest import _save_model
+
+    other = tmp_path / "other-draft"
+    _save_model(other, "tiny-efla", train_bpe_tokenizer(["a different text, another vocabulary " * 50], vocab_size=300))
+    argv = ["serve", str(model_dir), "--port", "0", "--speculate", "draft_model", "--draft-model", str(other)]
+    capsys.readouterr()  # the saving's progress bars
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "its tokenizer differs from the model's (--draft-model)" in err
