@@ -151,8 +151,9 @@ def test_n_greedy_choices_each_equal_the_plain_servers(preset):
     _kept_and_rejected(status["speculation"])
 
 
-def test_a_draft_model_gives_the_plain_servers_greedy_tokens():
-    model = _model()
+@pytest.mark.parametrize("preset", ["tiny-efla", "tiny-hybrid-efla"])
+def test_a_draft_model_gives_the_plain_servers_greedy_tokens(preset):
+    model = _model(preset)
     submissions = [(p, SamplingParams(max_tokens=32)) for p in _prompts()]
     speculate = {"method": "draft_model", "model": _draft_of(model), "num_speculative_tokens": 3}
     plain, speculative, counts = _both(model, submissions, speculate=speculate, prefill_chunk=16)
