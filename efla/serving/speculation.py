@@ -155,12 +155,7 @@ class SpeculativeRounds:
         saved = _saved_rows(self.engine, slot_rows) if any(drafts) else None
         logits = _continue_rows(self.engine, [self.unfed[s] + d for s, d in zip(slots, drafts)], slots)
         starts = [len(self.unfed[s]) - 1 for s in slots]  # the position whose logits score the first draft
-        first_logits = logits[torch.arange(len(slots)), torch.tensor(starts)]
-        processed = None
-        if processors is not None:
-            last = torch.tensor([self.unfed[s][-1] for s in slots], device=self.engine.device)
-            processors.constrain(self.engine.vocab, self.engine.device, last, torch.zeros(len(slots), dtype=torch.bool))
-            processed = processors.apply(first_logits, history, slot_rows)
+        processed = None if processors is None else self._processed_first(logits, starts, slots, processors, history)
         outcome = []
         for i, request in enumerate(requests):
             window = logits[i, starts[i] : starts[i] + len(drafts[i]) + 1]
@@ -174,6 +169,14 @@ class SpeculativeRounds:
             history.record(slot_rows, firsts, processors.active)  # a processed row's one new token
         self._settle(requests, drafts, outcome, saved, slot_rows)
         return [self._result(r, logits[i], starts[i], drafts[i], outcome[i]) for i, r in enumerate(requests)]
+
+    def _processed_first(self, logits, starts, slots, processors: RowProcessors, history: SlotHistory) -> torch.Tensor:
+        """Each row's logits at its first position (a processed row has no drafts: its only one),
+        processed after the grammars took the rows' newest tokens, as a plain step does."""
+        last = torch.tensor([self.unfed[s][-1] for s in slots], device=self.engine.device)
+        processors.constrain(self.engine.vocab, self.engine.device, last, torch.zeros(len(slots), dtype=torch.bool))
+        first_logits = logits[torch.arange(len(slots)), torch.tensor(starts)]
+        return processors.apply(first_logits, history, torch.tensor(slots, device=self.engine.device))
 
     def _draft_length(self, request: Request) -> int:
         schedule = self.schedules[request.slot]
