@@ -95,7 +95,7 @@ AREAS = (
     ),
     Area(
         "Serving",
-        ("serve_load",),
+        ("serve_load", "serve_speculative"),
         "`benchmarks/serve_load.py`: the scheduler of `efla serve` driven in process (no network, no "
         "JSON encoding) and `efla serve`'s app over HTTP on a loopback port with streaming clients in "
         "processes of their own, with a fixed number of streams (and under Poisson arrivals, in process), "
@@ -104,7 +104,9 @@ AREAS = (
         "sorted side was recorded before the benchmark had them (its static side then included the "
         "compilation of its second batch's shapes). Static batching's tokens/s counts each request's own "
         "output only. Latencies are from a request's arrival (time to first token) and between its tokens "
-        "as handed out (over HTTP, as the client reads them).",
+        "as handed out (over HTTP, as the client reads them). "
+        "`benchmarks/serve_speculative.py`: the same scheduler with speculative decoding (prompt "
+        "lookup) against it without, in process, the same requests served by each in turn.",
     ),
     Area(
         "CPU ops",

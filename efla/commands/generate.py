@@ -9,6 +9,7 @@ import json
 import sys
 
 from efla.commands.saved_model import add_model_options, check_model_dir, checked_device_and_dtype, load_model, stop_tokens_of
+from efla.commands.speculation_options import add_speculation_options, check_speculation, speculation
 from efla.errors import UsageError
 
 _EPILOG = """\
@@ -63,45 +64,7 @@ def _check_options(args) -> None:
             {"top_k": "--top-k", "top_p": "--top-p", "seed": "--seed"},
             "with greedy decoding, the default temperature 0; sampling needs --temperature above 0",
         )
-    _check_speculation(args)
-
-
-def _check_speculation(args) -> None:
-    from efla import arg_checks as check
-
-    if args.speculate not in (None, "ngram", "draft_model"):
-        raise UsageError(f"expected ngram or draft_model, got {args.speculate!r} (--speculate)")
-    check.at_least(args.num_speculative_tokens, 1, "--num-speculative-tokens")
-    check.at_least(args.prompt_lookup_max, 1, "--prompt-lookup-max")
-    if args.speculate == "draft_model" and args.draft_model is None:
-        raise UsageError("--speculate draft_model needs a draft model directory (--draft-model)")
-    if args.draft_model is not None and args.speculate != "draft_model":
-        raise UsageError("a draft model is only used with --speculate draft_model (--draft-model)")
-    for value, option in (
-        (args.num_speculative_tokens, "--num-speculative-tokens"),
-        (args.prompt_lookup_max, "--prompt-lookup-max"),
-    ):
-        if value is not None and args.speculate is None:
-            raise UsageError(f"a speculative setting without --speculate ({option})")
-    if args.prompt_lookup_max is not None and args.speculate != "ngram":
-        raise UsageError("prompt lookup's setting is only used with --speculate ngram (--prompt-lookup-max)")
-    if args.draft_model is not None:
-        check_model_dir(args.draft_model, "--draft-model")
-
-
-def _speculation(args, model, tokenizer, device, dtype) -> dict | None:
-    """``generate``'s ``speculate`` argument from the options (the draft model loaded and checked)."""
-    if args.speculate is None:
-        return None
-    settings = {"method": args.speculate, "num_speculative_tokens": args.num_speculative_tokens or 4}
-    if args.speculate == "ngram":
-        return {**settings, "prompt_lookup_max": args.prompt_lookup_max or 3}
-    draft, draft_tokenizer = load_model(args.draft_model, device, dtype)
-    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise UsageError(f"{args.draft_model}: its tokenizer differs from the model's (--draft-model)")
-    if draft.get_output_embeddings().out_features != model.get_output_embeddings().out_features:
-        raise UsageError(f"{args.draft_model}: its vocabulary size differs from the model's (--draft-model)")
-    return {**settings, "model": draft}
+    check_speculation(args)
 
 
 # -- loading and generating ------------------------------------------------------------------------
@@ -248,7 +211,7 @@ def cmd_generate(args) -> int:
         raise UsageError("no prompt given (PROMPT or --prompts-file)")
 
     model, tokenizer = load_model(args.model_dir, device, dtype)
-    speculate = _speculation(args, model, tokenizer, device, dtype)
+    speculate = speculation(args, model, tokenizer, device, dtype)
     encoded = _encode(tokenizer, prompts)
     stop_tokens = stop_tokens_of(model, tokenizer)
     pad_id = tokenizer.pad_token_id
@@ -305,29 +268,7 @@ def add_parser(sub) -> None:
         metavar="S",
         help="sampling seed: prompt i samples with seed S + i (same seed, same output)",
     )
-    p.add_argument(
-        "--speculate",
-        default=None,
-        metavar="METHOD",
-        help="speculative decoding: ngram (prompt lookup: drafts copied from the prompt and text so far) or "
-        "draft_model (a smaller efla model with the same tokenizer, --draft-model); greedy output is unchanged, "
-        "sampled output keeps its distribution",
-    )
-    p.add_argument("--draft-model", default=None, metavar="DIR", help="the draft model's directory (--speculate draft_model)")
-    p.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=None,
-        metavar="K",
-        help="draft tokens checked per model pass at most (default: 4; fewer where drafts are rejected)",
-    )
-    p.add_argument(
-        "--prompt-lookup-max",
-        type=int,
-        default=None,
-        metavar="N",
-        help="longest n-gram that prompt lookup matches (default: 3)",
-    )
+    add_speculation_options(p)
     p.add_argument(
         "--json", action="store_true", help="one JSON object per prompt per line: prompt, text, new_tokens, finish_reason"
     )

@@ -10,6 +10,7 @@ import socket
 import sys
 
 from efla.commands.saved_model import add_model_options
+from efla.commands.speculation_options import add_speculation_options, check_speculation, speculation
 from efla import environment
 from efla.errors import UsageError
 
@@ -18,6 +19,8 @@ examples:
   efla serve runs/lm/efla-s0
   efla serve runs/lm/efla-s0 --host 0.0.0.0 --port 8080 --max-batch 256 --api-key "$KEY"
   efla serve runs/lm/efla-s0 --chat-template chat.jinja   # a tokenizer without a chat template
+  efla serve runs/lm/efla-s0 --speculate ngram             # speculative decoding by prompt lookup
+  efla serve runs/lm/efla-s0 --speculate draft_model --draft-model runs/lm/tiny-efla
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"model": "efla-s0", "prompt": "The meaning of life is", "max_tokens": 32, "temperature": 0}'
 Endpoints: POST /v1/completions and /v1/chat/completions (OpenAI's; top_k as an extension), GET
@@ -61,6 +64,7 @@ def _check_options(args) -> None:
         raise UsageError("the API key is empty (--api-key or EFLA_API_KEY)")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise UsageError("the model name is empty (--served-model-name)")
+    check_speculation(args)
 
 
 def _refuse_ignored_options(args) -> None:
@@ -114,7 +118,7 @@ def _check_tokenizer(tokenizer, path: str) -> None:
         )
 
 
-def _scheduler(model, tokenizer, args):
+def _scheduler(model, tokenizer, args, speculate=None):
     from efla.serving import PrefixCache, Scheduler
 
     from efla.commands.saved_model import stop_tokens_of
@@ -134,6 +138,7 @@ def _scheduler(model, tokenizer, args):
         stop_tokens=stop_tokens,
         pad_token=tokenizer.pad_token_id,
         seed=args.seed,
+        speculate=speculate,
     )
 
 
@@ -158,7 +163,8 @@ def cmd_serve(args) -> int:
     try:
         model, tokenizer = load_model(args.model_dir, device, dtype)
         _check_tokenizer(tokenizer, args.model_dir)
-        scheduler = _scheduler(model, tokenizer, args)
+        speculate = speculation(args, model, tokenizer, device, dtype)
+        scheduler = _scheduler(model, tokenizer, args, speculate)
         scheduler.start()
         from efla.serving import create_app
 
@@ -174,9 +180,10 @@ def cmd_serve(args) -> int:
         )
         host, port = sock.getsockname()[:2]
         cache = f"prefix cache {args.prefix_cache_mb} MB" if scheduler.prefix_cache is not None else "no prefix cache"
+        speculating = f", speculative decoding: {args.speculate}" if args.speculate else ""
         print(
             f"efla serve: {name} at http://{host}:{port}/v1 ({device}, {args.max_batch} slots, "
-            f"{args.max_queue} queue places, context {scheduler.max_context}, {cache})",
+            f"{args.max_queue} queue places, context {scheduler.max_context}, {cache}{speculating})",
             file=sys.stderr,
             flush=True,
         )
@@ -303,6 +310,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--seed", type=int, default=None, metavar="S", help="seeds the sampling of requests without a seed of their own"
     )
+    add_speculation_options(p.add_argument_group("speculative decoding (each decoding step one speculative round)"))
     p.add_argument(
         "--log-level",
         default="info",

@@ -1,9 +1,9 @@
 """``Metrics``: the server's Prometheus metrics (``GET /metrics``), in a registry of its own per app (so
 several apps in one process keep theirs apart).
 
-The scheduler's state (requests running and waiting, slots in use, prefix-cache queries and hits) is
-read when the metrics are scraped; token counters and the latency histograms are updated as
-requests finish.
+The scheduler's state (requests running and waiting, slots in use, prefix-cache queries and hits,
+speculative decoding's draft and accepted tokens) is read when the metrics are scraped; token
+counters and the latency histograms are updated as requests finish.
 """
 
 from __future__ import annotations
@@ -37,6 +37,22 @@ class _SchedulerCollector:
         hits = CounterMetricFamily("efla_prefix_cache_hits", "Prefix-cache lookups that found a cached prefix.")
         hits.add_metric([], cache.get("hits", 0))
         yield hits
+        yield from _speculation_counters(status["speculation"])
+
+
+def _speculation_counters(speculation: dict):
+    """Draft tokens proposed and accepted, while speculative decoding is on (their ratio is the
+    acceptance rate; accepted over rounds, the extra tokens a target pass gave)."""
+    if not speculation["enabled"]:
+        return
+    for name, key, documentation in (
+        ("efla_spec_draft_tokens", "drafted", "Draft tokens checked by the model (speculative decoding)."),
+        ("efla_spec_accepted_tokens", "accepted", "Draft tokens accepted (speculative decoding)."),
+        ("efla_spec_rounds", "rounds", "Speculative rounds (model passes over drafts)."),
+    ):
+        counter = CounterMetricFamily(name, documentation)
+        counter.add_metric([], speculation[key])
+        yield counter
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -27,6 +27,10 @@ ends when the grammar allows only the end-of-sequence token; its bucket's steps 
 of the step before, which its grammar must see first. A seeded sampling request draws its noise
 from its own generator (see ``DecodeEngine.step``'s ``fill_noise``), so it gives the same tokens
 whatever runs beside it; greedy requests give ``efla.generation.generate``'s tokens.
+
+With ``speculate``, step 1 is a speculative round instead (``efla.serving.speculation``): drafts
+checked in one pass, one to ``k + 1`` tokens per request handed out at once, through the same ends;
+a round in which no request drafted is the plain step. Step 5 then only adds the requests that joined.
 """
 
 from __future__ import annotations
@@ -42,11 +46,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from efla.generation import choose_tokens
+from efla.generation.speculative import speculative_config
 
 from .logprobs import ServingEngine, logprobs_of, prompt_logprobs, token_logprob
 from .prefill import ROW_TOKENS, plan_rounds, plan_rows, run_round, run_rows, to_device
 from .prefix_cache import PrefixCache
 from .processors import RowProcessors, uses_processors
+from .speculation import SpeculativeRounds
 from .requests import ErrorEvent, FinishEvent, QueueFull, Request, SamplingParams, ShuttingDown, TokenEvent, TokenLogprob
 from .states import copy_row, has_attention_layers, restore_row, snapshot_row
 from .structured import new_matcher
@@ -156,6 +162,9 @@ class Scheduler:
         seed: seeds the noise of unseeded sampling requests.
         use_cuda_graph: replay captured steps on CUDA (default: on CUDA); all buckets are captured
             when the scheduler starts.
+        speculate: speculative decoding, as ``efla.generation.generate``'s ``speculate`` (a dict of
+            ``SpeculativeConfig``'s fields or one; ``None``: off): each decoding iteration is then one
+            speculative round (``efla.serving.speculation``).
     """
 
     def __init__(
@@ -173,6 +182,7 @@ class Scheduler:
         pad_token: int | None = None,
         seed: int | None = None,
         use_cuda_graph: bool | None = None,
+        speculate=None,
     ):
         default_chunk, default_every = prefill_defaults(next(model.parameters()).device)
         prefill_chunk = default_chunk if prefill_chunk is None else prefill_chunk
@@ -192,7 +202,12 @@ class Scheduler:
         self._last_prefill_step = 0
         self.engine = ServingEngine(model, use_cuda_graph)
         self.engine.check_weights()
-        self.engine.reserve(max_batch, max_context + 2)  # + 2: a finished row may step once more
+        speculation = speculative_config(speculate)
+        room = 2 if speculation is None else 2 * speculation.num_speculative_tokens + 2  # a finished row's step, or drafts
+        self.engine.reserve(max_batch, max_context + room)
+        self.speculation = (
+            None if speculation is None else SpeculativeRounds(speculation, model, self.engine, max_batch, max_context + room)
+        )
         self.stop_tokens = [int(t) for t in stop_tokens]
         self._stop_set = set(self.stop_tokens)
         self.engine.set_stop_tokens(
@@ -358,6 +373,7 @@ class Scheduler:
             "prompt_tokens_prefilled": self.prompt_tokens_prefilled,
             "prefill_calls": self.prefill_calls,
             "prefix_cache": cache,
+            "speculation": {"enabled": False} if self.speculation is None else {"enabled": True, **self.speculation.stats()},
             "loop_seconds": {k: round(v, 3) for k, v in self.phase_seconds.items()},
         }
 
@@ -380,7 +396,11 @@ class Scheduler:
 
     def _iterate(self) -> None:
         clock = _PhaseClock(self.phase_seconds)
-        read = self._launch_step() if self._rows else None
+        read = None
+        if self.speculation is not None:
+            self._speculative_round()  # its tokens are handed out at once: nothing read one step late
+        elif self._rows:
+            read = self._launch_step()
         clock.lap("decode")
         if self._pending is not None:
             self._deliver(self._pending)
@@ -392,7 +412,9 @@ class Scheduler:
         clock.lap("admit")
         joined, first_tokens = self._prefill() if self._prefill_due() else ([], None)
         clock.lap("prefill")
-        if joined or any(r.done for r in self._rows):
+        if self.speculation is not None:
+            self._join_speculating(joined, first_tokens)
+        elif joined or any(r.done for r in self._rows):
             self._rebuild(joined, first_tokens)
         clock.lap("rebuild")
 
@@ -411,6 +433,50 @@ class Scheduler:
             read.joined, read.first_tokens, read.first_logprobs = self._joined
             self._joined = None
         return read
+
+    def _speculative_round(self) -> None:
+        """One speculative round of the decoding requests, their tokens handed out at once; a plain
+        decoding step when none of them drafted."""
+        requests = [r for r in self._rows if not r.done]
+        if not requests:
+            return
+        drafts, q_rows = self.speculation.propose(requests, self._generator)
+        if self.speculation.plain_step_will_do(requests, drafts):
+            self._plain_round(requests)
+            return
+        processors = self._processors(requests, len(requests))
+        results = self.speculation.verify(requests, drafts, q_rows, processors, self.engine.history)
+        self.steps += 1
+        self.peak_batch = max(self.peak_batch, len(requests))
+        for request, (tokens, logprob_rows) in zip(requests, results):
+            for token, row in zip(tokens, logprob_rows or [None] * len(tokens)):
+                wanted = row is not None and not request.done
+                self._accept(request, token, token_logprob(token, *row, request.params.logprobs) if wanted else None)
+
+    def _plain_round(self, requests: list[Request]) -> None:
+        """The decoding step of the plain scheduler over ``requests`` (captured on the GPU), its
+        tokens handed out at once."""
+        n = len(requests)
+        bucket = self.engine.bucket(n)
+        self.engine.assign(bucket, self._device_long([r.slot for r in requests]))
+        bucket.tokens[:n] = self._device_long(self.speculation.last_tokens(requests))
+        bucket.finished[:n] = False
+        bucket.temperature[:n], bucket.top_k[:n], bucket.top_p[:n] = self._sampling_rows(requests)
+        bucket.processors = self._processors(requests, bucket.size)
+        self._rows, self._bucket = requests, bucket
+        read = self._launch_step()
+        self.speculation.stepped(requests, read.tokens.values())
+        self._accept_all(read.rows, read.tokens, read.logprobs)
+
+    def _join_speculating(self, joined: list[Request], first_tokens) -> None:
+        """Hand out the first tokens of the requests that joined; those still going decode from now on."""
+        if joined:
+            tokens, logprobs = first_tokens
+            self._accept_all(joined, _HostCopy(tokens), logprobs)
+            for request, token in zip(joined, tokens.tolist()):
+                if not request.done:
+                    self.speculation.join(request, token)
+        self._rows = [r for r in self._rows + joined if not r.done]
 
     def _fill_noise(self, noise: torch.Tensor) -> None:
         noise.exponential_(generator=self._generator)
@@ -484,6 +550,8 @@ class Scheduler:
         queued before anything the next request writes there)."""
         request.done = True
         if request.slot is not None:
+            if self.speculation is not None:
+                self.speculation.leave(request.slot)
             self._free_slots.append(request.slot)
             request.slot = None
             with self._cond:

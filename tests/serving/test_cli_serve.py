@@ -34,6 +34,13 @@ GOOD_BODY = {"model": MODEL_NAME, "prompt": "def main(", "max_tokens": 4, "tempe
         (["--read-timeout", "0"], "--read-timeout"),
         (["--write-timeout", "-1"], "--write-timeout"),
         (["--max-connections", "0"], "--max-connections"),
+        (["--speculate", "eagle"], "--speculate"),
+        (["--speculate", "draft_model"], "--draft-model"),
+        (["--draft-model", "nowhere"], "--draft-model"),
+        (["--speculate", "draft_model", "--draft-model", "nowhere"], "--draft-model"),
+        (["--speculate", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens"),
+        (["--num-speculative-tokens", "3"], "--num-speculative-tokens"),
+        (["--prompt-lookup-max", "2"], "--prompt-lookup-max"),
     ],
 )
 def test_a_wrong_option_is_one_line_with_status_2(model_dir, capsys, options, option):
@@ -173,3 +180,35 @@ def test_chat_completions_use_the_template_file_given(model_dir, tmp_path, refer
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_speculate_with_a_draft_model_directory_serves_the_plain_greedy_text(model_dir, reference):
+    """`efla serve --speculate draft_model --draft-model DIR` (the model's own directory: a second
+    copy, so every draft is kept): the greedy text is generate's, and /health counts the drafts."""
+    want_text, _, want_reason = reference(GOOD_BODY["prompt"], 40)
+    process, url = _start(model_dir, "--speculate", "draft_model", "--draft-model", str(model_dir))
+    try:
+        answer = httpx.post(f"{url}/v1/completions", json={**GOOD_BODY, "max_tokens": 40}, timeout=60).json()
+        assert (answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]) == (want_text, want_reason)
+        counts = httpx.get(f"{url}/health", timeout=10).json()["speculation"]
+        assert counts["method"] == "draft_model" and counts["accepted"] == counts["drafted"] > 0
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_draft_model_with_another_tokenizer_is_one_line(model_dir, tmp_path, capsys):
+    from efla.data.tokenizer import train_bpe_tokenizer
+
+    from .conftest import _save_model
+
+    other = tmp_path / "other-draft"
+    _save_model(other, "tiny-efla", train_bpe_tokenizer(["a different text, another vocabulary " * 50], vocab_size=300))
+    argv = ["serve", str(model_dir), "--port", "0", "--speculate", "draft_model", "--draft-model", str(other)]
+    capsys.readouterr()  # the saving's progress bars
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "its tokenizer differs from the model's (--draft-model)" in err

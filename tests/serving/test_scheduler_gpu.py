@@ -122,3 +122,36 @@ def test_forked_choices_and_log_probabilities_from_captured_steps():
         scored = [expected[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
         assert request.prompt_logprobs[0] is None
         assert [e.logprob for e in request.prompt_logprobs[1:]] == pytest.approx(scored, abs=1e-3)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculating_requests_give_the_plain_schedulers_greedy_tokens(method):
+    """Speculative rounds on the GPU (eager passes, rollback by copies) beside captured plain steps
+    (rounds without drafts), with the prefix cache on: the plain scheduler's tokens."""
+    import copy
+
+    model = _model("tiny-efla")
+    generator = torch.Generator().manual_seed(3)
+    system = torch.randint(3, 512, (40,), generator=generator).tolist()
+    prompts = [
+        (system if i % 2 else []) + torch.randint(3, 512, (n,), generator=generator).tolist()
+        for i, n in enumerate((5, 30, 12, 1, 60, 9))
+    ]
+    draft = copy.deepcopy(model)
+    speculate = {"method": "ngram", "prompt_lookup_min": 1} if method == "ngram" else {"method": "draft_model", "model": draft}
+    outputs, counts = [], None
+    for options in ({}, {"speculate": speculate}):
+        scheduler = Scheduler(
+            model, None, stop_tokens=[EOS], max_batch=4, max_context=512, prefix_cache=PrefixCache(block=16), **options
+        )
+        scheduler.start()
+        try:
+            collector = Collector(len(prompts))
+            requests = [scheduler.submit([p], SamplingParams(max_tokens=48), collector)[0] for p in prompts]
+            collector.wait()
+            outputs.append([r.tokens for r in requests])
+            counts = scheduler.status()["speculation"]
+        finally:
+            scheduler.close(30)
+    assert outputs[1] == outputs[0]
+    assert counts["accepted"] > 0

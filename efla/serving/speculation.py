@@ -1,0 +1,249 @@
+"""Speculative decoding inside the scheduler: with ``Scheduler(speculate=...)`` every decoding
+iteration is one speculative round over the running requests (``efla.generation.speculative`` has
+the method, its drafters and its acceptance rules; this module keeps their per-slot state).
+
+A round drafts up to ``k`` tokens per request (prompt lookup over the request's prompt and tokens so
+far, or a draft model decoding in its own pool, one row per slot), runs every request's unfed
+tokens and drafts through the target model in ONE pass continuing its slot's state, keeps each
+request's drafts up to the first rejection plus one token of the target's own, and puts the state
+from before the pass back into the slots of requests that rejected a draft (their kept tokens
+become unfed tokens that the next pass runs ahead of its drafts). A request thus receives one to
+``k + 1`` tokens per round, all through the scheduler's usual acceptance (stop tokens, stop strings,
+``max_tokens``: tokens after the end are dropped).
+
+Requests with logit processors (penalties, ``logit_bias``, ``min_tokens``, ``ignore_eos``, a
+grammar) take part with no drafts: their processors depend on every token before, so only the
+pass's first position is theirs, a plain decoding step inside the same pass. Log-probabilities come
+from the pass's logits at each kept token's position, the distribution the plain step reports.
+A round with drafts runs eagerly (no CUDA graphs); one in which no request drafted (and every
+slot's state holds all its tokens but the last) is the scheduler's plain decoding step instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from efla.generation.engine import DecodeEngine
+from efla.generation.sampling import filter_logits
+from efla.generation.speculative import (
+    SpeculativeConfig,
+    _accept_greedy,
+    _accept_sampled,
+    _check_draft_model,
+    _continue_rows,
+    _draw,
+    _feed_all_but_last,
+    _ModelDrafter,
+    _NgramIndex,
+    _restore_rows,
+    _RowSchedule,
+    _saved_rows,
+)
+
+from .logprobs import logprobs_of
+from .processors import RowProcessors, SlotHistory, uses_processors
+from .requests import Request
+
+__all__ = ["SpeculativeRounds", "RoundResult"]
+
+RoundResult = tuple[list[int], list[tuple] | None]  # a request's new tokens and, when asked, their logprob rows
+
+
+class _SlotDraftModel(_ModelDrafter):
+    """``_ModelDrafter`` whose rows are the scheduler's slots: each admitted prompt is prefilled into
+    its slot of the draft model's own pool when the request joins."""
+
+    def __init__(self, config: SpeculativeConfig, slots: int, max_length: int, choose):
+        self.engine = DecodeEngine(config.model)  # a pool of its own, apart from any generate() on the model
+        self.engine.check_weights()
+        self.engine.reserve(slots, max_length)
+        self.choose = choose
+        self.pending: list[list[int]] = [[] for _ in range(slots)]
+        self.round: dict = {}
+
+    def join(self, slot: int, prompt: list[int], first_token: int) -> None:
+        rows = torch.tensor([slot], device=self.engine.device)
+        self.engine.prefill([torch.tensor(prompt, dtype=torch.long)], rows)
+        self.pending[slot] = [first_token]
+
+
+class SpeculativeRounds:
+    """The speculative state of every slot (unfed tokens, n-gram index or draft-model row, adaptive
+    draft length) and the round itself; counts ``rounds``, ``row_rounds`` (a round of ``n`` requests
+    adds ``n``), ``drafted`` and ``accepted`` tokens."""
+
+    def __init__(self, config: SpeculativeConfig, model, engine: DecodeEngine, slots: int, max_length: int):
+        if config.method == "draft_model":
+            _check_draft_model(model, config.model)
+        self.config, self.engine = config, engine
+        self.k_max = config.num_speculative_tokens
+        self.unfed: dict[int, list[int]] = {}  # per slot: tokens its target state has not taken in (the last at least)
+        self.schedules: dict[int, _RowSchedule] = {}
+        self.indexes: dict[int, _NgramIndex] = {}
+        self.requests: dict[int, Request] = {}
+        self.draft_model = (
+            _SlotDraftModel(config, slots, max_length, self._draft_choice) if config.method == "draft_model" else None
+        )
+        self.rounds = self.row_rounds = self.drafted = self.accepted = 0
+        self._generator: torch.Generator | None = None
+        self._draft_lengths: dict[int, int] = {}  # this round's draft length per slot
+        self._draft_step = 0  # the draft model's step within this round
+
+    def stats(self) -> dict:
+        return {
+            "method": self.config.method,
+            "rounds": self.rounds,
+            "row_rounds": self.row_rounds,  # requests taken through a round, summed over rounds
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+        }
+
+    def join(self, request: Request, first_token: int) -> None:
+        """``request`` decodes from its slot, whose state holds its prompt; ``first_token`` is unfed."""
+        slot = request.slot
+        self.unfed[slot], self.requests[slot] = [first_token], request
+        self.schedules[slot] = _RowSchedule(self.k_max)
+        if self.draft_model is not None:
+            self.draft_model.join(slot, request.prompt, first_token)
+        else:
+            sizes = range(self.config.prompt_lookup_min, self.config.prompt_lookup_max + 1)
+            self.indexes[slot] = _NgramIndex(request.prompt + [first_token], sizes)
+
+    def leave(self, slot: int) -> None:
+        """The slot's request ended: forget it (a draft model's row is overwritten by the next join)."""
+        for table in (self.unfed, self.schedules, self.indexes, self.requests):
+            table.pop(slot, None)
+
+    # -- one round ------------------------------------------------------------------------------------
+    def propose(self, requests: list[Request], generator: torch.Generator) -> tuple[list[list[int]], list]:
+        """The round's drafts of ``requests`` (decoding, in slots that joined) and the drafter's
+        probabilities of them (``None`` per request: prompt lookup's point masses, or greedy);
+        ``generator``: the noise of sampling requests without a generator of their own."""
+        self._generator = generator
+        lengths = [self._draft_length(r) for r in requests]
+        slots = [r.slot for r in requests]
+        if self.draft_model is not None:
+            self._draft_lengths, self._draft_step = dict(zip(slots, lengths)), 0
+            return self.draft_model.propose(slots, lengths)
+        return [self.indexes[s].propose(n) if n else [] for s, n in zip(slots, lengths)], [None] * len(slots)
+
+    def plain_step_will_do(self, requests: list[Request], drafts: list[list[int]]) -> bool:
+        """Whether no request drafted and each slot's state holds all its tokens but the last: then
+        the round is a plain decoding step (the caller's, then ``stepped``)."""
+        return not any(drafts) and all(len(self.unfed[r.slot]) == 1 for r in requests)
+
+    def last_tokens(self, requests: list[Request]) -> list[int]:
+        return [self.unfed[r.slot][-1] for r in requests]
+
+    def stepped(self, requests: list[Request], tokens: list[int]) -> None:
+        """A plain decoding step gave each of ``requests`` its next token (after ``propose``)."""
+        self._settle(requests, [[] for _ in requests], [(0, token) for token in tokens], None, None)
+
+    def verify(
+        self,
+        requests: list[Request],
+        drafts: list[list[int]],
+        q_rows: list,
+        processors: RowProcessors | None,
+        history: SlotHistory | None,
+    ) -> list[RoundResult]:
+        """The round's pass over every request's unfed tokens and ``drafts`` (``propose``'s); each
+        request's new tokens. ``processors``: the requests' logit processors as rows (``None``: none
+        has any)."""
+        slots = [r.slot for r in requests]
+        slot_rows = torch.tensor(slots, device=self.engine.device)
+        saved = _saved_rows(self.engine, slot_rows) if any(drafts) else None
+        logits = _continue_rows(self.engine, [self.unfed[s] + d for s, d in zip(slots, drafts)], slots)
+        starts = [len(self.unfed[s]) - 1 for s in slots]  # the position whose logits score the first draft
+        processed = None if processors is None else self._processed_first(logits, starts, slots, processors, history)
+        outcome = []
+        for i, request in enumerate(requests):
+            window = logits[i, starts[i] : starts[i] + len(drafts[i]) + 1]
+            if processed is not None and bool(processors.active[i]):
+                window = processed[i : i + 1]  # no drafts: one position, processed as a plain step's
+            outcome.append(self._accept(request, window, drafts[i], q_rows[i]))
+        if processors is not None:
+            firsts = torch.tensor(
+                [(d[:kept] + [token])[0] for d, (kept, token) in zip(drafts, outcome)], device=self.engine.device
+            )
+            history.record(slot_rows, firsts, processors.active)  # a processed row's one new token
+        self._settle(requests, drafts, outcome, saved, slot_rows)
+        return [self._result(r, logits[i], starts[i], drafts[i], outcome[i]) for i, r in enumerate(requests)]
+
+    def _processed_first(self, logits, starts, slots, processors: RowProcessors, history: SlotHistory) -> torch.Tensor:
+        """Each row's logits at its first position (a processed row has no drafts: its only one),
+        processed after the grammars took the rows' newest tokens, as a plain step does."""
+        last = torch.tensor([self.unfed[s][-1] for s in slots], device=self.engine.device)
+        processors.constrain(self.engine.vocab, self.engine.device, last, torch.zeros(len(slots), dtype=torch.bool))
+        first_logits = logits[torch.arange(len(slots)), torch.tensor(starts)]
+        return processors.apply(first_logits, history, torch.tensor(slots, device=self.engine.device))
+
+    def _draft_length(self, request: Request) -> int:
+        schedule = self.schedules[request.slot]
+        if uses_processors(request.params) or schedule.pause:
+            return 0
+        room = request.params.max_tokens - len(request.tokens)
+        return max(0, min(schedule.k if self.config.adaptive else self.k_max, room - 1))
+
+    def _sampling_rows(self, request: Request, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        params, device = request.params, self.engine.device
+        return (
+            torch.full((n,), float(params.temperature), device=device),
+            torch.full((n,), int(params.top_k), dtype=torch.long, device=device),
+            torch.full((n,), float(params.top_p), device=device),
+        )
+
+    def _accept(self, request: Request, window: torch.Tensor, drafts: list[int], q) -> tuple[int, int]:
+        """``(drafts kept, next token)`` of one request from the target's logits ``window [len(drafts) + 1, V]``."""
+        if request.params.temperature == 0:
+            return _accept_greedy(window.argmax(-1).tolist(), drafts)
+        probs = filter_logits(window, *self._sampling_rows(request, window.shape[0])).softmax(-1)
+        return _accept_sampled(probs, q, drafts, request.generator or self._generator)
+
+    def _draft_choice(self, logits: torch.Tensor, slots: list[int]) -> tuple[list[int], torch.Tensor]:
+        """The draft model's token per slot of ``logits [n, V]``, chosen as its request chooses, and
+        the probabilities it was drawn from (a greedy request's are never read). A request draws
+        only for the drafts it asked for: its noise must not depend on its neighbours' draft lengths."""
+        requests = [self.requests[s] for s in slots]
+        settings = [torch.cat(column) for column in zip(*(self._sampling_rows(r, 1) for r in requests))]
+        probs = filter_logits(logits, *settings).softmax(-1)
+        drawing = [r.params.temperature > 0 and self._draft_step < self._draft_lengths[s] for s, r in zip(slots, requests)]
+        tokens = [
+            _draw(probs[i], r.generator or self._generator) if drawing[i] else int(logits[i].argmax())
+            for i, r in enumerate(requests)
+        ]
+        self._draft_step += 1
+        return tokens, probs
+
+    def _settle(self, requests, drafts, outcome, saved, slot_rows) -> None:
+        """Put back the state of the slots that rejected a draft, update the unfed tokens, drafters,
+        draft lengths and counts."""
+        rejected = [i for i, (kept, _) in enumerate(outcome) if kept < len(drafts[i])]  # none without drafts
+        if rejected:
+            _restore_rows(self.engine, saved, slot_rows, torch.tensor(rejected, device=self.engine.device))
+        slots = [r.slot for r in requests]
+        new_tokens = [d[:kept] + [token] for d, (kept, token) in zip(drafts, outcome)]
+        for i, slot in enumerate(slots):
+            kept = outcome[i][0]
+            self.unfed[slot] = (self.unfed[slot] + new_tokens[i][:-1] if kept < len(drafts[i]) else []) + new_tokens[i][-1:]
+            self.schedules[slot].update(len(drafts[i]), kept, self.k_max)
+            self.drafted, self.accepted = self.drafted + len(drafts[i]), self.accepted + kept
+        _feed_all_but_last(self.engine, self.unfed, [s for s in slots if len(self.unfed[s]) > self.k_max + 1])
+        if self.draft_model is not None:
+            self.draft_model.commit(slots, [kept for kept, _ in outcome], new_tokens)
+        else:
+            for slot, tokens in zip(slots, new_tokens):
+                for token in tokens:
+                    self.indexes[slot].append(token)
+        self.rounds += 1
+        self.row_rounds += len(requests)
+
+    @staticmethod
+    def _result(request: Request, logits: torch.Tensor, start: int, drafts: list[int], outcome) -> RoundResult:
+        kept, token = outcome
+        tokens = drafts[:kept] + [token]
+        if request.params.logprobs is None:
+            return tokens, None
+        ids = torch.tensor(tokens, device=logits.device)
+        chosen, values, indices = logprobs_of(logits[start : start + len(tokens)], ids)
+        return tokens, list(zip(chosen.tolist(), values.tolist(), indices.tolist()))
