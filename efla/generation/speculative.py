@@ -36,8 +36,9 @@ kept every draft and shrinks by one otherwise; a row whose single draft was reje
 for a number of rounds that doubles with every such rejection (up to ``_MAX_PAUSE``).
 
 It also turns itself down per round, where a verification pass would cost more than it gains: a
-round whose rows each hold only their last token unfed takes the engine's own decoding step (plain
-``generate``'s, captured on CUDA) instead of a pass when no row has a draft, or when the tokens the
+round whose rows each hold only their last token unfed runs the engine's own decoding step (plain
+``generate``'s, captured on CUDA; 1, 2, 4, then 8 steps in a row while rounds keep being turned down,
+the tokens read back once per run) instead of a pass when no row has a draft, or when the tokens the
 pass is expected to make for a row, ``1 + sum_{i<=n} a^i`` (``n`` drafts of a row
 whose recent drafts were kept at rate ``a``), fall below ``verify_cost``, the time of a verification
 pass in plain steps, for any of the rows furthest behind (within ``k`` tokens of the row with the
