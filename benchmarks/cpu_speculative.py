@@ -3,8 +3,9 @@ plain ``generate`` on the same model, float32, batch 1 and 8, alternated rounds 
 
 The kinds of text (``copying``, ``code editing``: lookup helps; ``free``: it does not) and the
 measurement are ``benchmarks/speculation.py``'s, shared with ``gpu_generate.py``'s speculative
-stage. Per kind and batch: new tokens/s of both (each round times one speculative call, then one
-plain call, for ``--rounds`` rounds) with the ratio's spread, the acceptance rate (kept / drafted
+stage. Per kind and batch: new tokens/s of both (each round times one speculative call, one with
+every draft verified (``verify_cost=1``, no turn-down: the control), then one plain call, for
+``--rounds`` rounds) with the ratios' spread, the acceptance rate (kept / drafted
 tokens verified), new tokens per row per verification pass, the share of rounds that verified (the
 rest took the engine's plain step: speculation turning itself down) and new tokens per row per round.
 
@@ -135,9 +136,10 @@ def main() -> None:
         f"speculate={speculation.SPECULATE} (the default turn-down rule, verify_cost "
         f"{speculation.speculative_module.VERIFY_COST.get('cpu')} on the CPU); {args.new_tokens} new tokens per call; float32; "
         f"{args.threads} threads; clock: {args.clock} ({'elapsed time' if args.clock == 'wall' else 'the process CPU time'})",
-        "a round times one speculative call, then one plain call, after one warm-up call of each",
+        "a round times one speculative call, one with every draft verified (verify_cost=1), then one plain call, "
+        "after one warm-up call of each",
         f"bandwidth {bandwidth:.1f} GB/s, {source}; step bytes {step_bytes} (weights once, state read and written)",
-        f"load average at the start: {load_before} (two other processes shared the machine's cores)",
+        f"load average at the start: {load_before} (other processes shared the machine's cores)",
     ]
     write_run(
         args.out,

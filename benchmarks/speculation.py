@@ -31,7 +31,8 @@ from efla.generation import speculative as speculative_module
 
 KINDS = ("copying", "code editing", "free")
 SPECULATE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
-OURS, PLAIN = "speculative (ngram)", "plain generate"
+ALWAYS = dict(SPECULATE, verify_cost=1)  # no turn-down: every round with a draft verifies (the control)
+OURS, PLAIN, ALWAYS_NAME = "speculative (ngram)", "plain generate", "speculative, every draft verified (verify_cost=1)"
 PROMPT, CONTINUATION, EDIT_EVERY = 32, 96, 8
 
 
@@ -62,17 +63,20 @@ def call(model, ids, new_tokens: int, kind: str, speculate, stats=None, clock=ti
 
 
 def measure_case(model, kind: str, batch: int, new_tokens: int, rounds: int, clock, sync, device) -> dict:
-    """Warm-up (both), the greedy check, then ``rounds`` rounds of one speculative call and one plain
-    call: each round's tokens/s of both and the speculative call's counts."""
+    """Warm-up (each method), the greedy check, then ``rounds`` rounds of one speculative call, one with
+    every draft verified (no turn-down: the control) and one plain call: each round's tokens/s of the
+    three and the speculative call's counts."""
     ids = prompts(model, kind, batch, device)
     plain_out = call(model, ids, new_tokens, kind, None, sync=sync)[1]
     fast_out = call(model, ids, new_tokens, kind, SPECULATE, {}, sync=sync)[1]
     if kind != "free" and not torch.equal(plain_out, fast_out):
         raise SystemExit(f"{kind}, batch {batch}: speculative greedy output differs from plain greedy")
-    found = {"ours": [], "plain": [], "stats": []}
+    call(model, ids, new_tokens, kind, ALWAYS, sync=sync)
+    found = {"ours": [], "always": [], "plain": [], "stats": []}
     for _ in range(rounds):
         stats = {}
         found["ours"].append(batch * new_tokens / call(model, ids, new_tokens, kind, SPECULATE, stats, clock, sync)[0])
+        found["always"].append(batch * new_tokens / call(model, ids, new_tokens, kind, ALWAYS, None, clock, sync)[0])
         found["plain"].append(batch * new_tokens / call(model, ids, new_tokens, kind, None, None, clock, sync)[0])
         found["stats"].append(stats)
     return found
@@ -93,6 +97,10 @@ def case_measurements(name: str, batch: int, found: dict) -> list[dict]:
         "new tokens per row per round": ("tokens", [s["tokens"] / batch / s["rounds"] for s in stats]),
     }
     rows = [measurement(name, "new tokens/s", "tokens/s", "higher", (OURS, found["ours"]), (PLAIN, found["plain"]))]
+    if found.get("always"):
+        rows.append(
+            measurement(name, "new tokens/s", "tokens/s", "higher", (ALWAYS_NAME, found["always"]), (PLAIN, found["plain"]))
+        )
     rows += [measurement(name, metric, unit, "higher", (OURS, values), None) for metric, (unit, values) in figures.items()]
     return rows
 
@@ -100,10 +108,11 @@ def case_measurements(name: str, batch: int, found: dict) -> list[dict]:
 def describe(name: str, found: dict) -> str:
     ratio = [a / b for a, b in zip(found["ours"], found["plain"])]
     s = found["stats"][-1]
+    always = statistics.median(a / b for a, b in zip(found["always"], found["plain"])) if found.get("always") else float("nan")
     return (
         f"{name}: {statistics.median(found['ours']):,.0f} vs {statistics.median(found['plain']):,.0f} tokens/s, "
-        f"ratio {statistics.median(ratio):.2f}x (min {min(ratio):.2f}, max {max(ratio):.2f}), acceptance "
-        f"{s['accepted']}/{s['drafted']}, verified {s['verified']} of {s['rounds']} rounds"
+        f"ratio {statistics.median(ratio):.2f}x (min {min(ratio):.2f}, max {max(ratio):.2f}; every draft verified: "
+        f"{always:.2f}x), acceptance {s['accepted']}/{s['drafted']}, verified {s['verified']} of {s['rounds']} target passes"
     )
 
 

@@ -126,7 +126,7 @@ def test_speculation_turns_a_rounds_counts_into_its_columns():
     stats = dict(rounds=10, verified=4, verified_rows=4, verified_tokens=10, drafted=12, accepted=6, tokens=16)
     found = {"ours": [200.0], "plain": [100.0], "stats": [stats]}
     rows = {m["metric"]: m for m in speculation.case_measurements("case", 1, found)}
-    assert evidence.ratios(rows["new tokens/s"]) == [2.0]
+    assert evidence.ratios(rows["new tokens/s"]) == [2.0] and rows["new tokens/s"]["ours"]["name"] == speculation.OURS
     assert rows["acceptance rate"]["ours"]["rounds"] == [0.5]
     assert rows["new tokens per row per verification pass"]["ours"]["rounds"] == [2.5]
     assert rows["rounds that verified (the rest: plain steps)"]["ours"]["rounds"] == [0.4]
@@ -167,9 +167,12 @@ def test_gpu_generate_speculative_stage_runs_on_the_cpu_with_every_column(tmp_pa
                 "rounds that verified (the rest: plain steps)",
                 "new tokens per row per round",
             }
-            speed = metrics["new tokens/s"]
-            assert len(speed["ours"]["rounds"]) == len(speed["baseline"]["rounds"]) == 3
-            assert all(v > 0 for v in speed["ours"]["rounds"] + speed["baseline"]["rounds"])
+            speeds = [m for m in found if m["case"] == f"tiny-efla {kind} batch {batch}" and m["metric"] == "new tokens/s"]
+            assert [m["ours"]["name"] for m in speeds] == [speculation.OURS, speculation.ALWAYS_NAME]
+            for speed in speeds:
+                assert speed["baseline"]["name"] == speculation.PLAIN
+                assert len(speed["ours"]["rounds"]) == len(speed["baseline"]["rounds"]) == 3
+                assert all(v > 0 for v in speed["ours"]["rounds"] + speed["baseline"]["rounds"])
     costs = [m for m in found if m["metric"] == "verification pass / plain decoding step"]
     assert [m["case"] for m in costs] == ["tiny-efla batch 1, 5 positions", "tiny-efla batch 2, 5 positions"]
     floor = next(m for m in found if m["metric"] == "step floor: bytes moved / bandwidth")["ours"]["rounds"][0]
