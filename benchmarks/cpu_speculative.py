@@ -6,8 +6,9 @@ measurement are ``benchmarks/speculation.py``'s, shared with ``gpu_generate.py``
 stage. Per kind and batch: new tokens/s of both (each round times one speculative call, one with
 every draft verified (``verify_cost=1``, no turn-down: the control), then one plain call, for
 ``--rounds`` rounds) with the ratios' spread, the acceptance rate (kept / drafted
-tokens verified), new tokens per row per verification pass, the share of rounds that verified (the
-rest took the engine's plain step: speculation turning itself down) and new tokens per row per round.
+tokens verified), new tokens per row per verification pass, the share of target passes that
+verified (the rest were the engine's plain steps: speculation turning itself down) and new tokens
+per row per target pass.
 
 Then two diagnostics: a verification pass of ``k + 1`` positions against one plain decoding step at
 batch 1 and 8 (the ratio the turn-down rule's ``verify_cost`` stands for), and the batch-1 plain step

@@ -40,7 +40,7 @@ Stages (``--stages``):
 7. ``speculative``: ``generate(..., speculate=ngram)`` against plain ``generate`` (alternated, ``--rounds``
    rounds) at ``--spec-batches`` on the text kinds of ``benchmarks/speculation.py`` (copying and code
    editing, where prompt lookup helps; free text, where it does not): tokens/s and their ratio,
-   acceptance rate, tokens per verification pass, the share of rounds that verified; a verification
+   acceptance rate, tokens per verification pass, the share of target passes that verified; a verification
    pass of ``k + 1`` positions in plain steps; the batch-1 step against its floor, (weight bytes +
    state bytes) / ``--bandwidth-gbs`` (the H200's nominal 4.8 TB/s). Its record:
    ``DIR/gpu_generate_speculative.json``.

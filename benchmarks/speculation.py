@@ -85,7 +85,7 @@ def measure_case(model, kind: str, batch: int, new_tokens: int, rounds: int, clo
 def case_measurements(name: str, batch: int, found: dict) -> list[dict]:
     """The records of one kind and batch: tokens/s against plain, then speculation's own figures per
     round (acceptance over the drafts verified; tokens per row per verification pass; the share of
-    rounds that verified, the rest being plain steps; tokens per row per round of either kind)."""
+    target passes that verified, the rest being plain steps; tokens per row per target pass of either kind)."""
     stats = found["stats"]
     figures = {
         "acceptance rate": ("fraction", [s["accepted"] / max(1, s["drafted"]) for s in stats]),
@@ -93,8 +93,8 @@ def case_measurements(name: str, batch: int, found: dict) -> list[dict]:
             "tokens",
             [s["verified_tokens"] / s["verified_rows"] if s["verified_rows"] else 0.0 for s in stats],
         ),
-        "rounds that verified (the rest: plain steps)": ("fraction", [s["verified"] / s["rounds"] for s in stats]),
-        "new tokens per row per round": ("tokens", [s["tokens"] / batch / s["rounds"] for s in stats]),
+        "target passes that verified (the rest: plain steps)": ("fraction", [s["verified"] / s["rounds"] for s in stats]),
+        "new tokens per row per target pass": ("tokens", [s["tokens"] / batch / s["rounds"] for s in stats]),
     }
     rows = [measurement(name, "new tokens/s", "tokens/s", "higher", (OURS, found["ours"]), (PLAIN, found["plain"]))]
     if found.get("always"):

@@ -129,8 +129,8 @@ def test_speculation_turns_a_rounds_counts_into_its_columns():
     assert evidence.ratios(rows["new tokens/s"]) == [2.0] and rows["new tokens/s"]["ours"]["name"] == speculation.OURS
     assert rows["acceptance rate"]["ours"]["rounds"] == [0.5]
     assert rows["new tokens per row per verification pass"]["ours"]["rounds"] == [2.5]
-    assert rows["rounds that verified (the rest: plain steps)"]["ours"]["rounds"] == [0.4]
-    assert rows["new tokens per row per round"]["ours"]["rounds"] == [1.6]
+    assert rows["target passes that verified (the rest: plain steps)"]["ours"]["rounds"] == [0.4]
+    assert rows["new tokens per row per target pass"]["ours"]["rounds"] == [1.6]
 
 
 def test_the_code_editing_prompt_is_the_copying_prompt_with_one_token_in_8_changed():
@@ -164,8 +164,8 @@ def test_gpu_generate_speculative_stage_runs_on_the_cpu_with_every_column(tmp_pa
                 "new tokens/s",
                 "acceptance rate",
                 "new tokens per row per verification pass",
-                "rounds that verified (the rest: plain steps)",
-                "new tokens per row per round",
+                "target passes that verified (the rest: plain steps)",
+                "new tokens per row per target pass",
             }
             speeds = [m for m in found if m["case"] == f"tiny-efla {kind} batch {batch}" and m["metric"] == "new tokens/s"]
             assert [m["ours"]["name"] for m in speeds] == [speculation.OURS, speculation.ALWAYS_NAME]

@@ -71,7 +71,7 @@ _LONGEST_PLAIN_RUN = 8  # plain steps between looks at the drafts, while specula
 _ACCEPTANCE_DECAY = 0.9  # per round: a row's acceptance rate follows its last few dozen drafts
 _PRIOR_KEPT, _PRIOR_CHECKED = 2.0, 3.0  # the rate before any evidence: optimistic, so speculation starts on
 # A verification pass's time in plain decoding steps where nothing else is known. On the CPU measured
-# with tiny-efla on one thread (benchmarks/cpu_speculative.py: 2.2 at batch 1, 2.9 at batch 8);
+# with tiny-efla on one thread (benchmarks/cpu_speculative.py: 2.0 at batch 1, 2.3 at batch 8);
 # elsewhere 1: every round with a draft verifies, until a GPU measurement says otherwise.
 VERIFY_COST = {"cpu": 2.5}
 
