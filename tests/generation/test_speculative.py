@@ -170,9 +170,21 @@ def test_turned_down_rounds_take_the_plain_step_and_change_no_token(preset, veri
     assert steps.calls == stats["rounds"] - stats["verified"] > 0
     if verify_cost == 1000:
         assert stats["verified"] == stats["drafted"] == 0 and stats["rounds"] == 47
-    elif preset == "tiny-efla":  # its looping text pays for passes: some rounds verified, and kept drafts
-        assert stats["verified"] > 0 and stats["accepted"] > 0 and stats["rounds"] < 47
     assert stats["verified_rows"] <= stats["verified_tokens"] <= stats["tokens"] == 4 * 48
+
+
+def test_the_default_rule_verifies_where_a_row_copies_its_prompt(monkeypatch):
+    """One row whose prompt ends in the model's looping text: prompt lookup's drafts are kept often
+    enough that the CPU's default rule verifies some rounds (several tokens a pass) and steps others."""
+    model = looping("tiny-efla")
+    ids = generate(model, torch.randint(3, 256, (1, 32), generator=torch.Generator().manual_seed(1)), max_new_tokens=96)
+    want = generate(model, ids, max_new_tokens=96, eos_token_id=[])
+    steps = CountSteps(monkeypatch)
+    stats = {}
+    got = generate(model, ids, max_new_tokens=96, eos_token_id=[], speculate={"method": "ngram"}, speculation_stats=stats)
+    assert torch.equal(got, want)
+    assert stats["verified"] > 0 and steps.calls == stats["rounds"] - stats["verified"] > 0
+    assert stats["verified_tokens"] > 2 * stats["verified"] and stats["rounds"] < 95
 
 
 def test_a_round_with_no_draft_anywhere_is_a_plain_step_even_when_verifying_always_pays(monkeypatch):
