@@ -78,7 +78,8 @@ VERIFY_COST = {"cpu": 2.5}
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """How ``generate`` speculates (the names are vLLM's ``speculative_config`` keys).
+    """How ``generate`` speculates (the names are vLLM's ``speculative_config`` keys; ``adaptive`` and
+    ``verify_cost`` are this library's own).
 
     Args:
         method: ``"ngram"`` (prompt lookup) or ``"draft_model"``.
