@@ -135,7 +135,7 @@ def main() -> None:
         "random weights (default initialisation): no trained checkpoint comes with the repository; acceptance on a trained "
         "model's copying would differ",
         f"speculate={speculation.SPECULATE} (the default turn-down rule, verify_cost "
-        f"{speculation.speculative_module.VERIFY_COST.get('cpu')} on the CPU); {args.new_tokens} new tokens per call; float32; "
+        f"{speculation.speculative_module.DEFAULT_VERIFY_COST}); {args.new_tokens} new tokens per call; float32; "
         f"{args.threads} threads; clock: {args.clock} ({'elapsed time' if args.clock == 'wall' else 'the process CPU time'})",
         "a round times one speculative call, one with every draft verified (verify_cost=1), then one plain call, "
         "after one warm-up call of each",

@@ -70,10 +70,10 @@ _MAX_PAUSE = 32
 _LONGEST_PLAIN_RUN = 8  # plain steps between looks at the drafts, while speculation stays turned down
 _ACCEPTANCE_DECAY = 0.9  # per round: a row's acceptance rate follows its last few dozen drafts
 _PRIOR_KEPT, _PRIOR_CHECKED = 2.0, 3.0  # the rate before any evidence: optimistic, so speculation starts on
-# A verification pass's time in plain decoding steps where nothing else is known. On the CPU measured
-# with tiny-efla on one thread (benchmarks/cpu_speculative.py: 2.0 at batch 1, 2.3 at batch 8);
-# elsewhere 1: every round with a draft verifies, until a GPU measurement says otherwise.
-VERIFY_COST = {"cpu": 2.5}
+# A verification pass's time in plain decoding steps, unless the config gives one: measured on the CPU
+# with tiny-efla on one thread (benchmarks/cpu_speculative.py: 2.1 at batch 1, 2.2 at batch 8). On CUDA
+# the plain step replays a captured graph while a pass runs eagerly: not yet measured, so the same.
+DEFAULT_VERIFY_COST = 2.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +92,7 @@ class SpeculativeConfig:
         adaptive: shrink ``k`` and pause drafting for rows whose drafts are rejected, and take a plain
             decoding step for rounds whose expected gain does not pay for a pass. Default ``True``.
         verify_cost: a verification pass's time in plain decoding steps, for that rule (``None``: the
-            device type's ``VERIFY_COST``, else 1; ``1``: verify whenever a row has a draft).
+            ``DEFAULT_VERIFY_COST``; ``1``: verify whenever a row has a draft).
     """
 
     method: str
@@ -477,12 +477,6 @@ class _PlainSteps:
             noise[i].exponential_(generator=self.sampler.generators[r])
 
 
-def _verify_cost(config: SpeculativeConfig, engine: DecodeEngine) -> float:
-    if config.verify_cost is not None:
-        return float(config.verify_cost)
-    return VERIFY_COST.get(engine.device.type, 1.0)
-
-
 def _verification_pays(schedules, active, unfed, lengths, cost: float, adaptive: bool, room=None, k_max: int = 0) -> bool:
     """Whether this round runs a verification pass rather than a plain step (the module's doc): always
     where a row has more than its last token unfed (a pass runs anyway), never where no row drafts,
@@ -562,7 +556,7 @@ class _Loop:
         )
         self.k_max = config.num_speculative_tokens
         self.schedules = [_RowSchedule(self.k_max) for _ in rows.new]
-        self.cost = _verify_cost(config, engine)
+        self.cost = DEFAULT_VERIFY_COST if config.verify_cost is None else float(config.verify_cost)
         self.plain_steps = _PlainSteps(engine, sampler, pad_token)
         self.plain_run = 1
         self.counts = dict.fromkeys(("rounds", "verified", "verified_rows", "verified_tokens", "drafted", "accepted"), 0)

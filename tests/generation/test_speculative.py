@@ -265,6 +265,8 @@ def test_bad_speculation_settings_name_themselves():
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
         ({"method": "ngram", "k": 4}, "unknown keys"),
+        ({"method": "ngram", "verify_cost": 0.5}, "verify_cost"),
+        ({"method": "ngram", "verify_cost": True}, "verify_cost"),
         ({"method": "draft_model"}, "draft model"),
         ({"method": "draft_model", "model": model}, "itself"),
         ({"method": "draft_model", "model": other_vocab}, "vocabulary"),
