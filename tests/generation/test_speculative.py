@@ -114,7 +114,7 @@ def test_state_after_generation_equals_the_non_speculative_state(preset):
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-@pytest.mark.parametrize("verify_cost", [1, None])
+@pytest.mark.parametrize("verify_cost", [1, None, 1000])  # 1000: inside a run of plain steps
 def test_a_stop_token_inside_an_accepted_run_ends_the_row_there(method, verify_cost):
     model = looping("tiny-efla")
     ids, mask = ragged_batch([9, 4, 6, 1])
@@ -386,6 +386,13 @@ def test_sampled_tokens_follow_the_target_distribution(method, rule, case, monke
         assert min(p_values) > 1e-4, p_values
     else:
         assert p_values[0] > 1e-4 and min(p_values[1:]) < 1e-6, p_values
+
+
+def test_sampled_tokens_of_plain_steps_follow_the_target_distribution(case):
+    """Every round turned down (``verify_cost=1000``): the tokens come from runs of the engine's step,
+    each row drawing with its own generator, and still follow the target's distribution."""
+    speculate = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "verify_cost": 1000}
+    assert min(sampled_p_values(case, speculate)) > 1e-4
 
 
 def test_the_enumerated_distribution_is_the_one_non_speculative_sampling_draws(case):
