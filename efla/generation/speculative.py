@@ -543,17 +543,11 @@ def speculative_generate(
 
 class _Loop:
     """The rounds of one ``speculative_generate`` call: per round, drafts, then one verification pass
-    or one plain step, then each row's new tokens and acceptance."""
+    or a run of plain steps, then each row's new tokens and acceptance."""
 
     def __init__(self, engine, sampler, config, drafter, rows: _Rows, unfed: list[list[int]], pad_token: int):
-        self.engine, self.sampler, self.config, self.drafter, self.rows, self.unfed = (
-            engine,
-            sampler,
-            config,
-            drafter,
-            rows,
-            unfed,
-        )
+        self.engine, self.sampler, self.config, self.drafter = engine, sampler, config, drafter
+        self.rows, self.unfed = rows, unfed
         self.k_max = config.num_speculative_tokens
         self.schedules = [_RowSchedule(self.k_max) for _ in rows.new]
         self.cost = DEFAULT_VERIFY_COST if config.verify_cost is None else float(config.verify_cost)
@@ -587,7 +581,7 @@ class _Loop:
         self.plain_run = 1
 
     def _plain_round(self, active, drafts) -> None:
-        """A run of plain steps, one longer than the last (up to ``_LONGEST_PLAIN_RUN``) while rounds
+        """A run of plain steps, twice as long as the last (up to ``_LONGEST_PLAIN_RUN``) while rounds
         keep being turned down; prompt lookup's first draft is scored against the run's first token."""
         steps = min(self.plain_run, min(self.rows.room(r) for r in active))
         new_tokens = self.plain_steps(active, self.unfed, steps)
