@@ -1,29 +1,28 @@
 """CPU speculative decoding: ``generate(..., speculate={"method": "ngram"})`` (prompt lookup) against
-plain ``generate`` on the same model, float32, batch 1 and 8, alternated rounds.
+plain ``generate`` on the same model, float32, batch 1 and 8, alternated rounds in one process.
 
-Two cases:
+The kinds of text (``copying``, ``code editing``: lookup helps; ``free``: it does not) and the
+measurement are ``benchmarks/speculation.py``'s, shared with ``gpu_generate.py``'s speculative
+stage. Per kind and batch: new tokens/s of both (each round times one speculative call, one with
+every draft verified (``verify_cost=1``, no turn-down: the control), then one plain call, for
+``--rounds`` rounds) with the ratios' spread, the acceptance rate (kept / drafted
+tokens verified), new tokens per row per verification pass, the share of target passes that
+verified (the rest were the engine's plain steps: speculation turning itself down) and new tokens
+per row per target pass.
 
-- ``repeating``: greedy decoding of a random-weight model at its default initialisation. Such a
-  model's greedy text falls into loops within a few dozen tokens (the tests rely on it too), and
-  prompt lookup then drafts the loop's next tokens from the text so far: the honest stand-in for
-  copying text out of the prompt (code editing, quoting), since a random model copies nothing it
-  was not looping on anyway. The prompt holds a first run of that greedy text, so the loop is
-  there from the start as when a prompt contains the text to reproduce.
-- ``free``: sampling at temperature 1 from a random prompt: tokens nearly uniform over the
-  vocabulary, so lookup finds few drafts and nearly all are rejected; speculation has to turn
-  itself down (the adaptive draft length and pauses) to stay near the plain speed.
+Then two diagnostics: a verification pass of ``k + 1`` positions against one plain decoding step at
+batch 1 and 8 (the ratio the turn-down rule's ``verify_cost`` stands for), and the batch-1 plain step
+against its floor: the bytes a step must move (every weight read once, the recurrent and
+convolution state read and written) over the memory bandwidth (``--bandwidth-gbs``, else measured
+here: the best of 5 copies of a 256 MiB float32 tensor, bytes read plus written per second).
 
-Per case and batch: new tokens/s of both (each round times one call of each, ours first, then the
-baseline, for ``--rounds`` rounds), the acceptance rate (kept / drafted tokens) and the new tokens
-per target pass. Then the batch-1 plain decoding step against a floor: the bytes a step must read
-(all weights, the recurrent and convolution state read and written) over ``--bandwidth-gbs``
-(default: this machine's copy bandwidth, measured; 4800 for an H200). On the CPU the tiny model's
-step is launch- and Python-bound, thousands of times its floor: speculation wins here by doing
-several tokens' work per pass of that overhead, as a large model on a GPU does per pass of its
-weights.
+No trained checkpoint comes with the repository, and a few minutes of CPU training do not teach a
+model to copy, so the random model's loops stand in (see ``speculation.py``); a trained model's
+acceptance on real copying would differ.
 
 Usage: python benchmarks/cpu_speculative.py [--preset tiny-efla] [--batches 1,8] [--new-tokens 96]
-           [--rounds 5] [--threads 2] [--bandwidth-gbs G] [--out benchmarks/results/cpu/speculative.json]
+           [--rounds 5] [--threads 1] [--clock cpu] [--bandwidth-gbs G]
+           [--out benchmarks/results/cpu/speculative.json]
 """
 
 from __future__ import annotations
@@ -38,105 +37,55 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import speculation
 from evidence import measurement, write_run
 
-from efla.generation import generate
 from efla.models import EFLAForCausalLM, get_preset_config
 
-SPECULATE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
-
-
-def prompts(model, case: str, batch: int, length: int = 32) -> torch.Tensor:
-    g = torch.Generator().manual_seed(batch)
-    ids = torch.randint(3, model.config.vocab_size, (batch, length), generator=g)
-    if case == "free":
-        return ids
-    return generate(model, ids, max_new_tokens=length, eos_token_id=[])  # a first run of the greedy text
-
-
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-clock = CLOCKS["wall"]
-
-
-def call(model, ids, new_tokens, case, speculate, stats=None):
-    sampling = dict(temperature=1.0, seed=list(range(len(ids)))) if case == "free" else {}
-    t0 = clock()
-    out = generate(
-        model, ids, max_new_tokens=new_tokens, eos_token_id=[], speculate=speculate, speculation_stats=stats, **sampling
-    )
-    return clock() - t0, out
 
 
 def copy_bandwidth_gbs(megabytes: int = 256, reps: int = 5) -> float:
     """This machine's memory bandwidth as a large copy sees it (bytes read plus written per second)."""
     src = torch.empty(megabytes * 2**20 // 4)
     dst = torch.empty_like(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(reps))
+    best = min(speculation._timed(lambda: dst.copy_(src), time.perf_counter, lambda: None) for _ in range(reps))
     return 2 * src.numel() * 4 / best / 1e9
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def kind_measurements(model, args, clock) -> tuple[list[dict], list[float]]:
+    """Every kind at every batch; and the batch-1 plain step's seconds per round (from copying)."""
+    found_rows, step_seconds = [], []
+    for kind in speculation.KINDS:
+        for batch in map(int, args.batches.split(",")):
+            found = speculation.measure_case(
+                model, kind, batch, args.new_tokens, args.rounds, clock, lambda: None, torch.device("cpu")
+            )
+            name = f"{args.preset} {kind} batch {batch}"
+            found_rows += speculation.case_measurements(name, batch, found)
+            print(speculation.describe(name, found), flush=True)
+            if batch == 1 and kind == "copying":
+                step_seconds = [1 / rate for rate in found["plain"]]
+    return found_rows, step_seconds
 
 
-def step_bytes(model) -> int:
-    """Bytes one batch-1 decoding step must move: every weight read once, the state read and written."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    state = 0
-    for block in model.get_decoder().layers:
-        attn = block.attn
-        state += attn.num_v_heads * attn.head_k_dim * attn.head_v_dim * 4  # float32 matrix state
-        if attn.use_short_conv:
-            state += (2 * attn.key_dim + attn.value_dim) * attn.conv_size * next(model.parameters()).element_size()
-    return weights + 2 * state
-
-
-def run_case(model, case, batch, args) -> tuple[list[dict], dict]:
-    ids = prompts(model, case, batch)
-    plain_out = call(model, ids, args.new_tokens, case, None)[1]
-    stats = {}
-    fast_out = call(model, ids, args.new_tokens, case, SPECULATE, stats)[1]
-    if case != "free" and not torch.equal(plain_out, fast_out):
-        raise SystemExit(f"{case}, batch {batch}: speculative greedy output differs from plain greedy")
-    ours, baseline, acceptance, per_pass, drafted = [], [], [], [], []
-    for _ in range(args.rounds):
-        stats = {}
-        ours.append(batch * args.new_tokens / call(model, ids, args.new_tokens, case, SPECULATE, stats)[0])
-        baseline.append(batch * args.new_tokens / call(model, ids, args.new_tokens, case, None)[0])
-        acceptance.append(stats["accepted"] / max(1, stats["drafted"]))
-        per_pass.append(stats["tokens"] / batch / stats["rounds"])
-        drafted.append(stats["drafted"] / stats["tokens"])
-    name = f"{args.preset} {case} batch {batch}"
-    rows = [
-        measurement(name, "drafted tokens per new token", "fraction", "lower", ("speculative (ngram)", drafted), None),
-        measurement(name, "new tokens/s", "tokens/s", "higher", ("speculative (ngram)", ours), ("plain generate", baseline)),
-        measurement(
-            name,
-            "acceptance rate",
-            "fraction",
-            "higher",
-            ("speculative (ngram)", acceptance),
-            None,
-        ),
-        measurement(
-            name,
-            "new tokens per target pass",
-            "tokens",
-            "higher",
-            ("speculative (ngram)", per_pass),
-            None,
-        ),
-    ]
-    ratio = [a / b for a, b in zip(ours, baseline)]
-    print(
-        f"{name}: {statistics.median(ours):,.0f} vs {statistics.median(baseline):,.0f} tokens/s, "
-        f"ratio {statistics.median(ratio):.2f}x (min {min(ratio):.2f}, max {max(ratio):.2f}), "
-        f"acceptance {stats['accepted']}/{stats['drafted']}, tokens per pass {per_pass[-1]:.2f}",
-        flush=True,
-    )
-    return rows, {"plain_step_s": [batch / b for b in baseline]}  # seconds per token of a row
+def pass_cost_measurements(model, args, clock) -> list[dict]:
+    width = speculation.SPECULATE["num_speculative_tokens"] + 1
+    found = []
+    for batch in map(int, args.batches.split(",")):
+        ratios = speculation.pass_cost(model, batch, width, args.rounds, clock, lambda: None)
+        found.append(
+            measurement(
+                f"{args.preset} batch {batch}, {width} positions",
+                "verification pass / plain decoding step",
+                "steps",
+                "lower",
+                ("verification pass", ratios),
+                None,
+            )
+        )
+        print(f"batch {batch}: a pass over {width} positions costs {statistics.median(ratios):.2f} plain steps", flush=True)
+    return found
 
 
 def main() -> None:
@@ -145,58 +94,53 @@ def main() -> None:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument(
         "--clock",
         choices=tuple(CLOCKS),
-        default="wall",
-        help="wall: elapsed time; cpu: this process's CPU time (on a machine other processes load, with --threads 1)",
+        default="cpu",
+        help="cpu: this process's CPU time (robust on a machine other processes load, with --threads 1); wall: elapsed",
     )
     p.add_argument(
         "--bandwidth-gbs", type=float, default=None, help="memory bandwidth for the floor (default: measured copy bandwidth)"
     )
     p.add_argument("--out", default="benchmarks/results/cpu/speculative.json")
     args = p.parse_args()
-    global clock
     clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = EFLAForCausalLM(get_preset_config(args.preset)).eval()
-    measurements, step_times = [], []
-    for case in ("repeating", "free"):
-        for batch in map(int, args.batches.split(",")):
-            rows, extra = run_case(model, case, batch, args)
-            measurements += rows
-            if batch == 1 and case == "repeating":
-                step_times = extra["plain_step_s"]
+    load_before = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    measurements, step_seconds = kind_measurements(model, args, clock)
+    measurements += pass_cost_measurements(model, args, clock)
     bandwidth = args.bandwidth_gbs or copy_bandwidth_gbs()
-    source = "given (--bandwidth-gbs)" if args.bandwidth_gbs else "measured: a 256 MiB float32 copy, read plus written"
-    floor = step_bytes(model) / (bandwidth * 1e9)
-    measurements.append(
-        measurement(
-            f"{args.preset} batch 1", "plain decoding step", "s", "lower", ("plain generate (1 / tokens/s)", step_times), None
-        )
+    source = (
+        "given (--bandwidth-gbs)"
+        if args.bandwidth_gbs
+        else "measured: the best of 5 copies of a 256 MiB float32 tensor, read plus written"
     )
-    measurements.append(
-        measurement(
-            f"{args.preset} batch 1", "step floor: bytes moved / bandwidth", "s", "lower", ("floor", [floor] * args.rounds), None
-        )
-    )
+    step_bytes = speculation.step_bytes(model)
+    floor = step_bytes / (bandwidth * 1e9)
+    measurements += speculation.floor_measurements(f"{args.preset} batch 1", step_seconds, floor, args.rounds)
     print(
-        f"batch-1 plain step {statistics.median(step_times) * 1e3:.3f} ms vs floor {floor * 1e6:.3f} us "
-        f"({step_bytes(model):,} bytes at {bandwidth:.1f} GB/s, {source}): "
-        f"{statistics.median(step_times) / floor:,.0f}x the floor",
+        f"batch-1 plain step {statistics.median(step_seconds) * 1e3:.3f} ms vs floor {floor * 1e6:.3f} us "
+        f"({step_bytes:,} bytes at {bandwidth:.1f} GB/s, {source}): {statistics.median(step_seconds) / floor:,.0f}x the floor",
         flush=True,
     )
     notes = [
-        "repeating: greedy text of a random-weight model at its default initialisation, which loops; the prompt holds "
-        "a first run of it (32 random tokens plus their 32-token greedy continuation); greedy output checked equal to "
-        "plain greedy before timing",
-        "free: temperature-1 sampling from 32 random tokens (per-row seeds); speculation's own draws, same distribution",
-        f"speculate={SPECULATE}; {args.new_tokens} new tokens per call; float32; {args.threads} threads; "
-        f"clock: {args.clock} ({'elapsed time' if args.clock == 'wall' else 'the process CPU time'})",
-        f"bandwidth {bandwidth:.1f} GB/s, {source}; step bytes {step_bytes(model)} (weights once, state read and written)",
-        "a round times one speculative call, then one plain call",
+        "kinds (benchmarks/speculation.py): copying = 32 random tokens and their 96-token greedy continuation as the prompt "
+        "(a random-weight model's greedy text loops: the output continues the loop in the prompt); code editing = the same "
+        "with one continuation token in 8 replaced by a random one; free = 32 random tokens, temperature-1 sampling with "
+        "per-row seeds. Greedy output checked equal to plain greedy before timing",
+        "random weights (default initialisation): no trained checkpoint comes with the repository; acceptance on a trained "
+        "model's copying would differ",
+        f"speculate={speculation.SPECULATE} (the default turn-down rule, verify_cost "
+        f"{speculation.speculative_module.DEFAULT_VERIFY_COST}); {args.new_tokens} new tokens per call; float32; "
+        f"{args.threads} threads; clock: {args.clock} ({'elapsed time' if args.clock == 'wall' else 'the process CPU time'})",
+        "a round times one speculative call, one with every draft verified (verify_cost=1), then one plain call, "
+        "after one warm-up call of each",
+        f"bandwidth {bandwidth:.1f} GB/s, {source}; step bytes {step_bytes} (weights once, state read and written)",
+        f"load average at the start: {load_before} (other processes shared the machine's cores)",
     ]
     write_run(
         args.out,

@@ -37,6 +37,13 @@ Stages (``--stages``):
 6. ``prefill``: one eager prefill call at a few shapes: wall time at a shape seen before and at new
    lengths, kernels launched and their GPU time, host waits for the device, and the Python functions
    with the most time of their own.
+7. ``speculative``: ``generate(..., speculate=ngram)`` against plain ``generate`` (alternated, ``--rounds``
+   rounds) at ``--spec-batches`` on the text kinds of ``benchmarks/speculation.py`` (copying and code
+   editing, where prompt lookup helps; free text, where it does not): tokens/s and their ratio,
+   acceptance rate, tokens per verification pass, the share of target passes that verified; a verification
+   pass of ``k + 1`` positions in plain steps; the batch-1 step against its floor, (weight bytes +
+   state bytes) / ``--bandwidth-gbs`` (the H200's nominal 4.8 TB/s). Its record:
+   ``DIR/gpu_generate_speculative.json``.
 
 Peak memory of a call is what the method would peak at alone in the process: its model's weights, plus
 what it keeps allocated between calls (on our model: the stacked projection weights of the decoding
@@ -50,6 +57,7 @@ Usage (GPU machine):
     python benchmarks/gpu_generate.py --sizes 340m --stages speed
     python benchmarks/gpu_generate.py --sizes 340m,1.3b --stages speed,long,memory --out DIR
     python benchmarks/gpu_generate.py --batches 1,64 --skip fla:256,hf:long --rounds 3 --slow-rounds 1
+    python benchmarks/gpu_generate.py --sizes 340m --stages speculative --rounds 5
 Writes ``DIR/gpu_generate.md`` (Markdown, appended as it goes), ``DIR/gpu_generate.json`` (raw rows) and
 the speed and long stages' rounds in the shape of ``benchmarks/evidence.py``, ``DIR/gpu_generate_run.json``
 (both rewritten after every row; the last is the raw file for ``benchmarks/results/generate/``);
@@ -771,6 +779,76 @@ def kernel_stage(size: str, args, report: Report) -> None:
     report.emit("")
 
 
+# -- stage: speculative decoding (prompt lookup) against plain generate -------------------------------
+
+H200_BANDWIDTH_GBS = 4800  # nominal HBM3e bandwidth: the floor of a step that reads every weight once
+
+
+def speculative_measurements(model, name: str, args, device, sync=lambda: None) -> tuple[list[dict], list[str]]:
+    """``benchmarks/speculation.py``'s kinds at ``--spec-batches`` (speculative against plain
+    ``generate``, alternated, ``--rounds`` rounds of ``--new-tokens``), a verification pass of ``k + 1``
+    positions in plain steps at each batch, and the batch-1 step against its floor: (weight bytes +
+    state bytes read and written) / ``--bandwidth-gbs``. Returns the records and console lines; any
+    device (the CPU runs it in the tests)."""
+    import speculation
+
+    found, lines, step_seconds = [], [], []
+    for kind in speculation.KINDS:
+        for batch in args.spec_batches:
+            timed = speculation.measure_case(model, kind, batch, args.new_tokens, args.rounds, time.perf_counter, sync, device)
+            case = f"{name} {kind} batch {batch}"
+            found += speculation.case_measurements(case, batch, timed)
+            lines.append(speculation.describe(case, timed))
+            if batch == 1 and kind == "copying":
+                step_seconds = [1 / rate for rate in timed["plain"]]
+    width = speculation.SPECULATE["num_speculative_tokens"] + 1
+    for batch in args.spec_batches:
+        ratios = speculation.pass_cost(model, batch, width, args.rounds, time.perf_counter, sync)
+        case = f"{name} batch {batch}, {width} positions"
+        found.append(measurement_of("verification pass / plain decoding step", "steps", case, ratios))
+        lines.append(f"{case}: a verification pass costs {statistics.median(ratios):.2f} plain steps")
+    if step_seconds:
+        floor = speculation.step_bytes(model) / (args.bandwidth_gbs * 1e9)
+        found += speculation.floor_measurements(f"{name} batch 1", step_seconds, floor, args.rounds)
+        lines.append(
+            f"{name} batch 1: plain step {statistics.median(step_seconds) * 1e3:.3f} ms (whole calls, prefill included) "
+            f"vs floor {floor * 1e6:.1f} us: {statistics.median(step_seconds) / floor:,.1f}x"
+        )
+    return found, lines
+
+
+def measurement_of(metric: str, unit: str, case: str, values: list[float]) -> dict:
+    from evidence import measurement
+
+    return measurement(case, metric, unit, "lower", ("verification pass", values), None)
+
+
+def speculative_stage(size: str, args, report: Report) -> None:
+    from evidence import write_run
+
+    models = [build_ours(size)]
+    try:
+        found, lines = speculative_measurements(models[0], size, args, torch.device(DEVICE), sync)
+        report.emit(f"## {size}: speculative decoding (prompt lookup) against plain generate, bf16")
+        report.emit("")
+        for line in lines:
+            report.emit(f"- {line}")
+        report.emit("")
+        notes = [
+            "kinds: benchmarks/speculation.py (copying and code editing greedy, checked equal to plain greedy; free "
+            "sampled at temperature 1); random weights",
+            f"{args.new_tokens} new tokens per call, bf16, wall clock with the device synchronised around each call",
+            f"floor: (weight bytes + state bytes read and written) / {args.bandwidth_gbs:g} GB/s "
+            f"({'the H200 nominal bandwidth' if args.bandwidth_gbs == H200_BANDWIDTH_GBS else 'given'}); the step: "
+            "1 / tokens/s of whole plain calls at batch 1 (prefill included)",
+        ]
+        path = os.path.join(args.out, "gpu_generate_speculative.json")
+        write_run(path, "gpu_generate_speculative", f"Speculative decoding, {size}", args.rounds, found, notes)
+        report.record(dict(size=size, stage="speculative", record=path))
+    finally:
+        free(models)
+
+
 # -- stage: one eager prefill call, where its time goes -----------------------------------------------
 
 PREFILL_SHAPES = ((1, 32), (1, 512), (8, 512), (64, 512))
@@ -864,6 +942,7 @@ STAGES = {
     "profile": profile_stage,
     "kernel": kernel_stage,
     "prefill": prefill_stage,
+    "speculative": speculative_stage,
 }
 
 
@@ -895,6 +974,7 @@ def header(report: Report, args) -> None:
         long_prompt=args.long_prompt,
         curve=args.curve,
         long_generation=args.long_generation,
+        spec_batches=args.spec_batches,
     )
     report.result["info"] = info
     report.emit("# Generation speed and memory")
@@ -930,6 +1010,10 @@ def parse_args(argv=None):
         type=int,
         default=8192,
         help="memory stage: new tokens of the long generation compared with --new-tokens",
+    )
+    ap.add_argument("--spec-batches", default="1,8", type=int_list, help="speculative stage batches")
+    ap.add_argument(
+        "--bandwidth-gbs", type=float, default=H200_BANDWIDTH_GBS, help="speculative stage: the bandwidth of the step's floor"
     )
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="default: $OUT or the current directory")
     args = ap.parse_args(argv)

@@ -21,6 +21,9 @@
 #   model     benchmarks/gpu_model.py: 340M and 1.3B training steps against fla's models (MODEL_ARGS
 #             replaces its options, e.g. "--sizes 1.3b --models fla,efla,efla+triton")
 #   generate  benchmarks/gpu_generate.py: generation speed (340M), then the kernel and profile stages
+#   speculate benchmarks/gpu_generate.py's speculative stage (340M, batch 1 and 8): prompt lookup against
+#             plain generate on copying, code editing and free text, a verification pass in plain steps,
+#             the batch-1 step against its floor; the record is $OUT/speculate/gpu_generate_speculative.json
 #   serve     benchmarks/serve_load.py, 340M, 512 requests at 256 streams, 3 rounds: static batching in arrival
 #             order and sorted by output length (every batch run once untimed first; prefill timed apart),
 #             the scheduler in process, efla serve over HTTP with streaming client processes (fastapi,
@@ -69,6 +72,7 @@ run_phase() {
     stages) python3 benchmarks/gpu_stages.py --out "$OUT/stages" ${STAGES_ARGS:-} ;;
     model) python3 benchmarks/gpu_model.py ${MODEL_ARGS:---sizes 340m,1.3b} --out "$OUT/model" ;;
     generate) python3 benchmarks/gpu_generate.py --sizes 340m --stages speed,kernel,profile --out "$OUT/generate" ;;
+    speculate) python3 benchmarks/gpu_generate.py --sizes 340m --stages speculative --rounds 5 --out "$OUT/speculate" ;;
     serve) stages=static,server,http,rates,profile
            python3 -c "import fastapi, uvicorn, httpx, prometheus_client, jinja2" 2>/dev/null || {
              echo "device.sh: no HTTP stack (carry the wheels of fastapi, starlette, pydantic, uvicorn): serve runs without its http stage"
@@ -78,7 +82,7 @@ run_phase() {
              --stages "$stages" --out "$OUT/serve" ${SERVE_ARGS:-} ;;
     distributed) python3 benchmarks/gpu_distributed.py --data .devdata/corpus --out "$OUT/distributed" \
                    --nproc "$(nvidia-smi -L | wc -l)" ${DIST_ARGS:-} ;;
-    *) echo "device.sh: unknown phase $1 (tests, gentests, optests, ops, stages, model, generate, serve, distributed)"; return 2 ;;
+    *) echo "device.sh: unknown phase $1 (tests, gentests, optests, ops, stages, model, generate, speculate, serve, distributed)"; return 2 ;;
   esac
 }
 

@@ -1,6 +1,7 @@
 """The CPU benchmarks' records: the alternation keeps one value per round per side, warm-up left
 out, and each script turns its timings into the rates and ratios it claims (fake timings, so no
-wall-clock time is asserted)."""
+wall-clock time is asserted). The GPU generation benchmark's speculative stage runs here on the CPU
+with a tiny model, so its code path is checked before a GPU visit."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import cpu_generate  # noqa: E402
 import cpu_model  # noqa: E402
 import cpu_ops  # noqa: E402
 import evidence  # noqa: E402
+import speculation  # noqa: E402
 
 
 def _scripted(log, name, values):
@@ -118,3 +120,65 @@ def test_cpu_compile_record_puts_the_compiled_model_first():
     assert m["ours"] == {"name": cpu_compile.COMPILED, "rounds": pytest.approx([2000, 4000])}
     assert m["baseline"]["rounds"] == pytest.approx([1000, 1000])
     assert evidence.ratios(m) == pytest.approx([2.0, 4.0])
+
+
+def test_speculation_turns_a_rounds_counts_into_its_columns():
+    stats = dict(rounds=10, verified=4, verified_rows=4, verified_tokens=10, drafted=12, accepted=6, tokens=16)
+    found = {"ours": [200.0], "plain": [100.0], "stats": [stats]}
+    rows = {m["metric"]: m for m in speculation.case_measurements("case", 1, found)}
+    assert evidence.ratios(rows["new tokens/s"]) == [2.0] and rows["new tokens/s"]["ours"]["name"] == speculation.OURS
+    assert rows["acceptance rate"]["ours"]["rounds"] == [0.5]
+    assert rows["new tokens per row per verification pass"]["ours"]["rounds"] == [2.5]
+    assert rows["target passes that verified (the rest: plain steps)"]["ours"]["rounds"] == [0.4]
+    assert rows["new tokens per row per target pass"]["ours"]["rounds"] == [1.6]
+
+
+def test_the_code_editing_prompt_is_the_copying_prompt_with_one_token_in_8_changed():
+    from efla.models import EFLAForCausalLM, get_preset_config
+
+    torch.manual_seed(0)
+    model = EFLAForCausalLM(get_preset_config("tiny-efla")).eval()
+    copying = speculation.prompts(model, "copying", 2, "cpu")
+    editing = speculation.prompts(model, "code editing", 2, "cpu")
+    assert copying.shape == editing.shape == (2, speculation.PROMPT + speculation.CONTINUATION)
+    changed = (copying != editing).float().mean(0)
+    assert not changed[: speculation.PROMPT].any()
+    assert 0.05 < float(changed[speculation.PROMPT :].mean()) <= 1 / 8
+
+
+def test_gpu_generate_speculative_stage_runs_on_the_cpu_with_every_column(tmp_path):
+    import argparse
+
+    import gpu_generate
+
+    from efla.models import EFLAForCausalLM, get_preset_config
+
+    torch.manual_seed(0)
+    model = EFLAForCausalLM(get_preset_config("tiny-efla")).eval()
+    args = argparse.Namespace(spec_batches=[1, 2], new_tokens=6, rounds=3, bandwidth_gbs=4800.0)
+    found, lines = gpu_generate.speculative_measurements(model, "tiny-efla", args, torch.device("cpu"))
+    for kind in speculation.KINDS:
+        for batch in (1, 2):
+            metrics = {m["metric"]: m for m in found if m["case"] == f"tiny-efla {kind} batch {batch}"}
+            assert set(metrics) == {
+                "new tokens/s",
+                "acceptance rate",
+                "new tokens per row per verification pass",
+                "target passes that verified (the rest: plain steps)",
+                "new tokens per row per target pass",
+            }
+            speeds = [m for m in found if m["case"] == f"tiny-efla {kind} batch {batch}" and m["metric"] == "new tokens/s"]
+            assert [m["ours"]["name"] for m in speeds] == [speculation.OURS, speculation.ALWAYS_NAME]
+            for speed in speeds:
+                assert speed["baseline"]["name"] == speculation.PLAIN
+                assert len(speed["ours"]["rounds"]) == len(speed["baseline"]["rounds"]) == 3
+                assert all(v > 0 for v in speed["ours"]["rounds"] + speed["baseline"]["rounds"])
+    costs = [m for m in found if m["metric"] == "verification pass / plain decoding step"]
+    assert [m["case"] for m in costs] == ["tiny-efla batch 1, 5 positions", "tiny-efla batch 2, 5 positions"]
+    floor = next(m for m in found if m["metric"] == "step floor: bytes moved / bandwidth")["ours"]["rounds"][0]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weights < floor * 4800e9 < 2 * weights  # the weights once, and a state far smaller than them
+    assert len(lines) == 6 + 2 + 1
+    path = str(tmp_path / "run.json")
+    evidence.write_run(path, "gpu_generate_speculative", "t", 3, found, [], argv=[])
+    assert evidence.load_run(path)["measurements"] == found

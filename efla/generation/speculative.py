@@ -34,6 +34,19 @@ the target's own sampling would give.
 Speculation turns itself down per row where drafts are rejected: ``k`` grows by one after a round that
 kept every draft and shrinks by one otherwise; a row whose single draft was rejected stops drafting
 for a number of rounds that doubles with every such rejection (up to ``_MAX_PAUSE``).
+
+It also turns itself down per round, where a verification pass would cost more than it gains: a
+round whose rows each hold only their last token unfed runs the engine's own decoding step (plain
+``generate``'s, captured on CUDA; 1, 2, 4, then 8 steps in a row while rounds keep being turned down,
+the tokens read back once per run) instead of a pass when no row has a draft, or when the tokens the
+pass is expected to make for a row, ``1 + sum_{i<=n} a^i`` (``n`` drafts of a row
+whose recent drafts were kept at rate ``a``), fall below ``verify_cost``, the time of a verification
+pass in plain steps, for any of the rows furthest behind (within ``k`` tokens of the row with the
+most still to make: a batch finishes with its slowest row, so a pass pays only if it speeds those
+up). ``a`` is a decayed count (``_ACCEPTANCE_DECAY`` per round) of the row's checked draft positions,
+started at 2 kept in 3; a plain round still scores prompt lookup's first draft against the token the
+step made, and without new evidence the rate drifts back to its start, so a turned-down row is tried
+again.
 """
 
 from __future__ import annotations
@@ -54,11 +67,19 @@ __all__ = ["SpeculativeConfig", "speculative_config", "speculative_generate"]
 
 METHODS = ("ngram", "draft_model")
 _MAX_PAUSE = 32
+_LONGEST_PLAIN_RUN = 8  # plain steps between looks at the drafts, while speculation stays turned down
+_ACCEPTANCE_DECAY = 0.9  # per round: a row's acceptance rate follows its last few dozen drafts
+_PRIOR_KEPT, _PRIOR_CHECKED = 2.0, 3.0  # the rate before any evidence: optimistic, so speculation starts on
+# A verification pass's time in plain decoding steps, unless the config gives one: measured on the CPU
+# with tiny-efla on one thread (benchmarks/cpu_speculative.py: 2.1 at batch 1, 2.2 at batch 8). On CUDA
+# the plain step replays a captured graph while a pass runs eagerly: not yet measured, so the same.
+DEFAULT_VERIFY_COST = 2.5
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """How ``generate`` speculates (the names are vLLM's ``speculative_config`` keys).
+    """How ``generate`` speculates (the names are vLLM's ``speculative_config`` keys; ``adaptive`` and
+    ``verify_cost`` are this library's own).
 
     Args:
         method: ``"ngram"`` (prompt lookup) or ``"draft_model"``.
@@ -68,7 +89,10 @@ class SpeculativeConfig:
             chance too often in free text).
         model: the draft model (an ``EFLAForCausalLM`` with the target's vocabulary) for
             ``"draft_model"``.
-        adaptive: shrink ``k`` and pause drafting for rows whose drafts are rejected. Default ``True``.
+        adaptive: shrink ``k`` and pause drafting for rows whose drafts are rejected, and take a plain
+            decoding step for rounds whose expected gain does not pay for a pass. Default ``True``.
+        verify_cost: a verification pass's time in plain decoding steps, for that rule (``None``: the
+            ``DEFAULT_VERIFY_COST``; ``1``: verify whenever a row has a draft).
     """
 
     method: str
@@ -77,6 +101,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     model: Any = None
     adaptive: bool = True
+    verify_cost: float | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -89,6 +114,9 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculate: prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max ({self.prompt_lookup_max})"
             )
+        cost = self.verify_cost
+        if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float)) or not cost >= 1):
+            raise ValueError(f"speculate: verify_cost expected a number >= 1 (plain steps), got {self.verify_cost!r}")
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("speculate: a draft model is given with method 'draft_model' and only then (key 'model')")
 
@@ -308,11 +336,14 @@ class _ModelDrafter:
 
 @dataclasses.dataclass
 class _RowSchedule:
-    """A row's draft length (adapted to its acceptance) and its pause from drafting."""
+    """A row's draft length (adapted to its acceptance), its pause from drafting, and its recent
+    acceptance rate (decayed counts of draft positions kept and checked)."""
 
     k: int
     pause: int = 0
     backoff: int = 1
+    kept: float = 0.0
+    checked: float = 0.0
 
     def update(self, drafted: int, accepted: int, limit: int) -> None:
         if drafted == 0:
@@ -324,6 +355,18 @@ class _RowSchedule:
             self.pause, self.backoff = self.backoff, min(_MAX_PAUSE, 2 * self.backoff)
         else:
             self.k = max(1, self.k - 1)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One round's evidence (none: ``drafted == 0``): the kept drafts and the first rejected one
+        were checked; the drafts after a rejection were not."""
+        self.kept = _ACCEPTANCE_DECAY * self.kept + accepted
+        self.checked = _ACCEPTANCE_DECAY * self.checked + accepted + (accepted < drafted)
+
+    def expected_kept(self, drafts: int) -> float:
+        """The drafts of ``drafts`` a pass is expected to keep (each kept at the row's rate, given the
+        ones before it were)."""
+        rate = (self.kept + _PRIOR_KEPT) / (self.checked + _PRIOR_CHECKED)
+        return sum(rate**i for i in range(1, drafts + 1))
 
 
 class _Rows:
@@ -395,6 +438,62 @@ def _put_columns(streamer, rows: _Rows, streamed: int, pad_token: int) -> int:
     return max(streamed, reached)
 
 
+class _PlainSteps:
+    """The engine's own decoding step (plain ``generate``'s, a captured graph on CUDA) for the rounds
+    that verify nothing: each active row's one unfed token in, then ``steps`` steps in a row with the
+    tokens kept on the device and read back once (sampled with each row's generator from the same
+    filtered distribution). A row that stops inside the run steps on to its end, as plain ``generate``'s
+    finished rows do; the tokens after its stop are dropped."""
+
+    def __init__(self, engine: DecodeEngine, sampler: _Sampler, pad_token: int):
+        self.engine, self.sampler = engine, sampler
+        self.rows: list[int] | None = None
+        self.bucket = None
+        engine.set_stop_tokens([], pad_token)  # no row is finished on the device: the host counts stops
+
+    def __call__(self, active: list[int], unfed: list[list[int]], steps: int) -> list[list[int]]:
+        n = len(active)
+        if active != self.rows:  # the same rows as last time: the bucket (and the step's row views) stay
+            self._assign(active)
+        bucket, sampling = self.bucket, not self.sampler.greedy
+        bucket.tokens[:n] = torch.tensor([unfed[r][-1] for r in active])
+        made = torch.empty(n, steps, dtype=torch.long, device=self.engine.device)
+        for i in range(steps):
+            self.engine.step(bucket, sampling, fill_noise=self._noise if sampling else None)
+            made[:, i] = bucket.tokens[:n]
+        return made.tolist()
+
+    def _assign(self, active: list[int]) -> None:
+        self.rows, self.bucket = list(active), self.engine.bucket(len(active))
+        self.engine.assign(self.bucket, torch.tensor(active, device=self.engine.device))
+        self.bucket.finished[: len(active)] = False
+        sampler = self.sampler
+        self.bucket.temperature.fill_(float(sampler.temperature))
+        self.bucket.top_k.fill_(int(sampler.top_k or 0))
+        self.bucket.top_p.fill_(1.0 if sampler.top_p is None else float(sampler.top_p))
+
+    def _noise(self, noise: torch.Tensor) -> None:
+        for i, r in enumerate(self.rows):
+            noise[i].exponential_(generator=self.sampler.generators[r])
+
+
+def _verification_pays(schedules, active, unfed, lengths, cost: float, adaptive: bool, room=None, k_max: int = 0) -> bool:
+    """Whether this round runs a verification pass rather than a plain step (the module's doc): always
+    where a row has more than its last token unfed (a pass runs anyway), never where no row drafts,
+    else when every row furthest behind (``room``: new tokens each row may still make; the rows within
+    ``k_max`` of the most) is expected to make at least ``cost`` tokens in the pass."""
+    if any(len(unfed[r]) > 1 for r in active):
+        return True
+    if not any(lengths):
+        return False
+    if not adaptive:
+        return True
+    rooms = [room(r) for r in active] if room is not None else [0] * len(active)
+    behind = max(rooms) - k_max
+    expected = [1 + schedules[r].expected_kept(n) for r, n, left in zip(active, lengths, rooms) if left >= behind]
+    return min(expected) >= cost
+
+
 @torch.no_grad()
 def speculative_generate(
     model,
@@ -409,15 +508,16 @@ def speculative_generate(
     stats: dict | None = None,
 ) -> list[list[int]]:
     """Each row's new tokens (up to and including its stop token); see the module's doc. ``stats``,
-    when given, gets ``rounds`` (target passes), ``drafted`` and ``accepted`` (draft tokens) and
-    ``tokens`` (new tokens)."""
+    when given, gets ``rounds`` (target passes: verification passes and plain steps), ``verified``
+    (verification passes), ``verified_rows`` and ``verified_tokens`` (the rows those passes ran and
+    the new tokens they made), ``drafted`` and ``accepted`` (draft tokens verified) and ``tokens``
+    (new tokens)."""
     if config.method == "draft_model":
         _check_draft_model(model, config.model)
     batch = len(prompts)
     k_max = config.num_speculative_tokens
     engine.reserve(batch, max(len(p) for p in prompts) + max_new_tokens + 2 * k_max + 2)  # room for unfed tokens and drafts
-    slots = torch.arange(batch, device=engine.device)
-    logits = engine.prefill(prompts, slots)
+    logits = engine.prefill(prompts, torch.arange(batch, device=engine.device))
     prompt_lists = [p.tolist() for p in prompts]
     if config.method == "ngram":
         drafter = _NgramDrafter(config, prompt_lists)
@@ -429,31 +529,79 @@ def speculative_generate(
     for r, token in enumerate(first):
         rows.add(r, [token])
     drafter.start(first)
-    schedules = [_RowSchedule(k_max) for _ in range(batch)]
-    counts = {"rounds": 0, "drafted": 0, "accepted": 0}
+    loop = _Loop(engine, sampler, config, drafter, rows, unfed, pad_token)
     streamed = _put_columns(streamer, rows, 0, pad_token) if streamer is not None else 0
     while rows.active():
-        active = rows.active()
-        lengths = [
-            0 if schedules[r].pause else min(schedules[r].k if config.adaptive else k_max, rows.room(r) - 1) for r in active
-        ]
-        drafts, q_rows = drafter.propose(active, lengths)
-        outcome = _verify(engine, sampler, active, unfed, drafts, q_rows, k_max + 1)
-        counts["rounds"] += 1
-        new_tokens = [d[:accepted] + [token] for d, (accepted, token) in zip(drafts, outcome)]
-        drafter.commit(active, [accepted for accepted, _ in outcome], new_tokens)
-        for i, r in enumerate(active):
-            accepted, token = outcome[i]
-            rows.add(r, new_tokens[i])
-            schedules[r].update(len(drafts[i]), accepted, k_max)
-            counts["drafted"] += len(drafts[i])
-            counts["accepted"] += accepted
+        loop.round(rows.active())
         if streamer is not None:
             streamed = _put_columns(streamer, rows, streamed, pad_token)
     _feed_all_but_last(engine, unfed, list(range(batch)))  # each row's state after all but its last token
     if stats is not None:
-        stats.update(counts, tokens=sum(map(len, rows.new)))
+        stats.update(loop.counts, tokens=sum(map(len, rows.new)))
     return rows.new
+
+
+class _Loop:
+    """The rounds of one ``speculative_generate`` call: per round, drafts, then one verification pass
+    or a run of plain steps, then each row's new tokens and acceptance."""
+
+    def __init__(self, engine, sampler, config, drafter, rows: _Rows, unfed: list[list[int]], pad_token: int):
+        self.engine, self.sampler, self.config, self.drafter = engine, sampler, config, drafter
+        self.rows, self.unfed = rows, unfed
+        self.k_max = config.num_speculative_tokens
+        self.schedules = [_RowSchedule(self.k_max) for _ in rows.new]
+        self.cost = DEFAULT_VERIFY_COST if config.verify_cost is None else float(config.verify_cost)
+        self.plain_steps = _PlainSteps(engine, sampler, pad_token)
+        self.plain_run = 1
+        self.counts = dict.fromkeys(("rounds", "verified", "verified_rows", "verified_tokens", "drafted", "accepted"), 0)
+
+    def round(self, active: list[int]) -> None:
+        lengths = self._draft_lengths(active)
+        verify = self._pays(active, lengths)
+        if self.config.method == "draft_model" and not verify:
+            lengths = [0] * len(active)  # a draft model's drafts cost passes of their own: none unless verified
+        drafts, q_rows = self.drafter.propose(active, lengths)
+        if verify and self._pays(active, [len(d) for d in drafts]):
+            self._verified_round(active, drafts, q_rows)
+        else:
+            self._plain_round(active, drafts)
+
+    def _verified_round(self, active, drafts, q_rows) -> None:
+        outcome = _verify(self.engine, self.sampler, active, self.unfed, drafts, q_rows, self.k_max + 1)
+        new_tokens = [d[:accepted] + [token] for d, (accepted, token) in zip(drafts, outcome)]
+        self.drafter.commit(active, [accepted for accepted, _ in outcome], new_tokens)
+        made = sum(len(self.rows.add(r, new)) for r, new in zip(active, new_tokens))
+        for r, d, (accepted, _) in zip(active, drafts, outcome):
+            self.schedules[r].update(len(d), accepted, self.k_max)
+            self.schedules[r].observe(len(d), accepted)
+            self.counts["drafted"] += len(d)
+            self.counts["accepted"] += accepted
+        for key, value in (("rounds", 1), ("verified", 1), ("verified_rows", len(active)), ("verified_tokens", made)):
+            self.counts[key] += value
+        self.plain_run = 1
+
+    def _plain_round(self, active, drafts) -> None:
+        """A run of plain steps, twice as long as the last (up to ``_LONGEST_PLAIN_RUN``) while rounds
+        keep being turned down; prompt lookup's first draft is scored against the run's first token."""
+        steps = min(self.plain_run, min(self.rows.room(r) for r in active))
+        new_tokens = self.plain_steps(active, self.unfed, steps)
+        self.drafter.commit(active, [0] * len(active), new_tokens)
+        for r, d, new in zip(active, drafts, new_tokens):
+            self.rows.add(r, new)
+            self.unfed[r] = new[-1:]
+            self.schedules[r].update(0, 0, self.k_max)
+            self.schedules[r].observe(min(1, len(d)), int(bool(d) and d[0] == new[0]))
+        self.counts["rounds"] += steps
+        self.plain_run = min(_LONGEST_PLAIN_RUN, 2 * self.plain_run)
+
+    def _draft_lengths(self, active: list[int]) -> list[int]:
+        k = lambda r: self.schedules[r].k if self.config.adaptive else self.k_max  # noqa: E731
+        return [0 if self.schedules[r].pause else min(k(r), self.rows.room(r) - 1) for r in active]
+
+    def _pays(self, active: list[int], lengths: list[int]) -> bool:
+        return _verification_pays(
+            self.schedules, active, self.unfed, lengths, self.cost, self.config.adaptive, self.rows.room, self.k_max
+        )
 
 
 def _check_draft_model(model, draft) -> None:
@@ -472,8 +620,9 @@ def _verify(engine, sampler, active, unfed, drafts, q_rows, most_unfed: int) -> 
     from before the pass back, and its unfed tokens become the old ones, the kept drafts and the next
     token (run by the next pass), unless they would exceed ``most_unfed``: then all but the next token
     run now."""
-    slots = torch.tensor(active, device=engine.device)
-    saved = _saved_rows(engine, slots) if any(drafts) else None
+    drafting = [i for i, d in enumerate(drafts) if d]  # only these can reject a draft: only they are saved
+    slots = torch.tensor([active[i] for i in drafting], device=engine.device)
+    saved = _saved_rows(engine, slots) if drafting else None
     logits = _continue_rows(engine, [unfed[r] + d for r, d in zip(active, drafts)], active)
     starts = [len(unfed[r]) - 1 for r in active]  # the position whose logits score the first draft
     if sampler.greedy:
@@ -485,7 +634,7 @@ def _verify(engine, sampler, active, unfed, drafts, q_rows, most_unfed: int) -> 
             _accept_sampled(probs[i, start : start + len(d) + 1], q_rows[i] if q_rows else None, d, sampler.generators[r])
             for i, (r, start, d) in enumerate(zip(active, starts, drafts))
         ]
-    rejected = [i for i, (accepted, _) in enumerate(outcome) if accepted < len(drafts[i])]
+    rejected = [j for j, i in enumerate(drafting) if outcome[i][0] < len(drafts[i])]
     if rejected:
         _restore_rows(engine, saved, slots, torch.tensor(rejected, device=engine.device))
     for i, (r, (accepted, token)) in enumerate(zip(active, outcome)):

@@ -1,6 +1,7 @@
 """efla.generation on a GPU: the fused step and CUDA graphs give transformers' tokens (bf16: most
-prompts over 64 tokens, first-step logits within bf16 tolerance; float32: all), a replayed step
-allocates nothing, and 8K generated tokens peak at the memory of 128."""
+prompts over 64 tokens, first-step logits within bf16 tolerance; float32: all), speculative
+decoding's plain steps replay the captured step, a replayed step allocates nothing, and 8K generated
+tokens peak at the memory of 128."""
 
 import pytest
 import torch
@@ -85,6 +86,25 @@ def test_float32_tokens_equal_transformers(preset):
         ids, attention_mask=mask, max_new_tokens=32, do_sample=False, use_cache=False, eos_token_id=None, pad_token_id=0
     )
     assert torch.equal(generate(model, ids, attention_mask=mask, max_new_tokens=32, eos_token_id=[]), want)
+
+
+@pytest.mark.parametrize("verify_cost", [None, 1000])
+def test_speculative_greedy_equals_plain_greedy_with_captured_steps(verify_cost):
+    """Speculation's turned-down rounds replay the engine's captured step between eager verification
+    passes (``verify_cost=1000``: every round a plain step): the tokens are plain greedy's (float32)."""
+    model = small("efla", torch.float32, trained=True)
+    ids, mask = prompts()
+    ids = torch.cat([ids, ids[:, -32:]], 1)  # the prompts' last 32 tokens again: prompt lookup has drafts
+    mask = torch.cat([mask, torch.ones_like(mask[:, -32:])], 1)
+    want = generate(model, ids, attention_mask=mask, max_new_tokens=48, eos_token_id=[])
+    stats = {}
+    speculate = {"method": "ngram", "verify_cost": verify_cost}
+    got = generate(
+        model, ids, attention_mask=mask, max_new_tokens=48, eos_token_id=[], speculate=speculate, speculation_stats=stats
+    )
+    assert torch.equal(got, want)
+    if verify_cost == 1000:  # every token after the first from a replayed step
+        assert stats["verified"] == 0 and stats["rounds"] == 47
 
 
 def test_a_replayed_step_allocates_nothing():

@@ -13,6 +13,7 @@ import torch
 
 import efla.generation.speculative as speculative
 from efla.generation import engine_for, generate
+from efla.generation.engine import DecodeEngine
 from efla.models import EFLAForCausalLM, get_preset_config
 
 PRESETS = ["tiny-efla", "tiny-gated-efla", "tiny-deltanet", "tiny-gated-deltanet", "tiny-hybrid-efla"]
@@ -45,10 +46,23 @@ def ragged_batch(lengths, seed=1, vocab=256):
     return ids, mask
 
 
-def methods(model):
+def methods(model, verify_cost=1):
+    """The two drafters; ``verify_cost=1`` verifies every round that has a draft (so both kept and
+    rejected drafts happen), ``None`` lets the turn-down rule take plain steps where a pass does not pay."""
     return {
-        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
-        "draft_model": {"method": "draft_model", "model": noisy_copy(model), "num_speculative_tokens": 3},
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+            "verify_cost": verify_cost,
+        },
+        "draft_model": {
+            "method": "draft_model",
+            "model": noisy_copy(model),
+            "num_speculative_tokens": 3,
+            "verify_cost": verify_cost,
+        },
     }
 
 
@@ -69,8 +83,11 @@ def test_greedy_equals_non_speculative_greedy(preset, method):
         speculation_stats=stats,
     )
     assert torch.equal(got, want)
-    # both outcomes happened: drafts kept (a pass worth several tokens) and drafts rejected (rollback)
-    assert 0 < stats["accepted"] < stats["drafted"]
+    # drafts were kept (a pass worth several tokens); the noisy draft model's are also rejected (rollback),
+    # while prompt lookup keeps every draft of some presets' loops
+    assert 0 < stats["accepted"] <= stats["drafted"]
+    if method == "draft_model":
+        assert stats["accepted"] < stats["drafted"]
     assert stats["rounds"] < 4 * 47
     assert stats["tokens"] == 4 * 48
 
@@ -97,17 +114,125 @@ def test_state_after_generation_equals_the_non_speculative_state(preset):
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_a_stop_token_inside_an_accepted_run_ends_the_row_there(method):
+@pytest.mark.parametrize("verify_cost", [1, None, 1000])  # 1000: inside a run of plain steps
+def test_a_stop_token_inside_an_accepted_run_ends_the_row_there(method, verify_cost):
     model = looping("tiny-efla")
     ids, mask = ragged_batch([9, 4, 6, 1])
     free = generate(model, ids, attention_mask=mask, max_new_tokens=48, eos_token_id=[])
     stop = int(free[2, 9 + 30])  # inside row 2's loop: prompt lookup drafts it in the middle of runs
     want = generate(model, ids, attention_mask=mask, max_new_tokens=48, eos_token_id=stop, pad_token_id=0)
     got = generate(
-        model, ids, attention_mask=mask, max_new_tokens=48, eos_token_id=stop, pad_token_id=0, speculate=methods(model)[method]
+        model,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=48,
+        eos_token_id=stop,
+        pad_token_id=0,
+        speculate=methods(model, verify_cost)[method],
     )
     assert torch.equal(got, want)
     assert (want[2, 9:] == stop).any() and want.shape[1] <= 9 + 48
+
+
+class CountSteps:
+    """Counts the engine's plain decoding steps (``DecodeEngine.step``) while installed."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        original = DecodeEngine.step
+
+        def step(engine, *args, **kwargs):
+            self.calls += 1
+            return original(engine, *args, **kwargs)
+
+        monkeypatch.setattr(DecodeEngine, "step", step)
+
+
+@pytest.mark.parametrize("preset", ["tiny-efla", "tiny-gated-deltanet", "tiny-hybrid-efla"])
+@pytest.mark.parametrize("verify_cost", [None, 1000])
+def test_turned_down_rounds_take_the_plain_step_and_change_no_token(preset, verify_cost, monkeypatch):
+    """With the turn-down rule on (the CPU's default cost, and a cost no pass can pay), rounds without
+    a pass worth its time go through the engine's own step: greedy output is still plain greedy's on a
+    ragged batch, and every round that did not verify was one engine step."""
+    model = looping(preset)
+    ids, mask = ragged_batch([9, 4, 6, 1])
+    # the prompts end in a first run of the model's looping greedy text: every row has drafts from the start
+    ids = generate(model, ids, attention_mask=mask, max_new_tokens=32, eos_token_id=[])
+    mask = torch.cat([mask, torch.ones(4, 32, dtype=torch.long)], 1)
+    want = generate(model, ids, attention_mask=mask, max_new_tokens=48, eos_token_id=[])
+    steps = CountSteps(monkeypatch)
+    stats = {}
+    speculate = methods(model, verify_cost)["ngram"]
+    got = generate(
+        model, ids, attention_mask=mask, max_new_tokens=48, eos_token_id=[], speculate=speculate, speculation_stats=stats
+    )
+    assert torch.equal(got, want)
+    assert steps.calls == stats["rounds"] - stats["verified"] > 0
+    if verify_cost == 1000:
+        assert stats["verified"] == stats["drafted"] == 0 and stats["rounds"] == 47
+    assert stats["verified_rows"] <= stats["verified_tokens"] <= stats["tokens"] == 4 * 48
+
+
+def test_the_default_rule_verifies_where_a_row_copies_its_prompt(monkeypatch):
+    """One row whose prompt ends in the model's looping text: prompt lookup's drafts are kept often
+    enough that the CPU's default rule verifies some rounds (several tokens a pass) and steps others."""
+    model = looping("tiny-efla")
+    ids = generate(model, torch.randint(3, 256, (1, 32), generator=torch.Generator().manual_seed(1)), max_new_tokens=96)
+    want = generate(model, ids, max_new_tokens=96, eos_token_id=[])
+    steps = CountSteps(monkeypatch)
+    stats = {}
+    got = generate(model, ids, max_new_tokens=96, eos_token_id=[], speculate={"method": "ngram"}, speculation_stats=stats)
+    assert torch.equal(got, want)
+    assert stats["verified"] > 0 and steps.calls == stats["rounds"] - stats["verified"] > 0
+    assert stats["verified_tokens"] > 2 * stats["verified"] and stats["rounds"] < 95
+
+
+def test_a_round_with_no_draft_anywhere_is_a_plain_step_even_when_verifying_always_pays(monkeypatch):
+    """Random prompts of a large vocabulary: prompt lookup (pairs of tokens) finds nothing for a while,
+    and those rounds are engine steps although ``verify_cost=1`` would verify any draft."""
+    model = looping("tiny-efla")
+    ids = torch.randint(3, 256, (3, 12), generator=torch.Generator().manual_seed(5))
+    want = generate(model, ids, max_new_tokens=24, eos_token_id=[])
+    steps = CountSteps(monkeypatch)
+    stats = {}
+    speculate = {"method": "ngram", "prompt_lookup_min": 2, "verify_cost": 1}
+    got = generate(model, ids, max_new_tokens=24, eos_token_id=[], speculate=speculate, speculation_stats=stats)
+    assert torch.equal(got, want)
+    assert steps.calls == stats["rounds"] - stats["verified"] > 0
+
+
+def test_the_turn_down_rule_weighs_expected_tokens_against_the_pass_cost():
+    keeps, rejects = speculative._RowSchedule(4), speculative._RowSchedule(4)
+    for _ in range(30):
+        keeps.observe(4, 4)
+        rejects.observe(2, 0)
+    assert keeps.expected_kept(4) > 3.5 and rejects.expected_kept(4) < 0.2
+    schedules = {0: keeps, 1: rejects}
+    pays = speculative._verification_pays
+    one_unfed = {0: [7], 1: [7]}
+    assert pays(schedules, [0], one_unfed, [4], cost=2.5, adaptive=True)
+    assert not pays(schedules, [1], one_unfed, [4], cost=2.5, adaptive=True)
+    assert pays(schedules, [1], one_unfed, [4], cost=2.5, adaptive=False)  # no turn-down asked for
+    # a batch finishes with its slowest row: rows level with each other all have to expect enough
+    assert not pays(schedules, [0, 1], one_unfed, [4, 4], cost=2.5, adaptive=True, room=lambda r: 40, k_max=4)
+    # ... but a row far ahead of the others (little room left) does not hold a pass back
+    ahead = {0: 40, 1: 10}.get
+    assert pays(schedules, [0, 1], one_unfed, [4, 4], cost=2.5, adaptive=True, room=ahead, k_max=4)
+    assert not pays(schedules, [0, 1], one_unfed, [4, 4], cost=4.9, adaptive=True, room=ahead, k_max=4)
+    assert not pays(schedules, [0, 1], one_unfed, [0, 0], cost=1.0, adaptive=True)  # no draft: nothing to verify
+    assert pays(schedules, [1], {1: [7, 8]}, [0], cost=2.5, adaptive=True)  # unfed tokens: a pass runs anyway
+
+
+def test_a_turned_down_rows_rate_drifts_back_to_the_start_so_it_is_tried_again():
+    row = speculative._RowSchedule(4)
+    start = row.expected_kept(1)
+    for _ in range(20):
+        row.observe(1, 0)
+    assert row.expected_kept(1) < 0.2 < start
+    for _ in range(200):
+        row.observe(0, 0)  # plain rounds with no evidence
+    assert row.expected_kept(1) == pytest.approx(start, abs=1e-3)
+    assert start == pytest.approx(2 / 3)
 
 
 def test_streamer_gets_the_returned_tokens_column_by_column():
@@ -140,6 +265,8 @@ def test_bad_speculation_settings_name_themselves():
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
         ({"method": "ngram", "k": 4}, "unknown keys"),
+        ({"method": "ngram", "verify_cost": 0.5}, "verify_cost"),
+        ({"method": "ngram", "verify_cost": True}, "verify_cost"),
         ({"method": "draft_model"}, "draft model"),
         ({"method": "draft_model", "model": model}, "itself"),
         ({"method": "draft_model", "model": other_vocab}, "vocabulary"),
@@ -249,7 +376,7 @@ def test_sampled_tokens_follow_the_target_distribution(method, rule, case, monke
         monkeypatch.setattr(
             speculative, "_accept_sampled", {"always_accept": always_accept, "residual_from_p": residual_from_p}[rule]
         )
-    speculate = {"method": method, "num_speculative_tokens": 3}
+    speculate = {"method": method, "num_speculative_tokens": 3, "verify_cost": 1}  # verify every round with a draft
     if method == "draft_model":
         speculate["model"] = case["draft"]
     else:
@@ -259,6 +386,13 @@ def test_sampled_tokens_follow_the_target_distribution(method, rule, case, monke
         assert min(p_values) > 1e-4, p_values
     else:
         assert p_values[0] > 1e-4 and min(p_values[1:]) < 1e-6, p_values
+
+
+def test_sampled_tokens_of_plain_steps_follow_the_target_distribution(case):
+    """Every round turned down (``verify_cost=1000``): the tokens come from runs of the engine's step,
+    each row drawing with its own generator, and still follow the target's distribution."""
+    speculate = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "verify_cost": 1000}
+    assert min(sampled_p_values(case, speculate)) > 1e-4
 
 
 def test_the_enumerated_distribution_is_the_one_non_speculative_sampling_draws(case):
