@@ -29,7 +29,7 @@
 #   lm        scripts/lm_large.sh: the language-model claim on corpus-large, EFLA and DeltaNet at 340M
 #             side by side on the same tokens, then efla eval and the comparison, packed as
 #             $OUT/lm-s<seed>.tgz; it reads .devdata/lm, git-ignored: carry it after
-#             python scripts/prep_lm_large.py    (LM_SEED, LM_TOKENS, ...: see the script; LIMIT=570)
+#             python scripts/prep_lm_large.py    (LM_SEED, LM_TOKENS, ...: see the script; LIMIT=560)
 #
 # Triton's compiled kernels and tuning results: a fresh machine compiles and tunes every kernel again
 # (minutes for fla's gated kernels). Carry .triton-cache/ (git-ignored) as well and they are reused;

@@ -7,7 +7,7 @@
 # efla compare: table.md, eval.json). Everything but weights, checkpoints and the token cache comes
 # back as one archive, $OUT/lm-s<seed>.tgz (a call returns at most 8 files).
 #
-#   LIMIT=570 bash scripts/device.sh lm            # on a lent GPU (see docs/experiments.md)
+#   LIMIT=560 bash scripts/device.sh lm            # on a lent GPU (see docs/experiments.md)
 #
 # Training stops after LM_TRAIN_LIMIT seconds (efla train --time-limit) with a checkpoint under
 # LM_WORK; the same call again, on the same warm machine, resumes the runs where they stopped, and
@@ -83,6 +83,7 @@ if [ "${#done_runs[@]}" -gt 0 ]; then
     echo "Runs: \`LM_SEED=$SEED LM_TOKENS=$TOKENS bash scripts/lm_large.sh\`; training: \`efla train --preset $SIZE-<variant> ${train_args[*]}\`;"
     echo "evaluation: \`efla eval --model <run> --wikitext wiki.test.raw --lambada lambada_test.jsonl --device $DEVICE $EVAL_ARGS\`."
     echo "Data: \`$DATA/manifest.json\` (scripts/prep_lm_large.py). The runs trained side by side on one device."
+    echo "Commit: $(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)."
     "$PY" -c "from efla.records import versions; print('Versions:', versions('transformers', 'triton', 'tokenizers'))"
   } > "$WORK/notes.md"
   "$PY" -m efla lm-report --runs "${done_runs[@]}" --out "$WORK/report" --notes "$WORK/notes.md" \

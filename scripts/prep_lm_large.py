@@ -30,9 +30,7 @@ import sys
 from collections.abc import Iterator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from efla import records  # noqa: E402  (the repository on the path first, for a checkout without install)
+sys.path.insert(0, REPO)  # the repository's efla, also in a checkout without install
 
 SECTION_BREAK = "\n\n\n"
 COPIED = {"wiki.valid.raw": "wikitext-2-raw", "wiki.test.raw": "wikitext-2-raw", "lambada_test.jsonl": "lambada"}
@@ -144,6 +142,8 @@ def count_tokens(documents: list[str], tokenizer) -> int:
 
 
 def prepare(args) -> dict:
+    from efla import records  # lazy: efla imports torch, which --check does without
+
     sources = check_sources(args.shared)
     claim_out_dir(args.out)
     os.makedirs(args.out, exist_ok=True)

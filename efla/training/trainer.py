@@ -270,11 +270,8 @@ def train(
             lock.release()
 
 
-def _train_from(
-    cfg: TrainConfig, dist: Dist, device, r: Sizes, ckpt: str | None, on_step_end, cp=None, log=log_nothing, started=None
-) -> dict:
-    run = Session(cfg, dist, device, r, ckpt, cp, log)
-    run.started = started if started is not None else run.started
+def _train_from(cfg: TrainConfig, dist: Dist, device, r: Sizes, ckpt: str | None, on_step_end, cp, log, started: float) -> dict:
+    run = Session(cfg, dist, device, r, ckpt, cp, log, started=started)
     _read_saved_schedule(run)
     _load_tokenizer_and_data(run)
     _build_model(run)
