@@ -56,6 +56,14 @@ for name in ("train", "valid"):
     print(f"lm: {name}: {len(tokens):,} tokens")
 EOF
 
+pack() {  # the records and logs of every run here, without weights, checkpoints or the token cache
+  tar -czf "$OUT/lm-s$SEED.tgz" -C "$WORK" --exclude=checkpoints --exclude=cache --exclude='*.safetensors' \
+    --exclude='*.pt' --exclude='tokenizer*' --exclude='special_tokens_map.json' . \
+    && echo "lm: packed $OUT/lm-s$SEED.tgz (${#done_runs[@]} of ${#runs[@]} runs finished)"
+}
+done_runs=()
+trap 'echo "lm: interrupted"; pack; exit 130' INT TERM
+
 finished() {  # run: trained to the end of its schedule
   "$PY" -c "import json, sys; s = json.load(open(sys.argv[1] + '/train_summary.json')); sys.exit(s['steps'] != s['max_steps'])" "$1" 2>/dev/null
 }
@@ -78,22 +86,23 @@ wait
 
 done_runs=()
 for run in "${runs[@]}"; do finished "$run" && done_runs+=("$run"); done
-if [ "${#done_runs[@]}" -gt 0 ]; then
+reported=()  # every finished run of every seed trained here so far: the report spans the seeds
+for run in "$WORK"/*-s*/; do finished "${run%/}" && reported+=("${run%/}"); done
+if [ "${#reported[@]}" -gt 0 ]; then
   {
-    echo "Runs: \`LM_SEED=$SEED LM_TOKENS=$TOKENS bash scripts/lm_large.sh\`; training: \`efla train --preset $SIZE-<variant> ${train_args[*]}\`;"
+    args_text="${train_args[*]}"
+    echo "Runs: \`LM_SEED=<seed> LM_TOKENS=$TOKENS bash scripts/lm_large.sh\`; training: \`efla train --preset $SIZE-<variant> ${args_text/--seed $SEED /--seed <seed> }\`;"
     echo "evaluation: \`efla eval --model <run> --wikitext wiki.test.raw --lambada lambada_test.jsonl --device $DEVICE $EVAL_ARGS\`."
     echo "Data: \`$DATA/manifest.json\` (scripts/prep_lm_large.py). The runs trained side by side on one device."
     echo "Commit: $(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)."
     "$PY" -c "from efla.records import versions; print('Versions:', versions('transformers', 'triton', 'tokenizers'))"
   } > "$WORK/notes.md"
-  "$PY" -m efla lm-report --runs "${done_runs[@]}" --out "$WORK/report" --notes "$WORK/notes.md" \
-    --title "Language modelling on corpus-large, $SIZE, seed $SEED" > "$WORK/report.log" 2>&1
+  "$PY" -m efla lm-report --runs "${reported[@]}" --out "$WORK/report" --notes "$WORK/notes.md" \
+    --title "Language modelling on corpus-large, $SIZE" > "$WORK/report.log" 2>&1
   evals=()
-  for run in "${done_runs[@]}"; do [ -f "$run/eval/eval.json" ] && evals+=("$run/eval/eval.json"); done
+  for run in "${reported[@]}"; do [ -f "$run/eval/eval.json" ] && evals+=("$run/eval/eval.json"); done
   [ "${#evals[@]}" -gt 0 ] && "$PY" -m efla compare "${evals[@]}" --out "$WORK/compare" > "$WORK/compare.log" 2>&1
   cat "$WORK/report/summary.md" 2>/dev/null | head -n 12
 fi
-tar -czf "$OUT/lm-s$SEED.tgz" -C "$WORK" --exclude=checkpoints --exclude=cache --exclude='*.safetensors' \
-  --exclude='*.pt' --exclude='tokenizer*' --exclude='special_tokens_map.json' . \
-  && echo "lm: packed $OUT/lm-s$SEED.tgz (${#done_runs[@]} of ${#runs[@]} runs finished)"
+pack
 [ "${#done_runs[@]}" -eq "${#runs[@]}" ]

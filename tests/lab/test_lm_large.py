@@ -110,6 +110,7 @@ def test_prep_refuses_a_folder_it_did_not_make(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["mine.txt"]
 
 
+@pytest.mark.slow  # about a dozen Python processes, each importing torch: 1-2 minutes on 2 cores
 @needs_shared
 def test_both_variants_train_on_the_same_tokens_then_are_evaluated_and_compared(tiny_data, tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
