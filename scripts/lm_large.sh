@@ -62,7 +62,8 @@ pack() {  # the records and logs of every run here, without weights, checkpoints
     && echo "lm: packed $OUT/lm-s$SEED.tgz (${#done_runs[@]} of ${#runs[@]} runs finished)"
 }
 done_runs=()
-trap 'echo "lm: interrupted"; pack; exit 130' INT TERM
+# interrupted (the phase's time limit): the runs stop at their last checkpoint, the records are packed
+trap 'echo "lm: interrupted"; kill -INT $(jobs -p) 2>/dev/null; pack; exit 130' INT TERM
 
 finished() {  # run: trained to the end of its schedule
   "$PY" -c "import json, sys; s = json.load(open(sys.argv[1] + '/train_summary.json')); sys.exit(s['steps'] != s['max_steps'])" "$1" 2>/dev/null
