@@ -20,6 +20,7 @@ __all__ = [
     "command_line",
     "Provenance",
     "atomic_write",
+    "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_csv",
     "write_records",
@@ -106,6 +107,11 @@ def _atomic_replace(path: str, write, binary: bool) -> None:
 def atomic_write(path: str, text: str) -> None:
     """Replaces ``path`` with ``text`` in one step: a reader sees the old file or the new one, never a part."""
     _atomic_replace(path, lambda f: f.write(text), binary=False)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Replaces ``path`` with ``data`` in one step, like ``atomic_write``."""
+    _atomic_replace(path, lambda f: f.write(data), binary=True)
 
 
 def atomic_save_torch(path: str, obj) -> None:

@@ -36,6 +36,10 @@
 #             DIST_ARGS picks stages and sizes (e.g. "--stages ddp,resume,cp --budget 420"; LIMIT=560);
 #             it trains on .devdata/corpus, git-ignored: carry it after
 #             mkdir -p .devdata && cp -r ../shared/data/corpus/gutenberg .devdata/corpus
+#   lm        scripts/lm_large.sh: the language-model claim on corpus-large, EFLA and DeltaNet at 340M
+#             side by side on the same tokens, then efla eval and the comparison, packed as
+#             $OUT/lm-s<seed>.tgz; it reads .devdata/lm, git-ignored: carry it after
+#             python scripts/prep_lm_large.py    (LM_SEED, LM_TOKENS, ...: see the script; LIMIT=560)
 #
 # Triton's compiled kernels and tuning results: a fresh machine compiles and tunes every kernel again
 # (minutes for fla's gated kernels). Carry .triton-cache/ (git-ignored) as well and they are reused;
@@ -82,7 +86,8 @@ run_phase() {
              --stages "$stages" --out "$OUT/serve" ${SERVE_ARGS:-} ;;
     distributed) python3 benchmarks/gpu_distributed.py --data .devdata/corpus --out "$OUT/distributed" \
                    --nproc "$(nvidia-smi -L | wc -l)" ${DIST_ARGS:-} ;;
-    *) echo "device.sh: unknown phase $1 (tests, gentests, optests, ops, stages, model, generate, speculate, serve, distributed)"; return 2 ;;
+    lm) bash scripts/lm_large.sh ;;
+    *) echo "device.sh: unknown phase $1 (tests, gentests, optests, ops, stages, model, generate, speculate, serve, distributed, lm)"; return 2 ;;
   esac
 }
 

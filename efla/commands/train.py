@@ -151,6 +151,14 @@ def add_parser(subparsers) -> None:
     )
     g.add_argument("--save-every", type=int, default=d.save_every, help="checkpoint every N steps (0: only at the end)")
     g.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="default: %(default)s")
+    g.add_argument(
+        "--time-limit",
+        type=float,
+        default=d.time_limit,
+        metavar="SECONDS",
+        help="stop at the first step after SECONDS of this process, with a checkpoint and the model "
+        "directory; continue with --resume (default: no limit)",
+    )
     g.add_argument("--val-every", type=int, default=d.val_every, help="validation every N steps (0: only at the end)")
     g.add_argument("--log-every", type=int, default=d.log_every, help="log.jsonl entry every N steps")
     g.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda")
@@ -196,10 +204,17 @@ def cmd_train(args) -> int:
             + (f", validation loss {vl:.4f}" if vl is not None else "")
             + (f"; {res['tokens_per_s']:,.0f} tokens/s after warm-up" if res["tokens_per_s"] else "; nothing left to train")
             + _peak_memory_text(res.get("peak_memory_gib_per_gpu"))
-            + f". Model directory: {res['out']}",
+            + f". Model directory: {res['out']}"
+            + _stopped_early_text(res),
             file=sys.stderr,
         )
     return 0
+
+
+def _stopped_early_text(res: dict) -> str:
+    if not res.get("stopped_early"):
+        return ""
+    return f"; stopped at step {res['steps']} of {res['max_steps']} (--time-limit), continue with --resume"
 
 
 def _phase_lines(progress: bool):

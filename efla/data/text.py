@@ -7,8 +7,10 @@ Documents:
     * any other file (``.txt``, ``.raw``, ``.md``, ...): the whole file is one document (CRLF -> LF;
       Project Gutenberg header and licence stripped when the ``*** START OF``/``*** END OF`` markers
       are present);
-    * a directory: its ``.txt``/``.text``/``.raw``/``.md``/``.jsonl``/``.json`` files, recursively, in
-      sorted order;
+    * any of these compressed with xz (``train.jsonl.xz``, ``book.txt.xz``): read as the file it
+      decompresses to, streamed (never written out);
+    * a directory: its ``.txt``/``.text``/``.raw``/``.md``/``.jsonl``/``.json`` files (and their
+      ``.xz``), recursively, in sorted order;
     * ``hf:NAME[:CONFIG][@SPLIT]``: a Hugging Face dataset (needs the optional ``datasets`` package and
       network; imported only then).
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
+import lzma
 import os
 import re
 from collections.abc import Iterator
@@ -41,6 +44,7 @@ from efla.errors import UsageError
 
 __all__ = [
     "TEXT_SUFFIXES",
+    "COMPRESSED_SUFFIX",
     "TextCheck",
     "check_text_file",
     "check_text_files",
@@ -59,6 +63,7 @@ __all__ = [
 ]
 
 TEXT_SUFFIXES = (".txt", ".text", ".raw", ".md", ".jsonl", ".json")
+COMPRESSED_SUFFIX = ".xz"
 _GUTENBERG_START = re.compile(r"^\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG.*$", re.MULTILINE)
 _GUTENBERG_END = re.compile(r"^\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG.*$", re.MULTILINE)
 
@@ -89,17 +94,36 @@ def expand_paths(paths: list[str]) -> list[str]:
         if p.startswith("hf:"):
             out.append(p)
         elif os.path.isdir(p):
-            found = sorted(
-                os.path.join(root, f) for root, _, files in os.walk(p) for f in files if f.lower().endswith(TEXT_SUFFIXES)
-            )
+            found = sorted(os.path.join(root, f) for root, _, files in os.walk(p) for f in files if _is_text_name(f))
             if not found:
-                raise FileNotFoundError(f"--data {p}: directory has no {'/'.join(TEXT_SUFFIXES)} files")
+                kinds = "/".join(TEXT_SUFFIXES)
+                raise FileNotFoundError(f"--data {p}: directory has no {kinds} files (or their {COMPRESSED_SUFFIX})")
             out.extend(found)
         elif os.path.isfile(p):
             out.append(p)
         else:
             raise FileNotFoundError(f"--data {p}: no such file or directory (Hugging Face datasets: hf:NAME)")
     return out
+
+
+def _is_text_name(name: str) -> bool:
+    return _uncompressed_name(name).endswith(TEXT_SUFFIXES)
+
+
+def _uncompressed_name(path: str) -> str:
+    """``path`` lower-cased, without a trailing ``.xz``: the name that tells how the file is read."""
+    name = path.lower()
+    return name[: -len(COMPRESSED_SUFFIX)] if name.endswith(COMPRESSED_SUFFIX) else name
+
+
+def _open_bytes(path: str):
+    return lzma.open(path, "rb") if path.lower().endswith(COMPRESSED_SUFFIX) else open(path, "rb")
+
+
+def _open_text(path: str, errors: str, newline: str | None = None):
+    if path.lower().endswith(COMPRESSED_SUFFIX):
+        return lzma.open(path, "rt", encoding="utf-8", errors=errors, newline=newline)
+    return open(path, encoding="utf-8", errors=errors, newline=newline)
 
 
 _BINARY_SNIFF_BYTES = 1 << 16
@@ -127,16 +151,24 @@ def _looks_binary(head: bytes) -> bool:
 
 
 def check_text_file(path: str, chunk_bytes: int = 1 << 20, option: str = "--data") -> TextCheck:
-    """Reads ``path`` once: refuses a binary file (NUL bytes near its start) and counts the bytes that
-    are not UTF-8, with the line of the first.
+    """Reads ``path`` once (decompressed, for an ``.xz`` file): refuses a binary file (NUL bytes near
+    its start) and counts the bytes that are not UTF-8, with the line of the first.
 
     Raises:
-        UsageError: the file looks binary (``path``, the offset of the first NUL byte and ``option``).
+        UsageError: the file looks binary (``path``, the offset of the first NUL byte and ``option``),
+            or an ``.xz`` file is damaged or not xz.
     """
+    try:
+        return _check_text_bytes(path, chunk_bytes, option)
+    except (lzma.LZMAError, EOFError) as e:
+        raise UsageError(f"{path}: not a whole xz file ({e or 'it ends early'}) ({option})") from None
+
+
+def _check_text_bytes(path: str, chunk_bytes: int, option: str) -> TextCheck:
     found = TextCheck(path)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
     lines_before = 0
-    with open(path, "rb") as f:
+    with _open_bytes(path) as f:
         head = f.read(_BINARY_SNIFF_BYTES)
         if _looks_binary(head):
             nul_at = head.index(b"\x00")
@@ -212,8 +244,8 @@ def read_documents(
 
 
 def _read_file_documents(path: str, text_field: str, gutenberg: bool, errors: str) -> Iterator[str]:
-    if path.lower().endswith((".jsonl", ".json")):
-        with open(path, encoding="utf-8", errors=errors) as f:
+    if _uncompressed_name(path).endswith((".jsonl", ".json")):
+        with _open_text(path, errors) as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -224,7 +256,7 @@ def _read_file_documents(path: str, text_field: str, gutenberg: bool, errors: st
                 if isinstance(t, str) and t.strip():
                     yield t
         return
-    with open(path, encoding="utf-8", errors=errors, newline="") as f:
+    with _open_text(path, errors, newline="") as f:
         text = f.read().replace("\r\n", "\n")
     if gutenberg:
         text = strip_gutenberg(text)

@@ -78,6 +78,7 @@ class TrainConfig:
     val_every: int = 0  # 0: only at the end
     log_every: int = 1
     save_every: int = 0  # 0: only at the end
+    time_limit: float = 0.0  # seconds: stop with a checkpoint at the first step past it (0: no limit)
     keep_checkpoints: int = 3
     resume: bool = False
     resume_from: str | None = None
@@ -128,6 +129,7 @@ def _check_ranges(cfg: TrainConfig) -> None:
     check.at_least(cfg.val_every, 0, "--val-every")
     check.at_least(cfg.log_every, 1, "--log-every")
     check.at_least(cfg.save_every, 0, "--save-every")
+    check.at_least(cfg.time_limit, 0, "--time-limit")
     check.at_least(cfg.keep_checkpoints, 1, "--keep-checkpoints")
     check.at_least(cfg.threads, 1, "--threads")
 
@@ -216,6 +218,7 @@ RESUME_FREE = {
     "log_every": "--log-every",
     "val_every": "--val-every",
     "save_every": "--save-every",
+    "time_limit": "--time-limit",
     "keep_checkpoints": "--keep-checkpoints",
     "cache_dir": "--cache-dir",
     "device": "--device",

@@ -55,6 +55,7 @@ class Session:
     optimizer: torch.optim.Optimizer | None = None
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     start_step: int = 0
+    started: float = field(default_factory=time.perf_counter)  # when the process began this run
 
     def autocast(self):
         if self.precision == "bf16" and not self.cfg.fsdp:
@@ -72,3 +73,4 @@ class Progress:
     train_time: float = 0.0
     step_seconds: list = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
+    stopped_early: bool = False  # by --time-limit, before the last step

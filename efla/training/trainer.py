@@ -38,6 +38,7 @@ schedule and trains the extra steps at ``min_lr`` (``scheduled_lr``).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -230,7 +231,8 @@ def train(
         dict with ``losses`` (every step of the whole run, resumed ones included, read back from the
         log on rank 0), ``val_loss``, ``tokens_per_s`` (steady-state training throughput of all ranks
         together, see ``throughput``), ``tokens_per_s_all_steps``, ``peak_memory_gib_per_gpu`` (one
-        entry per rank; ``None`` off the GPU), ``steps``, ``tokens``, ``resumed_from``, ``out``. Each
+        entry per rank; ``None`` off the GPU), ``steps``, ``tokens``, ``resumed_from``, ``out``, ``data``
+        (what was trained on: SHA-256 of the token stream and of the order of its sequences). Each
         ``log.jsonl`` entry carries that step's ``tokens_per_s`` and, on the GPU, ``peak_memory_gib``
         (this rank's peak so far).
 
@@ -240,6 +242,7 @@ def train(
         CheckpointError: resuming from a damaged or unsafe checkpoint (names the previous good one).
         NonFiniteLossError: a non-finite loss with ``on_nonfinite="stop"`` (the last good checkpoint stays).
     """
+    started = time.perf_counter()
     check_train_config(cfg)
     refuse_a_changed_resume(cfg)
     if cfg.threads:
@@ -257,7 +260,7 @@ def train(
     check_text(cfg, dist, log)
     lock, ckpt, before = claim_and_choose_start(cfg, dist)
     try:
-        return _train_from(cfg, dist, device, r, ckpt, on_step_end, cp, log)
+        return _train_from(cfg, dist, device, r, ckpt, on_step_end, cp, log, started)
     except BaseException:
         if dist.main:
             clean_after_failure(cfg.out, lock, before)
@@ -267,8 +270,8 @@ def train(
             lock.release()
 
 
-def _train_from(cfg: TrainConfig, dist: Dist, device, r: Sizes, ckpt: str | None, on_step_end, cp=None, log=log_nothing) -> dict:
-    run = Session(cfg, dist, device, r, ckpt, cp, log)
+def _train_from(cfg: TrainConfig, dist: Dist, device, r: Sizes, ckpt: str | None, on_step_end, cp, log, started: float) -> dict:
+    run = Session(cfg, dist, device, r, ckpt, cp, log, started=started)
     _read_saved_schedule(run)
     _load_tokenizer_and_data(run)
     _build_model(run)
@@ -493,16 +496,27 @@ def _train_loop(run: Session, on_step_end) -> Progress:
             entry = train_step(run, progress, log_f, bar)
             _log_step(run, entry, log_f, bar, progress.val_loss)
             step = progress.step
-            if (cfg.save_every and step % cfg.save_every == 0) or step == r.max_steps:
+            progress.stopped_early = step < r.max_steps and _out_of_time(run)
+            if (cfg.save_every and step % cfg.save_every == 0) or step == r.max_steps or progress.stopped_early:
                 progress.last_good = _save_checkpoint(run, step, step * r.global_seqs) or progress.last_good
             if on_step_end is not None:
                 on_step_end(step, entry)
+            if progress.stopped_early:
+                run.log(f"stopping at step {step} of {r.max_steps}: --time-limit {cfg.time_limit:g} s reached")
+                break
     finally:
         if bar is not None:
             bar.close()
         if log_f:
             log_f.close()
     return progress
+
+
+def _out_of_time(run: Session) -> bool:
+    """``--time-limit`` reached, as rank 0's clock says, so every rank stops after the same step."""
+    if not run.cfg.time_limit:
+        return False
+    return bool(run.dist.broadcast(time.perf_counter() - run.started >= run.cfg.time_limit))
 
 
 def _log_step(run: Session, entry: dict, log_f, bar, val_loss: float | None) -> None:
@@ -543,6 +557,7 @@ def _save_final_model(run: Session, progress: Progress) -> dict:
             steps=step,
             tokens=step * r.batch_tokens,
             max_steps=r.max_steps,
+            stopped_early=progress.stopped_early,
             resumed_from=run.ckpt,
             final_loss=losses[-1] if losses else None,
             val_loss=val_loss,
@@ -556,11 +571,35 @@ def _save_final_model(run: Session, progress: Progress) -> dict:
             precision=run.precision,
             threads=torch.get_num_threads(),
             variant=run.mconf.variant,
+            data=_data_trained_on(run, step),
         )
         records.atomic_write_json(os.path.join(cfg.out, "train_summary.json"), summary, indent=2)
         summary = dict(summary, losses=losses, log=log)
     dist.barrier()
     return summary if summary is not None else dict(out=cfg.out, steps=step)
+
+
+def _sha256_of_array(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def _data_trained_on(run: Session, steps: int) -> dict:
+    """What the run's ``steps`` trained on, so two runs can be shown to have seen the same tokens in
+    the same order: the SHA-256 of the whole training token stream, of the sequence numbers in the
+    order they were taken, and of the validation stream."""
+    position = steps * run.r.global_seqs
+    taken = run.train_data.index[run.order.take(0, position)].astype(np.int64)
+    return dict(
+        seq_len=run.r.seq_len,
+        data_seed=run.cfg.data_seed,
+        train_sequences=len(run.train_data),
+        sequences_trained=position,
+        epochs=run.order.epoch_of(position),
+        tokens_sha256=_sha256_of_array(run.train_data.tokens),
+        order_sha256=_sha256_of_array(taken),
+        val_sequences=len(run.val_data) if run.val_data is not None else 0,
+        val_sha256=_sha256_of_array(run.val_data.sequences(range(len(run.val_data)))) if run.val_data is not None else None,
+    )
 
 
 def warmup_steps(n_steps: int) -> int:

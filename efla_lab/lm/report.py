@@ -65,11 +65,12 @@ def _read_json(path: str) -> dict | None:
 
 
 def stored_run(run_dir: str) -> dict | None:
-    """A finished ``efla train`` run's files as one record (``None`` while unfinished): its name,
+    """A finished ``efla train`` run's files as one record (``None`` while unfinished, or stopped by
+    ``--time-limit`` before its last step): its name,
     ``train_summary``, ``train_args``, model ``config``, ``eval`` (``<run>/eval/eval.json``) and
     ``log``: what a recorded experiment keeps per run as a line of its ``runs.jsonl``."""
     summary = _read_json(os.path.join(run_dir, "train_summary.json"))
-    if summary is None:
+    if summary is None or summary.get("stopped_early"):
         return None
     return dict(
         run=os.path.basename(os.path.normpath(run_dir)),
@@ -121,6 +122,7 @@ def collect_runs(sources: list[str], tail: int = 20) -> list[dict]:
                 resolved=args.get("resolved", {}),
                 curve=curve,
                 val_curve=val,
+                data=summ.get("data"),
                 **eval_numbers(record["eval"]),
             )
         )
@@ -335,6 +337,31 @@ def _spread_note(rows: list[dict]) -> str:
     return "; ".join(parts) + "."
 
 
+# what makes two runs' training data the same: the tokens, the order of their sequences, how many
+# were trained on, and the held-out sequences
+SAME_DATA_FIELDS = ("tokens_sha256", "order_sha256", "sequences_trained", "seq_len", "val_sha256")
+
+
+def data_note(rows: list[dict]) -> list[str]:
+    """A line saying whether the runs trained on the same tokens in the same order and were validated
+    on the same sequences (from each run's ``train_summary.json`` ``data``); none for runs without it."""
+    if not rows or any(not r.get("data") for r in rows):
+        return []
+    kinds = {tuple(r["data"].get(f) for f in SAME_DATA_FIELDS) for r in rows}
+    if len(kinds) > 1:
+        differ = [f for i, f in enumerate(SAME_DATA_FIELDS) if len({k[i] for k in kinds}) > 1]
+        fields = ", ".join(differ)
+        return ["", f"**The runs did not train on the same data**: they differ in {fields} (`train_summary.json` `data`)."]
+    d = rows[0]["data"]
+    return [
+        "",
+        f"Same data for every run: {d['sequences_trained']:,} sequences of {d['seq_len']} tokens in the same order "
+        f"({d['epochs']:.3f} epochs of {d['train_sequences']:,}; token stream SHA-256 `{d['tokens_sha256'][:16]}`, "
+        f"order SHA-256 `{d['order_sha256'][:16]}`), validated on the same {d['val_sequences']:,} sequences "
+        "(`train_summary.json` `data`).",
+    ]
+
+
 def summary_markdown(rows: list[dict], title: str, notes: str, command_line: str) -> str:
     sources = sorted({_model_source(r) for r in rows})
     lines = [
@@ -346,6 +373,7 @@ def summary_markdown(rows: list[dict], title: str, notes: str, command_line: str
         *variants_table(rows).markdown(),
         "",
         f"{_spread_note(rows)} Per-run numbers: `lm_losses.json` / `lm_losses.csv`; curves: `lm_loss_curves.png`.",
+        *data_note(rows),
         *_eval_note(rows),
         "",
         *runs_table(rows).markdown(),
@@ -361,13 +389,17 @@ def write_lm_report(
     run_dirs: list[str], out: str, title: str = "Language modelling", notes: str = "", command_line: str = ""
 ) -> list[str]:
     """``lm_losses.json``, ``lm_losses.csv``, ``lm_loss_curves.png`` and ``summary.md`` for runs of
-    :func:`efla.training.trainer.train` (grouped by variant; mean and spread over seeds).
-    Returns the paths written."""
+    :func:`efla.training.trainer.train` (grouped by variant; mean and spread over seeds), and
+    ``runs.jsonl``: every run's files as one :func:`stored_run` record per line, the raw record that
+    ``--runs runs.jsonl`` reads again. Returns the paths written."""
     rows = collect_runs(run_dirs)
     if not rows:
         raise ValueError("nothing to report: none of the runs has finished (no train_summary.json) (--runs)")
     os.makedirs(out, exist_ok=True)
-    files = {name: os.path.join(out, name) for name in ("lm_losses.json", "lm_losses.csv", "lm_loss_curves.png", "summary.md")}
+    names = ("lm_losses.json", "lm_losses.csv", "lm_loss_curves.png", "summary.md", "runs.jsonl")
+    files = {name: os.path.join(out, name) for name in names}
+    stored = [record for source in run_dirs for record in _stored_runs(source)]
+    harness.write_records(files["runs.jsonl"], [{k: v for k, v in r.items() if k != "dir"} for r in stored])
     harness.atomic_write_json(
         files["lm_losses.json"], dict(title=title, runs=rows, versions=harness.versions("transformers")), indent=2
     )

@@ -108,6 +108,7 @@ def _allowed_args(tmp_path) -> dict[str, list[str]]:
         "--extend-at-min-lr": ["--extend-at-min-lr"],
         "--on-nonfinite": ["--on-nonfinite", "skip"],
         "--save-every": ["--save-every", "2"],
+        "--time-limit": ["--time-limit", "3600"],
         "--keep-checkpoints": ["--keep-checkpoints", "5"],
         "--val-every": ["--val-every", "2"],
         "--log-every": ["--log-every", "2"],
