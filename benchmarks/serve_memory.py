@@ -276,9 +276,10 @@ def main(argv=None) -> int:
                 measurements.append(measurement(case, "prefix cache", "MB", "lower", ("efla serve", [cached]), None))
     if args.out:
         notes.append(
-            f"{args.preset}, float32, CPU; python -m efla serve in its own process (its defaults but the options "
-            f"named; --prefix-cache-mb 'default': 1024; {args.serve_args or 'no other option'}), {args.concurrency} requests in flight over HTTP from "
-            f"the benchmark's process; RSS of the server process (/proc/<pid>/status) once idle"
+            f"{args.preset}, float32, CPU; python -m efla serve in its own process, its defaults but "
+            f"--prefix-cache-mb where not 'default' (1024) and {args.serve_args or 'no other option'}; "
+            f"{args.concurrency} requests in flight over HTTP from the benchmark's process; RSS of the server "
+            f"process (/proc/<pid>/status) once idle"
         )
         write_run(args.out, "serve_memory", "Resident memory of efla serve over many mixed requests", 1, measurements, notes)
     return 0 if passed else 1
