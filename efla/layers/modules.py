@@ -133,10 +133,11 @@ class ShortConvolution(nn.Conv1d):
     def _forward_shifted(self, x, cache, output_final_state):
         """The convolution as a weighted sum of ``W`` shifted copies of ``x``, for inference on the CPU.
 
-        oneDNN's CPU convolution compiles a kernel for each new input shape (about 30 ms, kept in a
-        cache of up to 1,024): a server or ``generate`` meets a new shape with nearly every prompt
-        length. This sum has no per-shape cost and is faster at these sizes; training keeps ``conv1d``,
-        whose backward is faster than this sum's at long sequences."""
+        oneDNN's CPU convolution creates a compiled kernel for each new input shape and keeps up to
+        1,024 of them: a server or ``generate`` meets a new shape with nearly every prompt length, and
+        a server's resident memory grew with them. This sum keeps nothing per shape and is faster at
+        most inference sizes (``benchmarks/cpu_short_conv.py``); training keeps ``conv1d``, whose
+        backward is faster than this sum's at long sequences."""
         B, T, D = x.shape
         W = self.kernel_size[0]
         history = cache.transpose(1, 2).to(x.dtype) if cache is not None else x.new_zeros(B, W, D)
