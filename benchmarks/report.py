@@ -110,12 +110,14 @@ AREAS = (
     ),
     Area(
         "CPU ops",
-        ("cpu_ops",),
+        ("cpu_ops", "cpu_short_conv"),
         "`benchmarks/cpu_ops.py`: the chunk ops forward and backward on the CPU (float32) against "
         "transformers' pure-PyTorch `torch_chunk_gated_delta_rule` with autograd, alternated in one "
         "process: for `chunk_efla` on the same recurrence (no gate, beta the exact-flow coefficient), "
         "for `chunk_gated_efla` Gated DeltaNet with the same gate, what a gated model's user would run "
-        "instead.",
+        "instead. `benchmarks/cpu_short_conv.py`: the short convolution at inference (no autograd) as "
+        "`ShortConvolution` runs it, a sum of shifted inputs, against `F.conv1d` (oneDNN), on shapes "
+        "seen before and on a new shape at every call, and a tiny preset's prefill.",
     ),
     Area(
         "CPU models",

@@ -114,6 +114,8 @@ class ShortConvolution(nn.Conv1d):
             return self._forward_varlen(x, cache, output_final_state, cu_seqlens)
         if cache is not None and cache.shape != (B, D, W):
             raise ValueError(f"cache: expected shape ({B}, {D}, {W}), got {tuple(cache.shape)}")
+        if T > 1 and x.device.type == "cpu" and not torch.is_grad_enabled():
+            return self._forward_shifted(x, cache, output_final_state)
         xt = x.transpose(1, 2)  # [B, D, T]
         if cache is None:
             history = xt.new_zeros(B, D, W)
@@ -127,6 +129,27 @@ class ShortConvolution(nn.Conv1d):
             y = F.conv1d(full[..., 1:], self.weight, self.bias, groups=D)  # [B, D, T]
         state = full[..., -W:].contiguous() if output_final_state else None
         return self._act(y.transpose(1, 2)), state
+
+    def _forward_shifted(self, x, cache, output_final_state):
+        """The convolution as a weighted sum of ``W`` shifted copies of ``x``, for inference on the CPU.
+
+        oneDNN's CPU convolution creates a compiled kernel for each new input shape and keeps up to
+        1,024 of them: a server or ``generate`` meets a new shape with nearly every prompt length, and
+        a server's resident memory grew with them. This sum keeps nothing per shape and is faster at
+        most inference sizes (``benchmarks/cpu_short_conv.py``); training keeps ``conv1d``, whose
+        backward is faster than this sum's at long sequences."""
+        B, T, D = x.shape
+        W = self.kernel_size[0]
+        history = cache.transpose(1, 2).to(x.dtype) if cache is not None else x.new_zeros(B, W, D)
+        full = torch.cat([history, x], dim=1)  # [B, W + T, D]: input t at row W + t
+        taps = self.weight[:, 0].t()  # [W, D]; taps[W - 1] multiplies the current input
+        y = full[:, 1 : 1 + T] * taps[0]
+        for j in range(1, W):
+            y.addcmul_(full[:, 1 + j : 1 + j + T], taps[j])
+        if self.bias is not None:
+            y += self.bias
+        state = full[:, -W:].transpose(1, 2).contiguous() if output_final_state else None
+        return self._act(y), state
 
     def _forward_fused(self, fused, x, cache, output_final_state, cu_seqlens):
         B, _, D = x.shape

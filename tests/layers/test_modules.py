@@ -61,6 +61,31 @@ def test_conv_cache_continuation_and_steps():
     torch.testing.assert_close(s, s_full)
 
 
+@pytest.mark.parametrize("bias,act", [(True, "silu"), (False, None)])
+def test_conv_inference_path_matches_naive_and_runs_no_conv1d(bias, act, monkeypatch):
+    # without autograd the CPU convolution is a sum of shifted inputs (no oneDNN kernel per shape)
+    conv = _conv(bias=bias, act=act)
+    x, history = torch.randn(3, 11, 6), torch.randn(3, 6, 4)
+    with torch.enable_grad():  # conv1d's path
+        expected = [conv(x, output_final_state=True), conv(x, cache=history, output_final_state=True)]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("conv1d ran")
+
+    monkeypatch.setattr(F, "conv1d", refuse)
+    with torch.no_grad():
+        y, s = conv(x, output_final_state=True)
+        yc, sc = conv(x, cache=history, output_final_state=True)
+    b = conv.bias if bias else None
+    torch.testing.assert_close(y, _naive_conv(x, conv.weight, b, act=act is not None), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(yc, _naive_conv(x, conv.weight, b, history, act=act is not None), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s, x[:, -4:].transpose(1, 2), rtol=0, atol=0)
+    torch.testing.assert_close(sc, s, rtol=0, atol=0)
+    for (y_ref, s_ref), (y_new, s_new) in zip(expected, [(y, s), (yc, sc)]):
+        torch.testing.assert_close(y_new, y_ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(s_new, s_ref, rtol=0, atol=0)
+
+
 def test_conv_varlen_equals_separate_sequences():
     conv = _conv()
     lens = [5, 1, 9, 3]
