@@ -142,12 +142,12 @@ class ShortConvolution(nn.Conv1d):
         W = self.kernel_size[0]
         history = cache.transpose(1, 2).to(x.dtype) if cache is not None else x.new_zeros(B, W, D)
         full = torch.cat([history, x], dim=1)  # [B, W + T, D]: input t at row W + t
-        taps = self.weight[:, 0].t()  # [W, D]; taps[W - 1] multiplies the current input
+        taps = self.weight[:, 0].t().to(x.dtype)  # [W, D]; taps[W - 1] multiplies the current input
         y = full[:, 1 : 1 + T] * taps[0]
         for j in range(1, W):
             y.addcmul_(full[:, 1 + j : 1 + j + T], taps[j])
         if self.bias is not None:
-            y += self.bias
+            y += self.bias.to(x.dtype)
         state = full[:, -W:].transpose(1, 2).contiguous() if output_final_state else None
         return self._act(y), state
 
