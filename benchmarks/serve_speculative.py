@@ -4,10 +4,11 @@ against the same scheduler without it, and against one verifying every draft (``
 control), in process (no HTTP), a tiny preset's random weights, float32, on the CPU.
 
 Per case and stream count, every round submits the same ``--streams`` requests at once to each
-server in turn (speculative, control, plain) and times until the last one ends, on the wall clock
-and in the process's CPU time (the scheduler runs in a thread of this process; the CPU time is less
-disturbed by other processes on the machine); new tokens/s is all requests' tokens over that time
-(prefill included: the first token comes from the prompt's pass). Cases:
+server in turn (speculative, control, plain; ``--slots`` state slots each, so more streams than
+slots wait for one) and times until the last one ends, on the wall clock and in the process's CPU
+time (the scheduler runs in a thread of this process; the CPU time is less disturbed by other
+processes on the machine); new tokens/s is all requests' tokens over that time (prefill included:
+the first token comes from the prompt's pass). Cases:
 
 - ``repeating``: greedy requests whose prompts hold 32 random tokens and a first run of the model's
   own greedy text (32 tokens; a random model's greedy text loops, and prompt lookup drafts the loop).
@@ -19,8 +20,8 @@ The greedy tokens are checked equal to the plain server's before timing. Also pe
 acceptance rate (kept / drafted tokens verified), the share of rounds that verified (the rest were
 plain steps) and new tokens per round of a request.
 
-Usage: python benchmarks/serve_speculative.py [--preset tiny-efla] [--streams 1,8] [--tokens 96]
-           [--rounds 5] [--threads 1] [--out benchmarks/results/serve/serve_speculative.json]
+Usage: python benchmarks/serve_speculative.py [--preset tiny-efla] [--streams 1,8,16] [--slots 8] [--tokens 96]
+           [--rounds 5] [--threads 1] [--cases repeating,copying,...] [--out benchmarks/results/serve/serve_speculative.json]
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def describe(wall: dict, cpu: dict, figures: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny-efla")
-    p.add_argument("--streams", default="1,8")
+    p.add_argument("--streams", default="1,8,16")
+    p.add_argument("--slots", type=int, default=8)
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
@@ -143,7 +145,7 @@ def main() -> None:
     model = EFLAForCausalLM(get_preset_config(args.preset)).eval()
     streams = [int(s) for s in args.streams.split(",")]
     longest_prompt = speculation.PROMPT + speculation.CONTINUATION
-    options = {"max_batch": max(streams), "max_context": longest_prompt + args.tokens + 8, "seed": 0}
+    options = {"max_batch": args.slots, "max_context": longest_prompt + args.tokens + 8, "seed": 0}
     servers = {
         "speculative": Scheduler(model, None, speculate=SPECULATE, **options),
         "always": Scheduler(model, None, speculate=ALWAYS, **options),
@@ -164,7 +166,7 @@ def main() -> None:
         "the plain server's before timing",
         "free: temperature-1 sampling, seed i for request i; each speculative server's own draws",
         f"speculate={SPECULATE} (default verify_cost); the control adds verify_cost=1; {args.tokens} new tokens per "
-        f"request, no stop token; float32; {args.threads} thread(s)",
+        f"request, no stop token; {args.slots} slots (more streams wait for one); float32; {args.threads} thread(s)",
         "a round serves the requests on the speculative server, the control, then the plain one; one warm-up each before",
         "new tokens per CPU second: the process's CPU time (time.process_time) over the same interval",
         f"load average before: {load_before}; at the end: {load_average()} (2 cores, shared with other processes)",

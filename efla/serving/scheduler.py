@@ -447,9 +447,7 @@ class Scheduler:
         requests = sorted((r for r in self._rows if not r.done), key=lambda r: r.slot)
         if not requests:
             return
-        with self._cond:
-            waiting = bool(self._waiting)  # a request ending sooner frees its slot for one of these
-        drafts, q_rows, verify = self.speculation.propose(requests, self._generator, waiting)
+        drafts, q_rows, verify = self.speculation.propose(requests, self._generator)
         if not verify:
             self._plain_round(requests)
             return

@@ -17,17 +17,25 @@ pass's first position is theirs, a plain decoding step inside the same pass. Log
 from the pass's logits at each kept token's position, the distribution the plain step reports.
 A round with drafts runs eagerly (no CUDA graphs).
 
-Speculation turns itself down where a verification pass would not pay, by ``generate``'s estimate of
-a request's gain (``_RowSchedule``): a request whose recent drafts were kept at rate ``a`` is expected
-to make ``1 + sum_{i<=n} a^i`` tokens in a pass with ``n`` drafts (a request without drafts: 1), and a
-pass costs ``verify_cost`` plain steps. A server's measure is throughput, not the slowest row (requests
-end and join at any iteration): a round verifies when the expected tokens summed over its requests
-reach ``verify_cost`` times their number (what the plain step makes in that time), or when a slot's
-state lacks tokens a pass must run anyway; otherwise, and when no request drafted, it is the
-scheduler's plain decoding step (one per iteration, so admitting and prefilling go on between
-steps). A plain step still scores prompt lookup's first draft of each request against the token the
-step made, so a request's rate keeps following its text; with a draft model, a round the estimate
-turns down drafts nothing (its drafts cost passes of their own).
+Speculation turns itself down where a verification pass would not pay, by ``generate``'s rule and
+estimate (``_RowSchedule``): a request whose recent drafts were kept at rate ``a`` is expected to
+make ``1 + sum_{i<=n} a^i`` tokens in a pass with ``n`` drafts (a request without drafts: 1), a pass
+costs ``verify_cost`` plain steps, and a round verifies only when every request furthest behind
+(within ``k`` tokens of the most ``max_tokens`` still to go) expects ``verify_cost`` tokens. A pass
+slows every request in it, and the requests that gain least set when the running ones finish (a
+request ending sooner frees a slot, but that pays only where one waits for it). A throughput rule
+(the expected tokens summed over the requests against ``verify_cost`` times their number, while
+requests wait) was tried and measured slower on the CPU: a pass's rejections cost feeding passes
+of their own, and requests ending at different iterations break their successors' prefill into
+smaller batches.
+
+Otherwise, and where no request drafted, the round is the scheduler's plain decoding step (one per
+iteration, so admitting and prefilling go on between steps); a slot still holding kept tokens of a
+rejection first runs them through its state (one pass over those slots alone, no logits), instead
+of forcing a verification pass on every request. A plain step still scores prompt lookup's first
+draft of each request against the token the step made, so a turned-down request's rate keeps
+following its text and it verifies again where the text repeats; with a draft model, a round the
+estimate turns down drafts nothing (its drafts cost passes of their own).
 """
 
 from __future__ import annotations
@@ -132,19 +140,16 @@ class SpeculativeRounds:
             table.pop(slot, None)
 
     # -- one round ------------------------------------------------------------------------------------
-    def propose(
-        self, requests: list[Request], generator: torch.Generator, waiting: bool = False
-    ) -> tuple[list[list[int]], list, bool]:
+    def propose(self, requests: list[Request], generator: torch.Generator) -> tuple[list[list[int]], list, bool]:
         """The round's drafts of ``requests`` (decoding, in slots that joined), the drafter's
         probabilities of them (``None`` per request: prompt lookup's point masses, or greedy) and
         whether the round verifies them (else it is a plain decoding step: the caller's, then
-        ``stepped``); ``generator``: the noise of sampling requests without a generator of their own;
-        ``waiting``: whether requests wait for a slot (the module's doc)."""
+        ``stepped``); ``generator``: the noise of sampling requests without a generator of their own."""
         self._generator = generator
         lengths = [self._draft_length(r) for r in requests]
         slots = [r.slot for r in requests]
         if self.draft_model is not None:
-            if not self._pass_pays(requests, lengths, waiting):
+            if not self._pass_pays(requests, lengths):
                 lengths = [0] * len(slots)  # a draft model's drafts cost passes of their own: none unless verified
             self._draft_lengths, self._draft_step = dict(zip(slots, lengths)), 0
             drafts, q_rows = self.draft_model.propose(slots, lengths)
@@ -152,24 +157,18 @@ class SpeculativeRounds:
             drafts = [self.indexes[s].propose(n) if n else [] for s, n in zip(slots, lengths)]
             q_rows = [None] * len(slots)
         self._drafts = dict(zip(slots, drafts))
-        verify = self._pass_pays(requests, [len(d) for d in drafts], waiting)
+        verify = self._pass_pays(requests, [len(d) for d in drafts])
         if not verify:  # the plain step takes each slot's last token: the kept tokens before it run first
             _feed_all_but_last(self.engine, self.unfed, slots)
         return drafts, q_rows, verify
 
-    def _pass_pays(self, requests: list[Request], lengths: list[int], waiting: bool) -> bool:
-        """Whether a verification pass with ``lengths`` drafts per request is expected to pay (the
-        module's doc): never where no request drafts; with requests waiting, when the requests'
-        expected tokens reach ``verify_cost`` per request; without, when each of the requests
-        furthest behind expects ``verify_cost`` (``generate``'s rule)."""
-        slots = [r.slot for r in requests]
-        if not self.config.adaptive or not any(lengths):
-            return any(lengths)
-        if waiting:
-            expected = sum(1 + self.schedules[s].expected_kept(n) for s, n in zip(slots, lengths))
-            return expected >= self.cost * len(slots)
+    def _pass_pays(self, requests: list[Request], lengths: list[int]) -> bool:
+        """Whether a verification pass with ``lengths`` drafts per request is expected to pay:
+        ``generate``'s rule, every request furthest behind expecting ``verify_cost`` tokens (the
+        module's doc); never where no request drafts."""
         room = {r.slot: r.params.max_tokens - len(r.tokens) for r in requests}
-        return _slowest_rows_gain(self.schedules, slots, lengths, self.cost, True, room.get, self.k_max)
+        slots = [r.slot for r in requests]
+        return _slowest_rows_gain(self.schedules, slots, lengths, self.cost, self.config.adaptive, room.get, self.k_max)
 
     def last_tokens(self, requests: list[Request]) -> list[int]:
         return [self.unfed[r.slot][-1] for r in requests]

@@ -464,27 +464,25 @@ def _joined(rounds, slot: int, prompt: list[int], first_token: int):
     return request
 
 
-def test_a_pass_pays_by_throughput_while_requests_wait_else_for_the_requests_furthest_behind():
-    """With requests waiting (a request ending sooner frees its slot for one): one request whose
-    drafts are kept carries a pass for one whose drafts are rejected (1 + ~3.8 + 1 >= 2 x 2.5), not
-    for three (1 + ~3.8 + 3 < 4 x 2.5); a request without drafts counts its one token. With none
-    waiting, every request furthest behind must expect the cost (``generate``'s rule)."""
+def test_a_pass_pays_where_every_request_furthest_behind_expects_the_cost():
+    """``generate``'s rule over the scheduler's requests: a request whose drafts are kept verifies; one
+    whose drafts are rejected (or who has none) beside it holds the pass back, unless it is far
+    ahead (little of its ``max_tokens`` left to go); no draft, no pass; no turn-down asked for."""
     rounds = _rounds()
-    requests = [_joined(rounds, slot, [5, 6, 7], 8) for slot in range(4)]
+    requests = [_joined(rounds, slot, [5, 6, 7], 8) for slot in range(2)]
     for _ in range(30):
         rounds.schedules[0].observe(4, 4)
-        for slot in (1, 2, 3):
-            rounds.schedules[slot].observe(2, 0)
-    keeps, rejects = requests[0], requests[1]
-    assert rounds._pass_pays([keeps, rejects], [4, 4], waiting=True)
-    assert not rounds._pass_pays(requests, [4, 4, 4, 4], waiting=True)
-    assert not rounds._pass_pays(requests, [4, 0, 0, 0], waiting=True)
-    assert not rounds._pass_pays([rejects], [4], waiting=True)
-    assert not rounds._pass_pays([keeps, rejects], [0, 0], waiting=True)  # no draft: nothing to verify
-    assert rounds._pass_pays([keeps], [4], waiting=False)
-    assert not rounds._pass_pays([keeps, rejects], [4, 4], waiting=False)
-    rejects.tokens = [9] * 190  # far ahead of the other (10 tokens to go): it does not hold the pass back
-    assert rounds._pass_pays([keeps, rejects], [4, 4], waiting=False)
+        rounds.schedules[1].observe(2, 0)
+    keeps, rejects = requests
+    assert rounds._pass_pays([keeps], [4])
+    assert not rounds._pass_pays([rejects], [4])
+    assert not rounds._pass_pays([keeps, rejects], [4, 4])
+    assert not rounds._pass_pays([keeps, rejects], [4, 0])
+    assert not rounds._pass_pays([keeps, rejects], [0, 0])  # no draft: nothing to verify
+    rejects.tokens = [9] * 190  # 10 tokens to go, the other 200: it does not hold the pass back
+    assert rounds._pass_pays([keeps, rejects], [4, 4])
+    keeps.tokens = [9] * 195
+    assert not rounds._pass_pays([keeps, rejects], [4, 4])  # level again (within k = 4 tokens)
 
 
 def test_plain_steps_score_the_first_draft_so_a_turned_down_request_returns_where_its_text_repeats():
@@ -510,7 +508,7 @@ def test_plain_steps_score_the_first_draft_so_a_turned_down_request_returns_wher
     assert not any(outcomes[False])
 
 
-@pytest.mark.parametrize("max_batch", [4, 2])  # 2: requests wait for a slot (the throughput rule)
+@pytest.mark.parametrize("max_batch", [4, 2])  # 2: requests wait for a slot and join as others end
 def test_the_default_rule_verifies_streams_that_copy_their_prompts(monkeypatch, max_batch):
     """Greedy requests whose prompts end in the model's looping text: the default rule verifies some
     rounds, worth more than two tokens a pass on average, and steps the others, feeding a slot's kept
