@@ -169,7 +169,7 @@ def main() -> None:
         f"request, no stop token; {args.slots} slots (more streams wait for one); float32; {args.threads} thread(s)",
         "a round serves the requests on the speculative server, the control, then the plain one; one warm-up each before",
         "new tokens per CPU second: the process's CPU time (time.process_time) over the same interval",
-        f"load average before: {load_before}; at the end: {load_average()} (2 cores, shared with other processes)",
+        f"load average before: {load_before} (2 cores, shared with other processes)",
     ]
     write_run(args.out, "serve_speculative", "Speculative decoding in the serving scheduler", args.rounds, measurements, notes)
     print(f"wrote {args.out}")
