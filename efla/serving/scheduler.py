@@ -165,7 +165,8 @@ class Scheduler:
             when the scheduler starts.
         speculate: speculative decoding, as ``efla.generation.generate``'s ``speculate`` (a dict of
             ``SpeculativeConfig``'s fields or one; ``None``: off): each decoding iteration is then one
-            speculative round (``efla.serving.speculation``).
+            speculative round (``efla.serving.speculation``), a plain step where its ``verify_cost``
+            rule turns the pass down.
     """
 
     def __init__(
