@@ -4,7 +4,9 @@ CPU in float32: greedy tokens equal the plain server's for a batch of prompts of
 hybrid model; stop tokens, stop strings and max_tokens inside an accepted run end the request at
 the right token; requests with logit processors or log-probabilities get the plain server's tokens
 (and log-probabilities); streaming and /metrics over HTTP; sampling is seeded per request and its
-filters are applied at every drafted position."""
+filters are applied at every drafted position. The default ``verify_cost`` rule verifies streams
+that copy their prompts and steps free text, weighs the requests furthest behind, and lets plain
+steps' scored drafts bring a turned-down request back."""
 
 from __future__ import annotations
 
@@ -508,8 +510,9 @@ def test_plain_steps_score_the_first_draft_so_a_turned_down_request_returns_wher
     assert not any(outcomes[False])
 
 
-@pytest.mark.parametrize("max_batch", [4, 2])  # 2: requests wait for a slot and join as others end
-def test_the_default_rule_verifies_streams_that_copy_their_prompts(monkeypatch, max_batch):
+# one stream; four on four slots; four on two (requests wait for a slot and join as others end)
+@pytest.mark.parametrize(("streams", "max_batch"), [(1, 4), (4, 4), (4, 2)])
+def test_the_default_rule_verifies_streams_that_copy_their_prompts(monkeypatch, streams, max_batch):
     """Greedy requests whose prompts end in the model's looping text: the default rule verifies some
     rounds, worth more than two tokens a pass on average, and steps the others, feeding a slot's kept
     tokens first where a turned-down round follows a rejection; the tokens are the plain server's."""
@@ -524,7 +527,7 @@ def test_the_default_rule_verifies_streams_that_copy_their_prompts(monkeypatch, 
 
     monkeypatch.setattr(speculation, "_feed_all_but_last", feeding)
     model = _model()
-    bases = _prompts((32, 20, 9, 27))
+    bases = _prompts((32, 20, 9, 27)[:streams])
     looped, _, _ = _serve(model, [(p, SamplingParams(max_tokens=96)) for p in bases], stop_tokens=())
     submissions = [(p + r.tokens, SamplingParams(max_tokens=96)) for p, r in zip(bases, looped)]
     options = {"speculate": {"method": "ngram"}, "stop_tokens": (), "max_batch": max_batch}
