@@ -4,10 +4,10 @@ against the same scheduler without it, and against one verifying every draft (``
 control), in process (no HTTP), a tiny preset's random weights, float32, on the CPU.
 
 Per case and stream count, every round submits the same ``--streams`` requests at once to each
-server in turn (speculative, control, plain; ``--slots`` state slots each, so more streams than
-slots wait for one) and times until the last one ends, on the wall clock and in the process's CPU
-time (the scheduler runs in a thread of this process; the CPU time is less disturbed by other
-processes on the machine); new tokens/s is all requests' tokens over that time (prefill included:
+server in turn (speculative, control, plain, each round starting with the next; ``--slots`` state
+slots each, so more streams than slots wait for one) and times until the last one ends, on the wall
+clock and in the process's CPU time (the scheduler runs in a thread of this process; the CPU time is
+less disturbed by other processes on the machine); new tokens/s is all requests' tokens over that time (prefill included:
 the first token comes from the prompt's pass). Cases:
 
 - ``repeating``: greedy requests whose prompts hold 32 random tokens and a first run of the model's
@@ -92,9 +92,11 @@ def run_case(model, servers: dict[str, Scheduler], case: str, streams: int, args
         raise SystemExit(f"{case}, {streams} streams: the speculating server's greedy tokens differ from the plain server's")
     wall, cpu = {side: [] for side in servers}, {side: [] for side in servers}
     figures = {"acceptance rate": [], "rounds that verified (the rest: plain steps)": [], "new tokens per round of a request": []}
-    for _ in range(args.rounds):
+    sides = list(servers)
+    for i in range(args.rounds):
         before = servers["speculative"].speculation.stats()
-        for side, server in servers.items():
+        for side in sides[i % 3 :] + sides[: i % 3]:  # each server first in turn: no side always runs after the others
+            server = servers[side]
             wall_seconds, cpu_seconds, outputs = serve_all(server, requests)
             tokens = sum(map(len, outputs))
             wall[side].append(tokens / wall_seconds)
@@ -167,7 +169,8 @@ def main() -> None:
         "free: temperature-1 sampling, seed i for request i; each speculative server's own draws",
         f"speculate={SPECULATE} (default verify_cost); the control adds verify_cost=1; {args.tokens} new tokens per "
         f"request, no stop token; {args.slots} slots (more streams wait for one); float32; {args.threads} thread(s)",
-        "a round serves the requests on the speculative server, the control, then the plain one; one warm-up each before",
+        "a round serves the requests on each server in turn, round i starting with the (i mod 3)-th of speculative, "
+        "control, plain; one warm-up each before",
         "new tokens per CPU second: the process's CPU time (time.process_time) over the same interval",
         f"load average before: {load_before} (2 cores, shared with other processes)",
     ]
