@@ -106,7 +106,8 @@ AREAS = (
         "output only. Latencies are from a request's arrival (time to first token) and between its tokens "
         "as handed out (over HTTP, as the client reads them). "
         "`benchmarks/serve_speculative.py`: the same scheduler with speculative decoding (prompt "
-        "lookup) against it without, in process, the same requests served by each in turn.",
+        "lookup; speculation turning itself down where a pass does not pay) against it without, and "
+        "against one verifying every draft, in process, the same requests served by each in turn.",
     ),
     Area(
         "CPU ops",

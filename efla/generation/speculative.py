@@ -121,6 +121,11 @@ class SpeculativeConfig:
             raise ValueError("speculate: a draft model is given with method 'draft_model' and only then (key 'model')")
 
 
+def verify_cost(config: SpeculativeConfig) -> float:
+    """A verification pass's time in plain decoding steps: the config's, else ``DEFAULT_VERIFY_COST``."""
+    return DEFAULT_VERIFY_COST if config.verify_cost is None else float(config.verify_cost)
+
+
 def speculative_config(value) -> SpeculativeConfig | None:
     """``generate``'s ``speculate`` argument as a :class:`SpeculativeConfig` (``None``: no speculation);
     a dict takes the dataclass's field names."""
@@ -362,6 +367,10 @@ class _RowSchedule:
         self.kept = _ACCEPTANCE_DECAY * self.kept + accepted
         self.checked = _ACCEPTANCE_DECAY * self.checked + accepted + (accepted < drafted)
 
+    def score_first_draft(self, drafts: list[int], token: int) -> None:
+        """A plain step's evidence: the row's first draft (if any) checked against the token the step made."""
+        self.observe(min(1, len(drafts)), int(bool(drafts) and drafts[0] == token))
+
     def expected_kept(self, drafts: int) -> float:
         """The drafts of ``drafts`` a pass is expected to keep (each kept at the row's rate, given the
         ones before it were)."""
@@ -479,11 +488,16 @@ class _PlainSteps:
 
 def _verification_pays(schedules, active, unfed, lengths, cost: float, adaptive: bool, room=None, k_max: int = 0) -> bool:
     """Whether this round runs a verification pass rather than a plain step (the module's doc): always
-    where a row has more than its last token unfed (a pass runs anyway), never where no row drafts,
-    else when every row furthest behind (``room``: new tokens each row may still make; the rows within
-    ``k_max`` of the most) is expected to make at least ``cost`` tokens in the pass."""
+    where a row has more than its last token unfed (a pass runs anyway), else ``_slowest_rows_gain``."""
     if any(len(unfed[r]) > 1 for r in active):
         return True
+    return _slowest_rows_gain(schedules, active, lengths, cost, adaptive, room, k_max)
+
+
+def _slowest_rows_gain(schedules, active, lengths, cost: float, adaptive: bool, room=None, k_max: int = 0) -> bool:
+    """Whether a pass with ``lengths`` drafts per row pays where the batch ends with its slowest row:
+    never where no row drafts, else when every row furthest behind (``room``: new tokens each row may
+    still make; the rows within ``k_max`` of the most) is expected to make at least ``cost`` tokens."""
     if not any(lengths):
         return False
     if not adaptive:
@@ -550,7 +564,7 @@ class _Loop:
         self.rows, self.unfed = rows, unfed
         self.k_max = config.num_speculative_tokens
         self.schedules = [_RowSchedule(self.k_max) for _ in rows.new]
-        self.cost = DEFAULT_VERIFY_COST if config.verify_cost is None else float(config.verify_cost)
+        self.cost = verify_cost(config)
         self.plain_steps = _PlainSteps(engine, sampler, pad_token)
         self.plain_run = 1
         self.counts = dict.fromkeys(("rounds", "verified", "verified_rows", "verified_tokens", "drafted", "accepted"), 0)
@@ -590,7 +604,7 @@ class _Loop:
             self.rows.add(r, new)
             self.unfed[r] = new[-1:]
             self.schedules[r].update(0, 0, self.k_max)
-            self.schedules[r].observe(min(1, len(d)), int(bool(d) and d[0] == new[0]))
+            self.schedules[r].score_first_draft(d, new[0])
         self.counts["rounds"] += steps
         self.plain_run = min(_LONGEST_PLAIN_RUN, 2 * self.plain_run)
 

@@ -48,7 +48,8 @@ def _speculation_counters(speculation: dict):
     for name, key, documentation in (
         ("efla_spec_draft_tokens", "drafted", "Draft tokens checked by the model (speculative decoding)."),
         ("efla_spec_accepted_tokens", "accepted", "Draft tokens accepted (speculative decoding)."),
-        ("efla_spec_rounds", "rounds", "Speculative rounds (model passes over drafts)."),
+        ("efla_spec_rounds", "rounds", "Speculative rounds (verification passes and plain decoding steps)."),
+        ("efla_spec_verified_rounds", "verified", "Speculative rounds that verified drafts in a model pass."),
     ):
         counter = CounterMetricFamily(name, documentation)
         counter.add_metric([], speculation[key])

@@ -30,7 +30,8 @@ whatever runs beside it; greedy requests give ``efla.generation.generate``'s tok
 
 With ``speculate``, step 1 is a speculative round instead (``efla.serving.speculation``): drafts
 checked in one pass, one to ``k + 1`` tokens per request handed out at once, through the same ends;
-a round in which no request drafted is the plain step. Step 5 then only adds the requests that joined.
+a round in which no request drafted, or whose drafts are not expected to pay for a pass, is the plain
+step. Step 5 then only adds the requests that joined.
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ class Scheduler:
             when the scheduler starts.
         speculate: speculative decoding, as ``efla.generation.generate``'s ``speculate`` (a dict of
             ``SpeculativeConfig``'s fields or one; ``None``: off): each decoding iteration is then one
-            speculative round (``efla.serving.speculation``).
+            speculative round (``efla.serving.speculation``), a plain step where its ``verify_cost``
+            rule turns the pass down.
     """
 
     def __init__(
@@ -230,6 +232,10 @@ class Scheduler:
         self._forked: list[Request] = []  # holding a slot until their first request's prefill ends
         self._rows: list[Request] = []
         self._bucket = None
+        # speculating: the requests the bucket was last assigned for a plain step, and whether its
+        # tokens are still theirs (no verification pass since that step)
+        self._stepping: list[Request] = []
+        self._stepped_last = False
         self._pending: _Read | None = None
         self._joined: tuple[list[Request], _HostCopy, _HostLogprobs | None] | None = None
         self.phase_seconds = dict.fromkeys(("decode", "deliver", "admit", "prefill", "rebuild"), 0.0)
@@ -436,16 +442,19 @@ class Scheduler:
 
     def _speculative_round(self) -> None:
         """One speculative round of the decoding requests, their tokens handed out at once; a plain
-        decoding step when none of them drafted."""
-        requests = [r for r in self._rows if not r.done]
+        decoding step when none of them drafted or a pass is not expected to pay."""
+        # in slot order: where the slots are the pool's first rows, the eager step and the pass use
+        # them in place, without gathering and scattering the states
+        requests = sorted((r for r in self._rows if not r.done), key=lambda r: r.slot)
         if not requests:
             return
-        drafts, q_rows = self.speculation.propose(requests, self._generator)
-        if self.speculation.plain_step_will_do(requests, drafts):
+        drafts, q_rows, verify = self.speculation.propose(requests, self._generator)
+        if not verify:
             self._plain_round(requests)
             return
         processors = self._processors(requests, len(requests))
         results = self.speculation.verify(requests, drafts, q_rows, processors, self.engine.history)
+        self._stepped_last = False
         self.steps += 1
         self.peak_batch = max(self.peak_batch, len(requests))
         for request, (tokens, logprob_rows) in zip(requests, results):
@@ -455,16 +464,22 @@ class Scheduler:
 
     def _plain_round(self, requests: list[Request]) -> None:
         """The decoding step of the plain scheduler over ``requests`` (captured on the GPU), its
-        tokens handed out at once."""
+        tokens handed out at once. The bucket stays assigned while the same requests step (as the
+        plain scheduler's does between rebuilds), its tokens while no pass ran between steps."""
         n = len(requests)
-        bucket = self.engine.bucket(n)
-        self.engine.assign(bucket, self._device_long([r.slot for r in requests]))
-        bucket.tokens[:n] = self._device_long(self.speculation.last_tokens(requests))
-        bucket.finished[:n] = False
-        bucket.temperature[:n], bucket.top_k[:n], bucket.top_p[:n] = self._sampling_rows(requests)
-        bucket.processors = self._processors(requests, bucket.size)
-        self._rows, self._bucket = requests, bucket
+        same = len(requests) == len(self._stepping) and all(a is b for a, b in zip(requests, self._stepping))
+        if not same:
+            bucket = self.engine.bucket(n)
+            self.engine.assign(bucket, self._device_long([r.slot for r in requests]))
+            bucket.temperature[:n], bucket.top_k[:n], bucket.top_p[:n] = self._sampling_rows(requests)
+            self._bucket, self._stepping = bucket, list(requests)
+        if not (same and self._stepped_last):
+            self._bucket.tokens[:n] = self._device_long(self.speculation.last_tokens(requests))
+        self._bucket.finished[:n] = False
+        self._bucket.processors = self._processors(requests, self._bucket.size)
+        self._rows = requests
         read = self._launch_step()
+        self._stepped_last = True
         self.speculation.stepped(requests, read.tokens.values())
         self._accept_all(read.rows, read.tokens, read.logprobs)
 
@@ -768,6 +783,7 @@ class Scheduler:
             if not request.done:
                 self._fail(request, message)
         self._prefilling, self._forked, self._rows, self._bucket, self._pending, self._joined = [], [], [], None, None, None
+        self._stepping, self._stepped_last = [], False
 
     def _shut_down(self) -> None:
         with self._cond:

@@ -15,8 +15,27 @@ Requests with logit processors (penalties, ``logit_bias``, ``min_tokens``, ``ign
 grammar) take part with no drafts: their processors depend on every token before, so only the
 pass's first position is theirs, a plain decoding step inside the same pass. Log-probabilities come
 from the pass's logits at each kept token's position, the distribution the plain step reports.
-A round with drafts runs eagerly (no CUDA graphs); one in which no request drafted (and every
-slot's state holds all its tokens but the last) is the scheduler's plain decoding step instead.
+A round with drafts runs eagerly (no CUDA graphs).
+
+Speculation turns itself down where a verification pass would not pay, by ``generate``'s rule and
+estimate (``_RowSchedule``): a request whose recent drafts were kept at rate ``a`` is expected to
+make ``1 + sum_{i<=n} a^i`` tokens in a pass with ``n`` drafts (a request without drafts: 1), a pass
+costs ``verify_cost`` plain steps, and a round verifies only when every request furthest behind
+(within ``k`` tokens of the most ``max_tokens`` still to go) expects ``verify_cost`` tokens. A pass
+slows every request in it, and the requests that gain least set when the running ones finish (a
+request ending sooner frees a slot, but that pays only where one waits for it). A throughput rule
+(the expected tokens summed over the requests against ``verify_cost`` times their number, while
+requests wait) was tried and measured slower on the CPU: a pass's rejections cost feeding passes
+of their own, and requests ending at different iterations break their successors' prefill into
+smaller batches.
+
+Otherwise, and where no request drafted, the round is the scheduler's plain decoding step (one per
+iteration, so admitting and prefilling go on between steps); a slot still holding kept tokens of a
+rejection first runs them through its state (one pass over those slots alone, no logits), instead
+of forcing a verification pass on every request. A plain step still scores prompt lookup's first
+draft of each request against the token the step made, so a turned-down request's rate keeps
+following its text and it verifies again where the text repeats; with a draft model, a round the
+estimate turns down drafts nothing (its drafts cost passes of their own).
 """
 
 from __future__ import annotations
@@ -38,6 +57,8 @@ from efla.generation.speculative import (
     _restore_rows,
     _RowSchedule,
     _saved_rows,
+    _slowest_rows_gain,
+    verify_cost,
 )
 
 from .logprobs import logprobs_of
@@ -69,14 +90,16 @@ class _SlotDraftModel(_ModelDrafter):
 
 class SpeculativeRounds:
     """The speculative state of every slot (unfed tokens, n-gram index or draft-model row, adaptive
-    draft length) and the round itself; counts ``rounds``, ``row_rounds`` (a round of ``n`` requests
-    adds ``n``), ``drafted`` and ``accepted`` tokens."""
+    draft length and acceptance rate) and the round itself; counts ``rounds`` (verification passes
+    and plain steps), ``verified`` (verification passes), ``row_rounds`` (a round of ``n`` requests
+    adds ``n``), ``drafted`` and ``accepted`` tokens (of verified drafts)."""
 
     def __init__(self, config: SpeculativeConfig, model, engine: DecodeEngine, slots: int, max_length: int):
         if config.method == "draft_model":
             _check_draft_model(model, config.model)
         self.config, self.engine = config, engine
         self.k_max = config.num_speculative_tokens
+        self.cost = verify_cost(config)
         self.unfed: dict[int, list[int]] = {}  # per slot: tokens its target state has not taken in (the last at least)
         self.schedules: dict[int, _RowSchedule] = {}
         self.indexes: dict[int, _NgramIndex] = {}
@@ -84,15 +107,17 @@ class SpeculativeRounds:
         self.draft_model = (
             _SlotDraftModel(config, slots, max_length, self._draft_choice) if config.method == "draft_model" else None
         )
-        self.rounds = self.row_rounds = self.drafted = self.accepted = 0
+        self.rounds = self.verified = self.row_rounds = self.drafted = self.accepted = 0
         self._generator: torch.Generator | None = None
         self._draft_lengths: dict[int, int] = {}  # this round's draft length per slot
+        self._drafts: dict[int, list[int]] = {}  # this round's drafts per slot (a plain step scores them)
         self._draft_step = 0  # the draft model's step within this round
 
     def stats(self) -> dict:
         return {
             "method": self.config.method,
             "rounds": self.rounds,
+            "verified": self.verified,  # rounds that ran a verification pass (the rest: plain steps)
             "row_rounds": self.row_rounds,  # requests taken through a round, summed over rounds
             "drafted": self.drafted,
             "accepted": self.accepted,
@@ -115,28 +140,44 @@ class SpeculativeRounds:
             table.pop(slot, None)
 
     # -- one round ------------------------------------------------------------------------------------
-    def propose(self, requests: list[Request], generator: torch.Generator) -> tuple[list[list[int]], list]:
-        """The round's drafts of ``requests`` (decoding, in slots that joined) and the drafter's
-        probabilities of them (``None`` per request: prompt lookup's point masses, or greedy);
-        ``generator``: the noise of sampling requests without a generator of their own."""
+    def propose(self, requests: list[Request], generator: torch.Generator) -> tuple[list[list[int]], list, bool]:
+        """The round's drafts of ``requests`` (decoding, in slots that joined), the drafter's
+        probabilities of them (``None`` per request: prompt lookup's point masses, or greedy) and
+        whether the round verifies them (else it is a plain decoding step: the caller's, then
+        ``stepped``); ``generator``: the noise of sampling requests without a generator of their own."""
         self._generator = generator
         lengths = [self._draft_length(r) for r in requests]
         slots = [r.slot for r in requests]
         if self.draft_model is not None:
+            if not self._pass_pays(requests, lengths):
+                lengths = [0] * len(slots)  # a draft model's drafts cost passes of their own: none unless verified
             self._draft_lengths, self._draft_step = dict(zip(slots, lengths)), 0
-            return self.draft_model.propose(slots, lengths)
-        return [self.indexes[s].propose(n) if n else [] for s, n in zip(slots, lengths)], [None] * len(slots)
+            drafts, q_rows = self.draft_model.propose(slots, lengths)
+        else:
+            drafts = [self.indexes[s].propose(n) if n else [] for s, n in zip(slots, lengths)]
+            q_rows = [None] * len(slots)
+        self._drafts = dict(zip(slots, drafts))
+        verify = self._pass_pays(requests, [len(d) for d in drafts])
+        if not verify:  # the plain step takes each slot's last token: the kept tokens before it run first
+            _feed_all_but_last(self.engine, self.unfed, slots)
+        return drafts, q_rows, verify
 
-    def plain_step_will_do(self, requests: list[Request], drafts: list[list[int]]) -> bool:
-        """Whether no request drafted and each slot's state holds all its tokens but the last: then
-        the round is a plain decoding step (the caller's, then ``stepped``)."""
-        return not any(drafts) and all(len(self.unfed[r.slot]) == 1 for r in requests)
+    def _pass_pays(self, requests: list[Request], lengths: list[int]) -> bool:
+        """Whether a verification pass with ``lengths`` drafts per request is expected to pay:
+        ``generate``'s rule, every request furthest behind expecting ``verify_cost`` tokens (the
+        module's doc); never where no request drafts."""
+        room = {r.slot: r.params.max_tokens - len(r.tokens) for r in requests}
+        slots = [r.slot for r in requests]
+        return _slowest_rows_gain(self.schedules, slots, lengths, self.cost, self.config.adaptive, room.get, self.k_max)
 
     def last_tokens(self, requests: list[Request]) -> list[int]:
         return [self.unfed[r.slot][-1] for r in requests]
 
     def stepped(self, requests: list[Request], tokens: list[int]) -> None:
-        """A plain decoding step gave each of ``requests`` its next token (after ``propose``)."""
+        """A plain decoding step gave each of ``requests`` its next token (after ``propose``, whose
+        drafts it scores)."""
+        for request, token in zip(requests, tokens):
+            self.schedules[request.slot].score_first_draft(self._drafts.get(request.slot, []), token)
         self._settle(requests, [[] for _ in requests], [(0, token) for token in tokens], None, None)
 
     def verify(
@@ -167,6 +208,9 @@ class SpeculativeRounds:
                 [(d[:kept] + [token])[0] for d, (kept, token) in zip(drafts, outcome)], device=self.engine.device
             )
             history.record(slot_rows, firsts, processors.active)  # a processed row's one new token
+        for slot, d, (kept, _) in zip(slots, drafts, outcome):
+            self.schedules[slot].observe(len(d), kept)
+        self.verified += 1
         self._settle(requests, drafts, outcome, saved, slot_rows)
         return [self._result(r, logits[i], starts[i], drafts[i], outcome[i]) for i, r in enumerate(requests)]
 

@@ -139,6 +139,7 @@ def test_speculating_requests_give_the_plain_schedulers_greedy_tokens(method):
     ]
     draft = copy.deepcopy(model)
     speculate = {"method": "ngram", "prompt_lookup_min": 1} if method == "ngram" else {"method": "draft_model", "model": draft}
+    speculate["verify_cost"] = 1  # every round with a draft verifies
     outputs, counts = [], None
     for options in ({}, {"speculate": speculate}):
         scheduler = Scheduler(

@@ -4,7 +4,9 @@ CPU in float32: greedy tokens equal the plain server's for a batch of prompts of
 hybrid model; stop tokens, stop strings and max_tokens inside an accepted run end the request at
 the right token; requests with logit processors or log-probabilities get the plain server's tokens
 (and log-probabilities); streaming and /metrics over HTTP; sampling is seeded per request and its
-filters are applied at every drafted position."""
+filters are applied at every drafted position. The default ``verify_cost`` rule verifies streams
+that copy their prompts and steps free text, weighs the requests furthest behind, and lets plain
+steps' scored drafts bring a turned-down request back."""
 
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from efla.serving import FinishEvent, PrefixCache, SamplingParams, Scheduler, To
 from .conftest import MODEL_NAME, http_stack, serve
 
 EOS = 2
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+# verify_cost=1: every round with a draft verifies it, so drafts are kept and rejected (the default
+# turns rounds down where acceptance is low: its own tests below)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "verify_cost": 1}
 
 
 def _model(preset: str = "tiny-efla"):
@@ -155,7 +159,7 @@ def test_n_greedy_choices_each_equal_the_plain_servers(preset):
 def test_a_draft_model_gives_the_plain_servers_greedy_tokens(preset):
     model = _model(preset)
     submissions = [(p, SamplingParams(max_tokens=32)) for p in _prompts()]
-    speculate = {"method": "draft_model", "model": _draft_of(model), "num_speculative_tokens": 3}
+    speculate = {"method": "draft_model", "model": _draft_of(model), "num_speculative_tokens": 3, "verify_cost": 1}
     plain, speculative, counts = _both(model, submissions, speculate=speculate, prefill_chunk=16)
     assert [r.tokens for r in speculative] == [r.tokens for r in plain]
     _kept_and_rejected(counts)
@@ -166,7 +170,7 @@ def test_a_draft_model_with_n_choices_and_the_prefix_cache():
     model = _model()
     shared = _prompts((24,), seed=5)[0]
     submissions = [(shared + tail, SamplingParams(max_tokens=20)) for tail in _prompts((2, 7, 4, 9), seed=8)]
-    speculate = {"method": "draft_model", "model": _draft_of(model), "num_speculative_tokens": 3}
+    speculate = {"method": "draft_model", "model": _draft_of(model), "num_speculative_tokens": 3, "verify_cost": 1}
     options = {"choices": 2, "prefix_cache": PrefixCache(block=8), "prefill_chunk": 8}
     plain, _, _ = _serve(model, submissions, **options)
     options["prefix_cache"] = PrefixCache(block=8)
@@ -218,7 +222,7 @@ def test_stop_tokens_inside_accepted_runs_end_requests_at_the_right_token(monkey
     from before the output repeats itself."""
     runs = _recording_runs(monkeypatch)
     model = _model()
-    speculate = NGRAM if method == "ngram" else {"method": "draft_model", "model": _draft_of(model)}
+    speculate = NGRAM if method == "ngram" else {"method": "draft_model", "model": _draft_of(model), "verify_cost": 1}
     bases = _prompts((7, 3, 20, 11))
     looped, _, _ = _serve(model, [(p, SamplingParams(max_tokens=30)) for p in bases], stop_tokens=())
     prompts = [p + r.tokens for p, r in zip(bases, looped)]
@@ -348,7 +352,7 @@ def test_top_k_1_sampling_gives_greedy_tokens_through_the_rejection_rule():
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_a_seeded_sampling_request_gives_the_same_tokens_alone_and_beside_others(method):
     model = _model()
-    speculate = NGRAM if method == "ngram" else {"method": "draft_model", "model": _draft_of(model)}
+    speculate = NGRAM if method == "ngram" else {"method": "draft_model", "model": _draft_of(model), "verify_cost": 1}
     prompts = _prompts((7, 3, 20, 11))
     seeded = (prompts[0], SamplingParams(max_tokens=30, temperature=0.7, top_k=20, seed=11))
     alone, _, _ = _serve(model, [seeded], speculate=speculate)
@@ -410,6 +414,7 @@ def test_over_http_streams_join_to_the_plain_servers_text_and_metrics_count_draf
     assert samples["efla_spec_draft_tokens_total"] == counts["drafted"] > 0
     assert samples["efla_spec_accepted_tokens_total"] == counts["accepted"] > 0
     assert samples["efla_spec_rounds_total"] == counts["rounds"] > 0
+    assert samples["efla_spec_verified_rounds_total"] == counts["verified"] > 0
     assert "efla_spec_draft_tokens_total" not in httpx.get(f"{server.url}/metrics", timeout=10).text
 
 
@@ -438,3 +443,111 @@ def test_structured_requests_beside_speculating_ones_follow_their_schema_and_kee
         assert request.tokens[-1] == tokenizer.eos_token_id
         assert isinstance(json.loads(tokenizer.decode(request.tokens[:-1])), dict)
     assert status["speculation"]["drafted"] > 0
+
+
+# -- the turn-down rule (the default verify_cost) ----------------------------------------------------------
+
+
+def _rounds(slots: int = 4):
+    """The speculative state of a scheduler's ``slots`` with prompt lookup and the default cost."""
+    from efla.generation.engine import DecodeEngine
+    from efla.generation.speculative import speculative_config
+    from efla.serving.speculation import SpeculativeRounds
+
+    model = _model()
+    return SpeculativeRounds(speculative_config({"method": "ngram"}), model, DecodeEngine(model), slots, 256)
+
+
+def _joined(rounds, slot: int, prompt: list[int], first_token: int):
+    from efla.serving.requests import Request
+
+    request = Request(prompt, SamplingParams(max_tokens=200), lambda *_: None, slot=slot)
+    rounds.join(request, first_token)
+    return request
+
+
+def test_a_pass_pays_where_every_request_furthest_behind_expects_the_cost():
+    """``generate``'s rule over the scheduler's requests: a request whose drafts are kept verifies; one
+    whose drafts are rejected (or who has none) beside it holds the pass back, unless it is far
+    ahead (little of its ``max_tokens`` left to go); no draft, no pass; no turn-down asked for."""
+    rounds = _rounds()
+    requests = [_joined(rounds, slot, [5, 6, 7], 8) for slot in range(2)]
+    for _ in range(30):
+        rounds.schedules[0].observe(4, 4)
+        rounds.schedules[1].observe(2, 0)
+    keeps, rejects = requests
+    assert rounds._pass_pays([keeps], [4])
+    assert not rounds._pass_pays([rejects], [4])
+    assert not rounds._pass_pays([keeps, rejects], [4, 4])
+    assert not rounds._pass_pays([keeps, rejects], [4, 0])
+    assert not rounds._pass_pays([keeps, rejects], [0, 0])  # no draft: nothing to verify
+    rejects.tokens = [9] * 190  # 10 tokens to go, the other 200: it does not hold the pass back
+    assert rounds._pass_pays([keeps, rejects], [4, 4])
+    keeps.tokens = [9] * 195
+    assert not rounds._pass_pays([keeps, rejects], [4, 4])  # level again (within k = 4 tokens)
+
+
+def test_plain_steps_score_the_first_draft_so_a_turned_down_request_returns_where_its_text_repeats():
+    """A request whose drafts were rejected is turned down; plain steps whose token equals prompt
+    lookup's first draft (a text repeating itself) bring its rate back within sixteen steps, steps
+    whose token is another of the text's tokens (drafts, all rejected) do not."""
+    outcomes = {}
+    for follows_the_draft in (True, False):
+        rounds = _rounds()
+        request = _joined(rounds, 0, [5, 6, 7, 5, 6, 7, 5, 6], 7)
+        for _ in range(20):
+            rounds.schedules[0].observe(1, 0)
+        verifies, drafted = [], 0
+        for _ in range(16):
+            drafts, _, verify = rounds.propose([request], torch.Generator())
+            verifies.append(verify)
+            first = drafts[0][0] if drafts[0] else 7
+            drafted += bool(drafts[0])
+            rounds.stepped([request], [first if follows_the_draft else 5 + (first - 4) % 3])
+        outcomes[follows_the_draft] = verifies + [rounds.propose([request], torch.Generator())[2]]
+        assert drafted > 8
+    assert not any(outcomes[True][:3]) and outcomes[True][-1]
+    assert not any(outcomes[False])
+
+
+# one stream; four on four slots; four on two (requests wait for a slot and join as others end)
+@pytest.mark.parametrize(("streams", "max_batch"), [(1, 4), (4, 4), (4, 2)])
+def test_the_default_rule_verifies_streams_that_copy_their_prompts(monkeypatch, streams, max_batch):
+    """Greedy requests whose prompts end in the model's looping text: the default rule verifies some
+    rounds, worth more than two tokens a pass on average, and steps the others, feeding a slot's kept
+    tokens first where a turned-down round follows a rejection; the tokens are the plain server's."""
+    import efla.serving.speculation as speculation
+
+    fed = []
+    feed = speculation._feed_all_but_last
+
+    def feeding(engine, unfed, rows):
+        fed.extend(r for r in rows if len(unfed[r]) > 1)
+        feed(engine, unfed, rows)
+
+    monkeypatch.setattr(speculation, "_feed_all_but_last", feeding)
+    model = _model()
+    bases = _prompts((32, 20, 9, 27)[:streams])
+    looped, _, _ = _serve(model, [(p, SamplingParams(max_tokens=96)) for p in bases], stop_tokens=())
+    submissions = [(p + r.tokens, SamplingParams(max_tokens=96)) for p, r in zip(bases, looped)]
+    options = {"speculate": {"method": "ngram"}, "stop_tokens": (), "max_batch": max_batch}
+    plain, speculative, counts = _both(model, submissions, **options)
+    assert [r.tokens for r in speculative] == [r.tokens for r in plain]
+    assert 0 < counts["verified"] < counts["rounds"]
+    assert counts["accepted"] > counts["verified"]  # more than two tokens a pass on average
+    assert fed
+
+
+def test_free_sampled_text_takes_plain_steps_under_the_default_rule():
+    """Four requests sampling freely from random prompts, prompt lookup matching single tokens (so
+    there are drafts, nearly all rejected): verifying every draft runs many passes; the default rule
+    turns them down to plain steps."""
+    model = _model()
+    submissions = [(p, SamplingParams(max_tokens=60, temperature=1.0, seed=i)) for i, p in enumerate(_prompts((20,) * 4, seed=5))]
+    counts = {}
+    for cost in (1, None):
+        speculate = {"method": "ngram", "prompt_lookup_min": 1, "verify_cost": cost}
+        _, _, status = _serve(model, submissions, speculate=speculate, stop_tokens=())
+        counts[cost] = status["speculation"]
+    assert counts[1]["verified"] > counts[1]["rounds"] / 4 and counts[1]["accepted"] < counts[1]["drafted"] / 4
+    assert counts[None]["verified"] <= counts[None]["rounds"] / 10
