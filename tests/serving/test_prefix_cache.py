@@ -114,6 +114,27 @@ def test_the_budget_bounds_the_storages_of_many_entries():
     assert _storages_kept(cache) + stats["entries"] * 8 * 5 * 4 < cache.max_bytes
 
 
+def test_a_snapshot_restores_a_half_precision_models_row_exactly():
+    """Recurrent states in float32 and convolution histories in bfloat16 share one flat float32
+    snapshot; restored into another row, every layer's tensors equal the row's bit for bit."""
+    from efla.models import EFLAForCausalLM, get_preset_config
+    from efla.models.cache import EFLACache
+    from efla.serving.states import restore_row, snapshot_row
+
+    model = EFLAForCausalLM(get_preset_config("tiny-efla")).to(torch.bfloat16).eval()
+    pool = EFLACache.for_model(model, 3)
+    generator = torch.Generator().manual_seed(0)
+    tensors = [t for state in pool.states for t in (state["recurrent_state"], *state["conv_state"])]
+    assert {t.dtype for t in tensors} == {torch.float32, torch.bfloat16}
+    for t in tensors:
+        t.copy_(torch.randn(t.shape, generator=generator))
+    snapshot = snapshot_row(pool, 1)
+    assert snapshot.untyped_storage().nbytes() == snapshot.nbytes == 4 * sum(t[1].numel() for t in tensors)
+    restore_row(pool, 2, snapshot)
+    assert all(torch.equal(t[2], t[1]) for t in tensors)
+    assert not any(torch.equal(t[0], t[1]) for t in tensors)
+
+
 FILL_A_CACHE = """
 import gc, json, sys, torch
 from efla.models import EFLAForCausalLM, get_preset_config
