@@ -15,8 +15,9 @@ waiting, the server's resident memory (``VmRSS`` of ``/proc/<pid>/status``) is r
 its prefix cache holds (``/health``). The acceptance is that every reading after the first stays
 within ``--tolerance`` (5%) of the first. The prefix cache keeps the states of recent prompts up to
 ``--prefix-cache-mb`` (the server's default: 1,024 MB), which a run of unique prompts fills by
-design; the readings less its states' bytes are the rest of the server and what the cache's entries
-hold beyond those bytes (their tensors' bookkeeping, their prompts' tokens), which is not counted.
+design; the readings less the bytes it counts (each entry's state, tokens, key and the objects around
+them) are the rest of the server, with the index of recently seen block prefixes the cache keeps to
+find shared ones (about 9 MB once it holds its 65,536 digests), which is not counted.
 
 Usage: python benchmarks/serve_memory.py [--requests 10000] [--every 1000] [--prefix-cache-mb default,0,4]
            [--serve-args '--max-batch 16'] [--concurrency 80] [--out benchmarks/results/serve/serve_memory.json]

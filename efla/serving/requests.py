@@ -95,7 +95,7 @@ class Request:
     slot: int | None = None
     row: int = -1  # its row in the decoding bucket
     prefilled: int = 0  # prompt tokens in its slot's state
-    block_keys: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)
     save_points: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # set before its first event, when asked for

@@ -8,11 +8,13 @@ softmax-attention key/value buffer (``kv_pool`` and the rows' ``lengths``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from efla.models.cache import EFLACache
 
-__all__ = ["has_attention_layers", "rows_cache", "RowSnapshot", "snapshot_row", "restore_row", "copy_row"]
+__all__ = ["has_attention_layers", "rows_cache", "snapshot_row", "restore_row", "copy_row"]
 
 
 def has_attention_layers(pool: EFLACache) -> bool:
@@ -53,31 +55,29 @@ def _attention_rows(state: dict, slots: torch.Tensor, lengths: list[int]) -> dic
     }
 
 
-class RowSnapshot:
-    """A copy of one pool row of every (linear-attention) layer: recurrent state and convolution
-    histories."""
-
-    def __init__(self, layers: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]):
-        self.layers = layers
-        self.nbytes = sum(t.numel() * t.element_size() for state, conv in layers for t in (state, *conv))
+def _row_tensors(pool: EFLACache) -> list[torch.Tensor]:
+    """Each (linear-attention) layer's pool tensors, in snapshot order: recurrent state, then
+    convolution histories."""
+    return [t for state in pool.states for t in (state["recurrent_state"], *(state["conv_state"] or ()))]
 
 
-def snapshot_row(pool: EFLACache, slot: int) -> RowSnapshot:
-    """Every layer's state of pool row ``slot``, copied (linear-attention pools only)."""
-    return RowSnapshot(
-        [
-            (state["recurrent_state"][slot].clone(), tuple(c[slot].clone() for c in state["conv_state"] or ()))
-            for state in pool.states
-        ]
-    )
+def snapshot_row(pool: EFLACache, slot: int) -> torch.Tensor:
+    """Every layer's state of pool row ``slot``, copied into one new flat tensor (linear-attention
+    pools only): a single allocation per snapshot, which keeps nothing of the pool alive, in the type
+    that holds every layer's values exactly (convolution histories in a half-precision model are
+    widened to the float32 of the recurrent states)."""
+    rows = [t[slot].reshape(-1) for t in _row_tensors(pool)]
+    dtype = functools.reduce(torch.promote_types, (row.dtype for row in rows))
+    return torch.cat([row.to(dtype) for row in rows])
 
 
-def restore_row(pool: EFLACache, slot: int, snapshot: RowSnapshot) -> None:
-    """Pool row ``slot`` becomes the snapshot's state."""
-    for state, (recurrent, conv) in zip(pool.states, snapshot.layers):
-        state["recurrent_state"][slot].copy_(recurrent)
-        for dst, src in zip(state["conv_state"] or (), conv):
-            dst[slot].copy_(src)
+def restore_row(pool: EFLACache, slot: int, snapshot: torch.Tensor) -> None:
+    """Pool row ``slot`` becomes the state ``snapshot_row`` copied."""
+    offset = 0
+    for tensor in _row_tensors(pool):
+        row = tensor[slot]
+        row.copy_(snapshot[offset : offset + row.numel()].view_as(row))
+        offset += row.numel()
 
 
 def copy_row(pool: EFLACache, source: int, target: int) -> None:
