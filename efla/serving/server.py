@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import selectors
 import time
 from dataclasses import dataclass
 
@@ -38,6 +39,16 @@ class ConnectionLimits:
     read_timeout: float = 10.0
     write_timeout: float = 30.0
     max_connections: int = 1024
+    keep_alive_timeout: float = 5.0  # uvicorn's and vLLM's: an idle keep-alive connection's life
+
+
+def _client_sent_more(transport: asyncio.Transport) -> bool:
+    """Whether the client's socket holds bytes (or its end of the stream) that the event loop has not
+    read yet: a request can reach it after the loop last looked for input and before an idle
+    connection's timer runs, a window as long as the loop's turn, which is long under load."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(transport.get_extra_info("socket"), selectors.EVENT_READ)
+        return bool(selector.select(0))
 
 
 def _cancel(handle: asyncio.TimerHandle | None) -> None:
@@ -81,8 +92,28 @@ def protocol_class(limits: ConnectionLimits) -> type[H11Protocol]:
             self._read_deadline = self.loop.call_later(limits.read_timeout, self._close_without_request)
 
         def _close_without_request(self) -> None:
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # no whole request head yet
+            if self.transport.is_closing():
+                return
+            if _client_sent_more(self.transport):  # decided once the loop has read them
+                self._read_deadline = self._after_reading(self._close_without_request_head)
+            else:
+                self._close_without_request_head()
+
+        def _close_without_request_head(self) -> None:
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
                 self.transport.close()
+
+        def timeout_keep_alive_handler(self) -> None:
+            if not self.transport.is_closing() and _client_sent_more(self.transport):
+                # reading them cancels this (``data_received``): a request that arrived is answered
+                self.timeout_keep_alive_task = self._after_reading(super().timeout_keep_alive_handler)
+            else:
+                super().timeout_keep_alive_handler()
+
+        def _after_reading(self, callback) -> asyncio.TimerHandle:
+            """``callback`` in the loop's next turn, after it has handed the socket's bytes to
+            ``data_received`` (a turn runs input callbacks before due timers)."""
+            return self.loop.call_later(0, callback)
 
         def pause_writing(self) -> None:
             super().pause_writing()
@@ -111,7 +142,7 @@ def server_config(app, limits: ConnectionLimits, **options) -> uvicorn.Config:
     """uvicorn's settings for ``app`` with ``limits``; ``options``: uvicorn's own (``log_level``, ...)."""
     # a stream still open when the server stops has had its last chunk by then: a few seconds suffice
     options = {"timeout_graceful_shutdown": 10, **options}
-    return uvicorn.Config(app, http=protocol_class(limits), timeout_keep_alive=5, **options)
+    return uvicorn.Config(app, http=protocol_class(limits), timeout_keep_alive=limits.keep_alive_timeout, **options)
 
 
 class DrainingServer(uvicorn.Server):

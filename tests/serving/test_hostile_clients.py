@@ -5,8 +5,10 @@ keeps a slot."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -133,6 +135,54 @@ def test_a_connection_that_sends_nothing_or_trickles_its_headers_is_closed(guard
             trickled_through = False
         assert not trickled_through and _closed_within(silent, 3)
     assert httpx.post(f"{guarded.url}/v1/completions", json=GOOD, timeout=10).status_code == 200
+
+
+def _answer(sock: socket.socket) -> int:
+    """The status of one whole answer read from ``sock`` (which stays open)."""
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    response.read()
+    return response.status
+
+
+def _busy_loop_lets_a_request_in_as_it_closes(served, timer: str, send) -> None:
+    """Stalls the server's event loop past the idle connection's ``timer``, then runs ``send`` in the
+    same turn of the loop as the timer, before it: the request reaches the socket after the loop has
+    looked for input, as it does when a loaded server is slow to run its callbacks."""
+    (protocol,) = served.server.server_state.connections
+    loop, holding, sent = protocol.loop, threading.Event(), threading.Event()
+
+    def hold() -> None:
+        holding.set()
+        sent.wait(10)
+
+    def stall() -> None:
+        closes_at = getattr(protocol, timer).when()
+        loop.call_at(closes_at - 0.01, hold)
+        time.sleep(max(0.0, closes_at - loop.time()) + 0.05)
+
+    loop.call_soon_threadsafe(stall)
+    assert holding.wait(10)
+    send()
+    sent.set()
+
+
+@pytest.mark.parametrize("timer", ["_read_deadline", "timeout_keep_alive_task"])
+def test_a_request_reaching_an_idle_connection_as_a_slow_loop_closes_it_is_answered(loaded, timer):
+    from efla.serving.server import ConnectionLimits
+
+    short, long = 0.5, 30.0  # the timer under test closes idle connections first
+    if timer == "_read_deadline":
+        limits = ConnectionLimits(read_timeout=short, keep_alive_timeout=long)
+    else:
+        limits = ConnectionLimits(read_timeout=long, keep_alive_timeout=short)
+    with serve(*loaded, max_batch=2, limits=limits) as served, _connect(served) as sock:
+        sock.sendall(_request_bytes(GOOD))
+        assert _answer(sock) == 200
+        _busy_loop_lets_a_request_in_as_it_closes(served, timer, lambda: sock.sendall(_request_bytes(GOOD)))
+        sock.settimeout(10)
+        assert _answer(sock) == 200  # not a reset: the request was in the socket before the close
+        assert _closed_within(sock, 5)  # idle again, the connection is closed as before
 
 
 def test_connections_beyond_the_limit_get_503_and_idle_ones_are_closed(guarded):
