@@ -220,6 +220,20 @@ def test_a_client_that_never_reads_its_stream_is_dropped_and_the_others_go_on(gu
         stalled.close()
 
 
+def test_a_client_that_reads_its_stream_slowly_is_not_dropped(guarded):
+    slow = _connect(guarded, receive_buffer=4096)
+    slow.sendall(_request_bytes({**GOOD, "max_tokens": 50_000, "ignore_eos": True, "logprobs": 20, "stream": True}))
+    try:
+        slow.settimeout(5)
+        reading_until = time.monotonic() + 4.0  # four write timeouts, each too short to drain the server's buffer
+        while time.monotonic() < reading_until:
+            assert slow.recv(1024), "the server closed a stream its client was reading"
+            time.sleep(0.05)  # 20 KiB/s: the server writes faster
+    finally:
+        slow.close()
+    assert guarded.wait_idle(timeout=20)["slots_free"] == 4
+
+
 def test_the_api_key_guards_every_route_but_health(loaded):
     with serve(*loaded, api_key="sesame") as served:
         routes = [("GET", "/metrics", None), ("GET", "/v1/models", None), ("POST", "/tokenize", {"prompt": "hi"})]
