@@ -14,7 +14,9 @@ An idle connection is never closed on bytes its client has already sent: under l
 runs its callbacks long after it last looked for input, and closing a socket that holds unread bytes
 makes the kernel reset the connection, so the client's request would fail (``ECONNRESET``) although
 it arrived. A timer that finds such bytes looks again in the loop's next turn, by which the loop has
-read them (and a request's first bytes have cancelled the keep-alive timeout).
+read them (and a request's first bytes have cancelled the keep-alive timeout). One that finds none
+sends the end of the stream at once rather than when the loop next gets to closing the socket, so
+that a client checking its pooled connection before reusing it (httpx does) sees the close.
 
 ``DrainingServer``: on SIGTERM or SIGINT the scheduler stops admitting (new requests get 503 with
 ``Retry-After``) while the listener stays open; requests in flight finish, for up to ``grace``
@@ -101,13 +103,21 @@ def protocol_class(limits: ConnectionLimits) -> type[H11Protocol]:
             if self._bytes_unread():
                 self._read_deadline = self.loop.call_later(0, self._close_without_request)
             elif self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # no whole request head yet
+                self._end_stream()
                 self.transport.close()
 
         def timeout_keep_alive_handler(self) -> None:
             if self._bytes_unread():  # reading them cancels this (``data_received``): the request is answered
                 self.timeout_keep_alive_task = self.loop.call_later(0, self.timeout_keep_alive_handler)
             else:
+                self._end_stream()
                 super().timeout_keep_alive_handler()
+
+        def _end_stream(self) -> None:
+            """Sends the client the end of the stream now: the transport closes its socket in a later
+            turn of the loop, and a client checks for it before reusing a pooled connection."""
+            if not self.transport.is_closing() and self.transport.can_write_eof():
+                self.transport.write_eof()
 
         def _bytes_unread(self) -> bool:
             """Whether the client sent bytes that the loop will read in one of its next turns (then an

@@ -185,6 +185,42 @@ def test_a_request_reaching_an_idle_connection_as_a_slow_loop_closes_it_is_answe
         assert _closed_within(sock, 5)  # idle again, the connection is closed as before
 
 
+@pytest.mark.parametrize("timer", ["_read_deadline", "timeout_keep_alive_task"])
+def test_an_idle_connection_closed_by_a_slow_loop_tells_its_client_at_once(loaded, timer):
+    """A client checks a pooled connection for the server's end of the stream before reusing it
+    (httpx does): the server's must be out when it decides, not when its loop next gets to closing the
+    socket (a request sent in between would be reset)."""
+    from efla.serving.server import ConnectionLimits
+
+    short, long = 0.5, 30.0
+    if timer == "_read_deadline":
+        limits = ConnectionLimits(read_timeout=short, keep_alive_timeout=long)
+    else:
+        limits = ConnectionLimits(read_timeout=long, keep_alive_timeout=short)
+    with serve(*loaded, max_batch=2, limits=limits) as served, _connect(served) as sock:
+        sock.sendall(_request_bytes(GOOD))
+        assert _answer(sock) == 200
+        (protocol,) = served.server.server_state.connections
+        loop, holding, checked = protocol.loop, threading.Event(), threading.Event()
+
+        def hold() -> None:  # right after the close, in the same turn of the loop
+            holding.set()
+            checked.wait(10)
+
+        def stall() -> None:
+            closes_at = getattr(protocol, timer).when()
+            loop.call_at(closes_at + 1e-6, hold)
+            time.sleep(max(0.0, closes_at - loop.time()) + 0.05)
+
+        loop.call_soon_threadsafe(stall)
+        try:
+            assert holding.wait(10)
+            sock.settimeout(2)
+            assert sock.recv(1) == b""  # the server's end of the stream, while its loop is still busy
+        finally:
+            checked.set()
+
+
 def test_connections_beyond_the_limit_get_503_and_idle_ones_are_closed(guarded):
     idle = [_connect(guarded) for _ in range(1000)]  # the server keeps at most 64 open
     try:
@@ -224,13 +260,18 @@ def test_a_client_that_reads_its_stream_slowly_is_not_dropped(guarded):
     slow = _connect(guarded, receive_buffer=4096)
     slow.sendall(_request_bytes({**GOOD, "max_tokens": 50_000, "ignore_eos": True, "logprobs": 20, "stream": True}))
     try:
+        time.sleep(0.2)
+        (server_side,) = [c for c in guarded.server.server_state.connections if c.client == slow.getsockname()]
         slow.settimeout(5)
+        held_back = False  # whether the server waited on this client, as the write timeout counts
         reading_until = time.monotonic() + 4.0  # four write timeouts, each too short to drain the server's buffer
         while time.monotonic() < reading_until:
             assert slow.recv(1024), "the server closed a stream its client was reading"
+            held_back |= server_side.flow.write_paused
             time.sleep(0.05)  # 20 KiB/s: the server writes faster
     finally:
         slow.close()
+    assert held_back
     assert guarded.wait_idle(timeout=20)["slots_free"] == 4
 
 
