@@ -5,8 +5,10 @@ keeps a slot."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -135,6 +137,90 @@ def test_a_connection_that_sends_nothing_or_trickles_its_headers_is_closed(guard
     assert httpx.post(f"{guarded.url}/v1/completions", json=GOOD, timeout=10).status_code == 200
 
 
+def _answer(sock: socket.socket) -> int:
+    """The status of one whole answer read from ``sock`` (which stays open)."""
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    response.read()
+    return response.status
+
+
+def _busy_loop_lets_a_request_in_as_it_closes(served, timer: str, send) -> None:
+    """Stalls the server's event loop past the idle connection's ``timer``, then runs ``send`` in the
+    same turn of the loop as the timer, before it: the request reaches the socket after the loop has
+    looked for input, as it does when a loaded server is slow to run its callbacks."""
+    (protocol,) = served.server.server_state.connections
+    loop, holding, sent = protocol.loop, threading.Event(), threading.Event()
+
+    def hold() -> None:
+        holding.set()
+        sent.wait(10)
+
+    def stall() -> None:
+        closes_at = getattr(protocol, timer).when()
+        loop.call_at(closes_at - 0.01, hold)
+        time.sleep(max(0.0, closes_at - loop.time()) + 0.05)
+
+    loop.call_soon_threadsafe(stall)
+    assert holding.wait(10)
+    send()
+    sent.set()
+
+
+@pytest.mark.parametrize("timer", ["_read_deadline", "timeout_keep_alive_task"])
+def test_a_request_reaching_an_idle_connection_as_a_slow_loop_closes_it_is_answered(loaded, timer):
+    from efla.serving.server import ConnectionLimits
+
+    short, long = 0.5, 30.0  # the timer under test closes idle connections first
+    if timer == "_read_deadline":
+        limits = ConnectionLimits(read_timeout=short, keep_alive_timeout=long)
+    else:
+        limits = ConnectionLimits(read_timeout=long, keep_alive_timeout=short)
+    with serve(*loaded, max_batch=2, limits=limits) as served, _connect(served) as sock:
+        sock.sendall(_request_bytes(GOOD))
+        assert _answer(sock) == 200
+        _busy_loop_lets_a_request_in_as_it_closes(served, timer, lambda: sock.sendall(_request_bytes(GOOD)))
+        sock.settimeout(10)
+        assert _answer(sock) == 200  # not a reset: the request was in the socket before the close
+        assert _closed_within(sock, 5)  # idle again, the connection is closed as before
+
+
+@pytest.mark.parametrize("timer", ["_read_deadline", "timeout_keep_alive_task"])
+def test_an_idle_connection_closed_by_a_slow_loop_tells_its_client_at_once(loaded, timer):
+    """A client checks a pooled connection for the server's end of the stream before reusing it
+    (httpx does): the server's must be out when it decides, not when its loop next gets to closing the
+    socket (a request sent in between would be reset)."""
+    from efla.serving.server import ConnectionLimits
+
+    short, long = 0.5, 30.0
+    if timer == "_read_deadline":
+        limits = ConnectionLimits(read_timeout=short, keep_alive_timeout=long)
+    else:
+        limits = ConnectionLimits(read_timeout=long, keep_alive_timeout=short)
+    with serve(*loaded, max_batch=2, limits=limits) as served, _connect(served) as sock:
+        sock.sendall(_request_bytes(GOOD))
+        assert _answer(sock) == 200
+        (protocol,) = served.server.server_state.connections
+        loop, holding, checked = protocol.loop, threading.Event(), threading.Event()
+
+        def hold() -> None:  # right after the close, in the same turn of the loop
+            holding.set()
+            checked.wait(10)
+
+        def stall() -> None:
+            closes_at = getattr(protocol, timer).when()
+            loop.call_at(closes_at + 1e-6, hold)
+            time.sleep(max(0.0, closes_at - loop.time()) + 0.05)
+
+        loop.call_soon_threadsafe(stall)
+        try:
+            assert holding.wait(10)
+            sock.settimeout(2)
+            assert sock.recv(1) == b""  # the server's end of the stream, while its loop is still busy
+        finally:
+            checked.set()
+
+
 def test_connections_beyond_the_limit_get_503_and_idle_ones_are_closed(guarded):
     idle = [_connect(guarded) for _ in range(1000)]  # the server keeps at most 64 open
     try:
@@ -168,6 +254,25 @@ def test_a_client_that_never_reads_its_stream_is_dropped_and_the_others_go_on(gu
         assert _closed_within(stalled, 5)
     finally:
         stalled.close()
+
+
+def test_a_client_that_reads_its_stream_slowly_is_not_dropped(guarded):
+    slow = _connect(guarded, receive_buffer=4096)
+    slow.sendall(_request_bytes({**GOOD, "max_tokens": 50_000, "ignore_eos": True, "logprobs": 20, "stream": True}))
+    try:
+        time.sleep(0.2)
+        (server_side,) = [c for c in guarded.server.server_state.connections if c.client == slow.getsockname()]
+        slow.settimeout(5)
+        held_back = False  # whether the server waited on this client, as the write timeout counts
+        reading_until = time.monotonic() + 4.0  # four write timeouts, each too short to drain the server's buffer
+        while time.monotonic() < reading_until:
+            assert slow.recv(1024), "the server closed a stream its client was reading"
+            held_back |= server_side.flow.write_paused
+            time.sleep(0.05)  # 20 KiB/s: the server writes faster
+    finally:
+        slow.close()
+    assert held_back
+    assert guarded.wait_idle(timeout=20)["slots_free"] == 4
 
 
 def test_the_api_key_guards_every_route_but_health(loaded):
