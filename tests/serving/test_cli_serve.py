@@ -9,6 +9,8 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -83,7 +85,9 @@ def test_a_server_shutting_down_answers_503(loaded):
     assert response.status_code == 503 and error_of(response)["code"] == "shutting_down"
 
 
-def _start(model_dir, *options: str) -> tuple[subprocess.Popen, str]:
+@contextmanager
+def _started(model_dir, *options: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`efla serve` in a process of its own and its URL; the process is killed if a test leaves it running."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
         [
@@ -107,17 +111,19 @@ def _start(model_dir, *options: str) -> tuple[subprocess.Popen, str]:
         stderr=subprocess.PIPE,
         text=True,
     )
-    for line in process.stderr:
-        if " at http://" in line:
-            return process, line.split(" at ")[1].split("/v1")[0]
-    process.kill()
-    raise AssertionError(f"the server did not start (status {process.wait()})")
+    try:
+        url = next((line.split(" at ")[1].split("/v1")[0] for line in process.stderr if " at http://" in line), None)
+        assert url is not None, f"the server did not start (status {process.wait(10)})"
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
 
 
 def test_sigterm_finishes_the_request_in_flight_and_exits_0(model_dir, reference):
     want_text, _, want_reason = reference(GOOD_BODY["prompt"], 300)
-    process, url = _start(model_dir)
-    try:
+    with _started(model_dir) as (process, url):
         body = {**GOOD_BODY, "max_tokens": 300, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
@@ -132,15 +138,10 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(model_dir, reference
         assert process.wait(60) == 0
         err = process.stderr.read()
         assert "Traceback" not in err, err
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_sigterm_past_the_grace_period_ends_streams_with_length_and_exits_0(model_dir):
-    process, url = _start(model_dir, "--shutdown-timeout", "1")
-    try:
+    with _started(model_dir, "--shutdown-timeout", "1") as (process, url):
         body = {**GOOD_BODY, "max_tokens": 4000, "ignore_eos": True, "stream": True}  # longer than the grace
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
@@ -157,17 +158,12 @@ def test_sigterm_past_the_grace_period_ends_streams_with_length_and_exits_0(mode
         assert process.wait(60) == 0
         err = process.stderr.read()
         assert "Traceback" not in err and "CancelledError" not in err, err
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_chat_completions_use_the_template_file_given(model_dir, tmp_path, reference):
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}", encoding="utf-8")
-    process, url = _start(model_dir, "--chat-template", str(template))
-    try:
+    with _started(model_dir, "--chat-template", str(template)) as (process, url):
         import openai
 
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -176,28 +172,19 @@ def test_chat_completions_use_the_template_file_given(model_dir, tmp_path, refer
         assert answer.choices[0].message.content == reference("def main(", 6)[0]  # rendered as the contents joined
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_speculate_with_a_draft_model_directory_serves_the_plain_greedy_text(model_dir, reference):
     """`efla serve --speculate draft_model --draft-model DIR` (the model's own directory: a second
     copy, so every draft is kept): the greedy text is generate's, and /health counts the drafts."""
     want_text, _, want_reason = reference(GOOD_BODY["prompt"], 40)
-    process, url = _start(model_dir, "--speculate", "draft_model", "--draft-model", str(model_dir))
-    try:
+    with _started(model_dir, "--speculate", "draft_model", "--draft-model", str(model_dir)) as (process, url):
         answer = httpx.post(f"{url}/v1/completions", json={**GOOD_BODY, "max_tokens": 40}, timeout=60).json()
         assert (answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]) == (want_text, want_reason)
         counts = httpx.get(f"{url}/health", timeout=10).json()["speculation"]
         assert counts["method"] == "draft_model" and counts["accepted"] == counts["drafted"] > 0
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_a_draft_model_with_another_tokenizer_is_one_line(model_dir, tmp_path, capsys):

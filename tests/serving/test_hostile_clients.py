@@ -167,16 +167,20 @@ def _busy_loop_lets_a_request_in_as_it_closes(served, timer: str, send) -> None:
     sent.set()
 
 
-@pytest.mark.parametrize("timer", ["_read_deadline", "timeout_keep_alive_task"])
-def test_a_request_reaching_an_idle_connection_as_a_slow_loop_closes_it_is_answered(loaded, timer):
+def _limits_closing_idle_first_by(timer: str):
+    """Limits under which the timer under test (the header deadline or the keep-alive timeout) closes
+    an idle connection long before the other one would."""
     from efla.serving.server import ConnectionLimits
 
-    short, long = 0.5, 30.0  # the timer under test closes idle connections first
+    short, long = 0.5, 30.0
     if timer == "_read_deadline":
-        limits = ConnectionLimits(read_timeout=short, keep_alive_timeout=long)
-    else:
-        limits = ConnectionLimits(read_timeout=long, keep_alive_timeout=short)
-    with serve(*loaded, max_batch=2, limits=limits) as served, _connect(served) as sock:
+        return ConnectionLimits(read_timeout=short, keep_alive_timeout=long)
+    return ConnectionLimits(read_timeout=long, keep_alive_timeout=short)
+
+
+@pytest.mark.parametrize("timer", ["_read_deadline", "timeout_keep_alive_task"])
+def test_a_request_reaching_an_idle_connection_as_a_slow_loop_closes_it_is_answered(loaded, timer):
+    with serve(*loaded, max_batch=2, limits=_limits_closing_idle_first_by(timer)) as served, _connect(served) as sock:
         sock.sendall(_request_bytes(GOOD))
         assert _answer(sock) == 200
         _busy_loop_lets_a_request_in_as_it_closes(served, timer, lambda: sock.sendall(_request_bytes(GOOD)))
@@ -190,14 +194,7 @@ def test_an_idle_connection_closed_by_a_slow_loop_tells_its_client_at_once(loade
     """A client checks a pooled connection for the server's end of the stream before reusing it
     (httpx does): the server's must be out when it decides, not when its loop next gets to closing the
     socket (a request sent in between would be reset)."""
-    from efla.serving.server import ConnectionLimits
-
-    short, long = 0.5, 30.0
-    if timer == "_read_deadline":
-        limits = ConnectionLimits(read_timeout=short, keep_alive_timeout=long)
-    else:
-        limits = ConnectionLimits(read_timeout=long, keep_alive_timeout=short)
-    with serve(*loaded, max_batch=2, limits=limits) as served, _connect(served) as sock:
+    with serve(*loaded, max_batch=2, limits=_limits_closing_idle_first_by(timer)) as served, _connect(served) as sock:
         sock.sendall(_request_bytes(GOOD))
         assert _answer(sock) == 200
         (protocol,) = served.server.server_state.connections
