@@ -7,7 +7,9 @@
 #   LIMIT=300 bash scripts/device.sh ops
 #
 # Phases:
-#   tests     the GPU tests (pytest -m gpu; PYTEST_K picks some)
+#   tests     the GPU tests (pytest -m gpu; PYTEST_K picks some; PYTEST_WORKERS=8 runs them in 8 processes
+#             with pytest-xdist, which compile Triton's kernels side by side), results in $OUT/gpu-tests.xml;
+#             with EFLA_TEST_FIRST_CONFIG=1 (no autotuning) give them their own cache: TRITON_CACHE_DIR=/tmp/tc
 #   optests   the GPU tests of the ops alone (tests/ops, pytest -m gpu; PYTEST_K picks some)
 #   gentests  the generation and serving GPU tests only (tokens against transformers, no allocation
 #             after capture, 8K tokens at the memory of 128, the scheduler on the GPU); PYTEST_K picks
@@ -61,14 +63,15 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || { echo "device.sh: cannot install the carried wheels (.whl/)"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
 mkdir -p .triton-cache
-export TRITON_CACHE_DIR=$PWD/.triton-cache
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__)"
 
 run_phase() {
   case $1 in
-    tests) python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests ;;
+    tests) python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} \
+             ${PYTEST_WORKERS:+-n "$PYTEST_WORKERS"} --junitxml="$OUT/gpu-tests.xml" tests ;;
     gentests) python3 -m pytest -q -rfE -p no:cacheprovider --durations=0 ${PYTEST_K:+-k "$PYTEST_K"} \
                 tests/serving/test_scheduler_gpu.py tests/generation/test_generate_gpu.py ;;
     optests) python3 -m pytest -q -rfE -m gpu -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests/ops ;;
@@ -96,7 +99,8 @@ export -f run_phase
 for phase in "$@"; do
   echo "== $phase at ${SECONDS}s"
   # SIGINT first: pytest then still prints which tests failed and how far it got
-  timeout -s INT -k 20 "$LIMIT" bash -c 'run_phase "$0"' "$phase" 2>&1 | grep -v Warning | tail -60
+  # the whole output in $OUT/<phase>.log, its end here
+  timeout -s INT -k 20 "$LIMIT" bash -c 'run_phase "$0"' "$phase" 2>&1 | tee "$OUT/$phase.log" | grep -v Warning | tail -60
 done
 # the tuning results alone are small and spare the next machine the timing of every setting (only the
 # chosen one compiles there): unpack triton-autotune.tar.gz into .triton-cache/ and carry it
