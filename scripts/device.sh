@@ -57,7 +57,7 @@
 # are in git history up to commit a97566f.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-LIMIT=${LIMIT:-280}  # seconds per phase
+LIMIT=${LIMIT:-280}  # seconds per phase; LIMIT_<phase> (LIMIT_tests=330) for one phase
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "device.sh: cannot install the carried wheels (.whl/)"; exit 1; }
@@ -100,7 +100,8 @@ for phase in "$@"; do
   echo "== $phase at ${SECONDS}s"
   # SIGINT first: pytest then still prints which tests failed and how far it got
   # the whole output in $OUT/<phase>.log, its end here
-  timeout -s INT -k 20 "$LIMIT" bash -c 'run_phase "$0"' "$phase" 2>&1 | tee "$OUT/$phase.log" | grep -v Warning | tail -60
+  limit_var="LIMIT_$phase"
+  timeout -s INT -k 20 "${!limit_var:-$LIMIT}" bash -c 'run_phase "$0"' "$phase" 2>&1 | tee "$OUT/$phase.log" | grep -v Warning | tail -60
 done
 # the tuning results alone are small and spare the next machine the timing of every setting (only the
 # chosen one compiles there): unpack triton-autotune.tar.gz into .triton-cache/ and carry it
