@@ -26,6 +26,21 @@ instead of straight to the compiled kernel after the first; ``efla+triton`` runs
 ``<preset>+fusedfwd`` (``EFLA_FUSED_FORWARD=1``: the forward's state and output passes in one
 kernel) and ``<preset>+split4`` (``EFLA_SPLIT_STATE=4``: the state pass over sequences in 4 pieces).
 
+``<kind>+graph`` (e.g. ``efla+graph``; not run by default: ask for it with ``--models
+fla,efla,efla+graph,efla+triton``) replays the whole step (forward with labels, backward, AdamW in its
+capturable form) from a CUDA graph recorded once per shape with ``efla.cuda_graphs.capture``: the
+host launches one graph instead of every kernel, so its ratio to the kind without ``+graph`` is what
+the host's launches cost. Per shape, its first ``GRAPH_EAGER_STEPS`` steps run eagerly on a side
+stream (Triton compiles and tunes there, AdamW makes its state), the next one records the graph and
+replays it, and every later one copies the input ids into the graph's own tensor and replays it
+(so ``--warmup`` must be at least ``GRAPH_EAGER_STEPS + 1``: the timed steps are all replays). Every
+step is one optimizer step, so its losses follow the eager kind's. The gradients are made in the
+graph's memory while it records and overwritten in place by each replay, never set to None between
+replays. Its peak memory is the recording's (the replays allocate nothing), on the same terms as the
+other kinds'; the graph's memory pool is held until the shape's last step, and a failed recording is
+that row's error. The replays check no keys for overflow (nothing can be read while a graph records,
+so the ops skip the check): ``<kind>+nokeycheck`` is the eager step without that check's sync.
+
 ``--profile`` adds, per shape, one profiled step of every model (``torch.profiler``): its GPU kernel
 time, kernel launches, the share of the median step the GPU is busy (well below 100%: the step is
 bound by the host), the kernels that take most of it and the host operators (self CPU time, calls
@@ -47,6 +62,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -60,6 +76,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from efla import environment
+from efla.cuda_graphs import capture
 from efla.layers import fla_kernels as fused
 from efla.models import EFLAForCausalLM, get_preset_config
 
@@ -74,6 +91,8 @@ TRITON_LAUNCHES = "+triton"  # e.g. efla+triton: EFLA_DIRECT_LAUNCH=0 during its
 STATE_TUNING = "+tuned"  # e.g. efla+tuned: EFLA_STATE_TUNING=1 during its steps (state passes tuned per batch x heads)
 FUSED_FORWARD = "+fusedfwd"  # e.g. efla+fusedfwd: EFLA_FUSED_FORWARD=1 (the forward's state and output passes in one kernel)
 SPLIT_STATE = "+split4"  # e.g. efla+split4: EFLA_SPLIT_STATE=4 (the state pass over sequences in 4 pieces side by side)
+GRAPH = "+graph"  # e.g. efla+graph: the whole step recorded as a CUDA graph per shape and replayed
+GRAPH_EAGER_STEPS = 2  # per shape, before recording: Triton compiles and tunes, AdamW makes its state
 STEP_ENVIRONMENT = {
     NO_KEY_CHECK: ("EFLA_CHECK_KEYS", "0"),
     TRITON_LAUNCHES: ("EFLA_DIRECT_LAUNCH", "0"),
@@ -116,6 +135,11 @@ def build(kind: str, size: str):
     for suffix in STEP_ENVIRONMENT:
         if kind.endswith(suffix):
             return build(kind.removesuffix(suffix), size)
+    if kind.endswith(GRAPH):
+        model, opt = build(kind.removesuffix(GRAPH), size)
+        for group in opt.param_groups:  # the form a graph can record; fused AdamW's arithmetic is the same
+            group["capturable"] = True
+        return model, opt
     if kind.endswith(GATES_IN_LAYER):
         model, opt = build(kind.removesuffix(GATES_IN_LAYER), size)
         for layer in model.modules():
@@ -157,10 +181,11 @@ def state_bytes(model, opt) -> int:
 
 
 def error_line(e: BaseException) -> str:
-    """``Type: first line`` of the innermost cause (a compile failure wraps the error behind it), fit
-    for a table cell."""
-    while e.__cause__ is not None:
-        e = e.__cause__
+    """``Type: first line`` of the innermost cause (a compile failure wraps the error behind it) or,
+    without one, of the error it was raised while handling (a failed CUDA-graph recording ends
+    with an error of its own about the invalidated capture), fit for a table cell."""
+    while (e.__cause__ or (None if e.__suppress_context__ else e.__context__)) is not None:
+        e = e.__cause__ or e.__context__
     lines = str(e).strip().splitlines() or [""]
     return f"{type(e).__name__}: {lines[0][:160]}".replace("|", "/")
 
@@ -172,19 +197,105 @@ def step_environment(kind: str):
     return environment.override(**dict(env for suffix, env in STEP_ENVIRONMENT.items() if suffix in kind))
 
 
-def train_step(model, opt, ids) -> tuple[float, int, float]:
-    """One step; returns (seconds, bytes allocated above the pre-step level at the peak, loss)."""
-    opt.zero_grad(set_to_none=True)
+def step_loss(model, opt, ids) -> torch.Tensor:
+    """Forward with labels, backward, optimizer step; the loss, on the device."""
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def measured(run):
+    """``run()`` between device syncs: (seconds, bytes allocated above the level before it at the
+    peak, what it returned)."""
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
+    out = run()
     torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    return seconds, torch.cuda.max_memory_allocated() - before, loss.item()
+    return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - before, out
+
+
+def train_step(model, opt, ids) -> tuple[float, int, float]:
+    """One step; returns (seconds, bytes allocated above the pre-step level at the peak, loss)."""
+    opt.zero_grad(set_to_none=True)
+    seconds, peak, loss = measured(lambda: step_loss(model, opt, ids))
+    return seconds, peak, loss.item()
+
+
+class GraphedSteps:
+    """``train_step``'s contract for a ``+graph`` model: per shape, ``GRAPH_EAGER_STEPS`` eager steps on
+    a side stream, then the step recorded as a CUDA graph and replayed from then on (see the module's
+    docstring). Every call is one optimizer step. ``release()`` drops the graph and the gradients
+    that live in its memory."""
+
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+        self.side = None  # the eager steps' stream, made at the first
+        self.shape = None  # the shape the eager steps and the graph are for
+        self.eager_steps = 0
+        self.graph = self.ids = self.loss = self.peak = None
+
+    def __call__(self, ids) -> tuple[float, int, float]:
+        if tuple(ids.shape) != self.shape:
+            self.release()
+            self.shape = tuple(ids.shape)
+        if self.graph is None and self.eager_steps < GRAPH_EAGER_STEPS:
+            self.eager_steps += 1
+            return self.eager_step(ids)
+        if self.graph is None:
+            self.record(ids)
+        seconds, _, _ = measured(lambda: self.replay(ids))
+        return seconds, self.peak, self.loss.item()
+
+    def eager_step(self, ids):
+        if self.side is None:
+            self.side = torch.cuda.Stream()
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            result = train_step(self.model, self.opt, ids)
+        torch.cuda.current_stream().wait_stream(self.side)
+        return result
+
+    def record(self, ids) -> None:
+        """Record the step on a copy of ``ids`` (recording runs nothing); its peak is the replays'."""
+        self.opt.zero_grad(set_to_none=True)  # the recorded backward makes them in the graph's memory
+        static_ids = ids.clone()
+        # torch.cuda.graph's exit raises on a failed recording before it restores the stream: this one is restored
+        with torch.cuda.stream(torch.cuda.current_stream()):
+            _, peak, (graph, loss) = measured(lambda: capture(lambda: step_loss(self.model, self.opt, static_ids)))
+        self.graph, self.ids, self.loss, self.peak = graph, static_ids, loss, peak
+
+    def replay(self, ids) -> None:
+        self.ids.copy_(ids)
+        self.graph.replay()
+
+    def release(self) -> None:
+        if self.graph is not None:
+            torch.cuda.synchronize()
+            self.graph = self.ids = self.loss = None
+            self.opt.zero_grad(set_to_none=True)  # they would keep the graph's memory
+            torch.cuda.empty_cache()  # the graph's pool goes back to the device, not only to its own reuse
+        self.shape, self.eager_steps = None, 0
+
+
+def stepper(kind: str, model, opt):
+    """The step a model is timed by, ``step(ids)`` with ``train_step``'s contract: eager, or replayed
+    from a graph for a ``+graph`` kind."""
+    if GRAPH in kind:
+        return GraphedSteps(model, opt)
+    return functools.partial(train_step, model, opt)
+
+
+def check_warmup(kinds, warmup: int) -> None:
+    """A ``+graph`` kind's timed steps must all be replays: its eager steps and the recording step
+    are warm-up steps."""
+    if warmup <= GRAPH_EAGER_STEPS and any(GRAPH in kind for kind in kinds):
+        raise ValueError(
+            f"--warmup {warmup}: a {GRAPH} model needs at least {GRAPH_EAGER_STEPS + 1} warm-up steps "
+            f"({GRAPH_EAGER_STEPS} eager, then the one that records its graph)"
+        )
 
 
 def bench_size(
@@ -206,6 +317,7 @@ def bench_size(
         except Exception as e:  # fla missing or a build error: that column is left out, not the table
             emit(out_dir, f"- {size} {kind}: not built ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
     params = {k: sum(p.numel() for p in m.parameters()) for k, (m, _) in models.items()}
+    steps_of = {kind: stepper(kind, model, opt) for kind, (model, opt) in models.items()}
     rows = []
     for T, B in shapes:
         gen = torch.Generator(device="cuda").manual_seed(T)
@@ -216,15 +328,16 @@ def bench_size(
         losses = {k: None for k in models}
         failed = {}
         for r in range(warmup + steps):
-            for kind, (model, opt) in models.items():
+            for kind, (_, opt) in models.items():
                 if kind in failed:
                     continue
                 try:
                     with step_environment(kind):
-                        sec, peak, loss = train_step(model, opt, ids)
+                        sec, peak, loss = steps_of[kind](ids)
                 except Exception as e:
                     failed[kind] = error_line(e)
                     traceback.print_exc()
+                    release(steps_of[kind])
                     opt.zero_grad(set_to_none=True)
                     torch.cuda.empty_cache()
                     continue
@@ -267,33 +380,42 @@ def bench_size(
                 for r in rows
                 if r["T"] == T and r["B"] == B and r["size"] == size and "tokens_per_s" in r
             }
-            for kind, (model, opt) in models.items():
+            for kind in models:
                 if kind not in failed:
                     with step_environment(kind):
-                        step_profile = profile_step(model, opt, ids)
+                        step_profile = profile_step(steps_of[kind], ids)
                     rows.append(dict(size=size, model=kind, T=T, B=B, profile=step_profile, step_s_median=medians.get(kind)))
             emit_profiles(out_dir, size, T, B, [r for r in rows if r["T"] == T and r["B"] == B and "profile" in r], profile)
         if host_profile:
-            for kind, (model, opt) in models.items():
+            for kind in models:
                 if kind not in failed:
                     with step_environment(kind):
-                        functions = python_profile_step(model, opt, ids)
+                        functions = python_profile_step(steps_of[kind], ids)
                     rows.append(dict(size=size, model=kind, T=T, B=B, python_profile=functions))
                     emit_python_profile(out_dir, size, T, B, kind, functions, host_profile)
+        for step in steps_of.values():  # a graph's memory pool goes before the next shape's steps
+            release(step)
         on_shape(rows)
-    del models
+    del models, steps_of
     torch.cuda.empty_cache()
     return rows
 
 
-def profile_step(model, opt, ids) -> dict:
-    """One profiled training step: GPU kernels ``{"total_ms", "kernels": {name: [ms, calls]}}`` and host
-    operators ``{"host_ms", "host": {name: [self CPU ms, calls]}}`` (the host side of a host-bound step)."""
+def release(step) -> None:
+    """Drop what a step keeps between calls (a graph and its memory; eager steps keep nothing)."""
+    if isinstance(step, GraphedSteps):
+        step.release()
+
+
+def profile_step(step, ids) -> dict:
+    """One profiled training step (``step(ids)``, ``stepper``'s): GPU kernels ``{"total_ms",
+    "kernels": {name: [ms, calls]}}`` and host operators ``{"host_ms", "host": {name: [self CPU ms,
+    calls]}}`` (the host side of a host-bound step)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        train_step(model, opt, ids)
+        step(ids)
     kernels, host = {}, {}
     for e in prof.key_averages():
         if getattr(e, "is_user_annotation", False):  # e.g. the optimizer step's range: not a kernel
@@ -316,10 +438,10 @@ def profile_step(model, opt, ids) -> dict:
 KEPT_FUNCTIONS = 150  # per ordering (own, cumulative time): the JSON keeps these, not every function
 
 
-def python_profile_step(model, opt, ids) -> list[list]:
-    """One training step under ``cProfile``: ``[function, calls, own ms, cumulative ms]`` per Python
-    function. The step is bound by the host, so these times are where its wall time goes (kernel
-    launches are asynchronous: a launcher's time is its host cost)."""
+def python_profile_step(step, ids) -> list[list]:
+    """One training step (``step(ids)``, ``stepper``'s) under ``cProfile``: ``[function, calls, own
+    ms, cumulative ms]`` per Python function. The step is bound by the host, so these times are where
+    its wall time goes (kernel launches are asynchronous: a launcher's time is its host cost)."""
     import cProfile
     import pstats
 
@@ -327,7 +449,7 @@ def python_profile_step(model, opt, ids) -> list[list]:
     # backward on this thread (the CUDA device's autograd thread is invisible to cProfile)
     with torch.autograd.set_multithreading_enabled(False):
         profiler.enable()
-        train_step(model, opt, ids)
+        step(ids)
         profiler.disable()
     stats = pstats.Stats(profiler).stats
     rows = []
@@ -576,13 +698,17 @@ def main() -> int:
     ap.add_argument("--loss-curve-steps", type=int, default=50)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    kinds = [k for k in args.models.split(",") if k and k != "none"]
+    try:
+        check_warmup(kinds, args.warmup)
+    except ValueError as e:
+        ap.error(str(e))
     os.makedirs(args.out, exist_ok=True)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to do")
         return 0
     info = header(args.out, args)
     result = dict(info=info, speed=[], loss_curves=[])
-    kinds = [k for k in args.models.split(",") if k and k != "none"]
     json_path = os.path.join(args.out, "gpu_model.json")
     for size in args.sizes.split(",") if kinds else []:
         done = list(result["speed"])
