@@ -5,6 +5,7 @@ from the same weights and tokens."""
 from __future__ import annotations
 
 import pathlib
+import re
 import sys
 
 import pytest
@@ -44,8 +45,15 @@ def test_a_graph_kind_needs_warm_up_steps_past_its_eager_steps_and_recording(gpu
     last = capsys.readouterr().err.strip().splitlines()[-1]
     expected = "--warmup 2: a +graph model needs at least 3 warm-up steps (2 eager, then the one that records its graph)"
     assert last.endswith(expected)
-    gpu_model.check_warmup(["efla", "efla+triton"], 0)  # eager kinds need none
-    gpu_model.check_warmup(["efla+graph"], 3)
+    gpu_model.check_graph_kinds(["efla", "efla+triton"], 0)  # eager kinds need none
+    gpu_model.check_graph_kinds(["efla+graph"], 3)
+
+
+@pytest.mark.parametrize("kind", ["efla+split4+graph", "efla+flce+graph", "efla+nokeycheck+graph"])
+def test_a_graph_kind_with_a_suffix_its_recording_would_drop_is_refused(gpu_model, kind):
+    with pytest.raises(ValueError, match=rf"--models: {re.escape(kind)} cannot be recorded as a graph"):
+        gpu_model.check_graph_kinds(["efla", kind], 5)
+    gpu_model.check_graph_kinds(["efla+split4", "efla+flce", "efla+graph+triton"], 5)
 
 
 def test_only_graph_kinds_step_through_a_graph(gpu_model):
