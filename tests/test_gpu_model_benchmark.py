@@ -115,7 +115,7 @@ def test_a_failed_recording_row_names_the_error_inside_the_capture(gpu_model):
 
 @needs_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-3)])
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
 def test_graphed_steps_give_the_eager_steps_losses(gpu_model, dtype, rtol):
     # two shapes, so the graph is recorded, released and recorded again; tokens the model learns fast
     # (8 of them, another 8 every other step) at a large lr, so a replay that skipped the update or
