@@ -267,7 +267,7 @@ class GraphedSteps:
         # torch.cuda.graph's exit raises on a failed recording before it restores the stream: this one is restored
         with torch.cuda.stream(torch.cuda.current_stream()):
             # on the eager steps' stream, whose cuBLAS workspace exists: none is made in the graph's pool
-            run = lambda: step_loss(self.model, self.opt, static_ids)  # noqa: E731
+            run = functools.partial(step_loss, self.model, self.opt, static_ids)
             _, peak, (graph, loss) = measured(lambda: capture(run, stream=self.side))
         self.graph, self.ids, self.loss, self.peak = graph, static_ids, loss, peak
 
